@@ -1,0 +1,62 @@
+"""The quickstart task: integer arithmetic such as `37+45=`, answered with the number."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+
+from groupflow.records import Prompt, Verdict
+from reward_workers.tasks.base import is_held_out
+
+_LEADING_INT = re.compile(r"\s*(-?\d{1,40})(?!\d)")
+
+
+class ArithmeticTask:
+    """Sums and differences of `terms` non-negative integers of up to `digits` digits."""
+
+    name = "arithmetic"
+
+    def __init__(self, digits: int = 2, terms: int = 2, ops: str = "+-"):
+        if digits < 1 or terms < 2 or not ops or set(ops) - set("+-"):
+            raise ValueError(
+                f"arithmetic: need digits >= 1, terms >= 2, ops from '+-' (got {digits}, {terms}, {ops!r})"
+            )
+        self.digits, self.terms, self.ops = digits, terms, ops
+
+    def _make(self, rng: random.Random) -> Prompt:
+        hi = 10**self.digits - 1
+        answer = rng.randint(0, hi)
+        expr = str(answer)
+        for _ in range(self.terms - 1):
+            op, value = rng.choice(self.ops), rng.randint(0, hi)
+            answer += value if op == "+" else -value
+            expr += f"{op}{value}"
+        return Prompt(uid=expr, text=f"{expr}=", answer=answer)
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        rng = random.Random(seed)
+        while True:
+            prompt = self._make(rng)
+            if not is_held_out(prompt.uid):
+                yield prompt
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        rng = random.Random(-1)
+        seen: dict[str, Prompt] = {}
+        for _ in range(1000 * n):
+            prompt = self._make(rng)
+            if is_held_out(prompt.uid):
+                seen.setdefault(prompt.uid, prompt)
+                if len(seen) == n:
+                    break
+        return list(seen.values())
+
+    def verify(self, prompt: Prompt, response: str) -> Verdict:
+        match = _LEADING_INT.match(response)
+        if match is None:
+            return Verdict(0.0, "no number at the start of the response")
+        got = int(match.group(1))
+        if got == prompt.answer:
+            return Verdict(1.0, f"correct: {got}")
+        return Verdict(0.0, f"wrong: {got} != {prompt.answer}")
