@@ -1,0 +1,1 @@
+"""The Ray layer: thin actor wrappers around rollout/, learner/ and reward_workers/."""

@@ -17,7 +17,7 @@ class ArithmeticTask:
 
     name = "arithmetic"
 
-    def __init__(self, digits: int = 2, terms: int = 2, ops: str = "+-"):
+    def __init__(self, digits: int = 1, terms: int = 3, ops: str = "+-"):
         if digits < 1 or terms < 2 or not ops or set(ops) - set("+-"):
             raise ValueError(
                 f"arithmetic: need digits >= 1, terms >= 2, ops from '+-' (got {digits}, {terms}, {ops!r})"

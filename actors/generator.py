@@ -1,0 +1,49 @@
+"""Generator actors: vLLM engines that sample groups and load new weights between requests."""
+
+from __future__ import annotations
+
+import ray
+
+from groupflow.config import Config
+from groupflow.records import Prompt, SampledGroup
+from rollout.engine import EngineSettings, RolloutEngine, SamplingSettings
+
+
+class Generator:
+    def __init__(self, settings: EngineSettings):
+        self.engine = RolloutEngine(settings)
+
+    def sample(self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings) -> list[SampledGroup]:
+        return self.engine.sample_groups(prompts, group_size, sampling)
+
+    def greedy(self, prompts: list[Prompt], max_tokens: int) -> list[str]:
+        return self.engine.greedy(prompts, max_tokens)
+
+    def load_weights(self, named_tensors, version: int) -> int:
+        self.engine.load_weights(named_tensors, version)
+        return version
+
+    def parameters_snapshot(self) -> dict:
+        return self.engine.parameters_snapshot()
+
+
+def start_generators(cfg: Config, model_path: str) -> list:
+    """`rollout.num_engines` generator actors, each placed by its declared resources."""
+    res = cfg.rollout.resources
+    actor = ray.remote(Generator).options(
+        num_cpus=res.num_cpus,
+        num_gpus=res.num_gpus,
+        runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(res.torch_threads)}},
+    )
+    settings = [
+        EngineSettings(
+            model_path=model_path,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            seed=cfg.trainer.seed + i,
+        )
+        for i in range(cfg.rollout.num_engines)
+    ]
+    return [actor.remote(s) for s in settings]

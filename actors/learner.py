@@ -1,0 +1,109 @@
+"""Learner-rank actors (one DeepSpeed ZeRO-3 rank each) and the group that drives them together."""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from groupflow.config import Config
+from groupflow.records import TrainSequence
+from learner.batching import plan_step
+from learner.device import device_for
+from learner.trainer import LearnerRank, RankSetup, StepResult
+
+
+class LearnerRankActor:
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init(self, setup: RankSetup, cfg: Config) -> None:
+        import torch
+
+        torch.set_num_threads(cfg.learner.resources.torch_threads)
+        self.rank = LearnerRank(setup, cfg.learner, cfg.algorithm)
+
+    def train_step(self, minibatches: list[list[list[TrainSequence]]]) -> StepResult:
+        return self.rank.train_step(minibatches)
+
+    def publish_weights(self) -> list | None:
+        weights = self.rank.gathered_weights()
+        # Wrapped in a list so that Ray hands the driver the reference, not the tensors.
+        return None if weights is None else [ray.put(weights)]
+
+    def save_pretrained(self, path: str) -> None:
+        self.rank.save_pretrained(path)
+
+
+class LearnerGroup:
+    """`learner.num_ranks` ranks packed into one placement group, called collectively."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        self.cfg = cfg
+        res = cfg.learner.resources
+        n = cfg.learner.num_ranks
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+        self.placement = placement_group([bundle] * n, strategy="PACK")
+        ray.get(self.placement.ready())
+        actor = ray.remote(LearnerRankActor)
+        self.ranks = [
+            actor.options(
+                num_cpus=res.num_cpus,
+                num_gpus=res.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(res.torch_threads)}},
+            ).remote()
+            for i in range(n)
+        ]
+        addr, port = ray.get(self.ranks[0].address.remote())
+        device = device_for(res.num_gpus)
+        ray.get(
+            [
+                r.init.remote(
+                    RankSetup(
+                        model_path=model_path,
+                        rank=i,
+                        world_size=n,
+                        master_addr=addr,
+                        master_port=port,
+                        device=device,
+                        dtype=cfg.model.dtype,
+                        temperature=cfg.rollout.sampling.temperature,
+                        seed=cfg.trainer.seed,
+                    ),
+                    cfg,
+                )
+                for i, r in enumerate(self.ranks)
+            ]
+        )
+
+    def train_step(self, sequences: list[TrainSequence]) -> list[StepResult]:
+        plan = plan_step(
+            [len(s.input_ids) for s in sequences],
+            [s.group_id for s in sequences],
+            len(self.ranks),
+            self.cfg.learner.mini_batches_per_step,
+            self.cfg.learner.micro_batch_tokens,
+        )
+        shares = [
+            [[[sequences[i] for i in micro] for micro in mini] for mini in rank_plan] for rank_plan in plan
+        ]
+        return ray.get([r.train_step.remote(share) for r, share in zip(self.ranks, shares, strict=True)])
+
+    def publish_weights(self):
+        """The object-store reference to the gathered parameters (collective over ranks)."""
+        return ray.get([r.publish_weights.remote() for r in self.ranks])[0][0]
+
+    def save_pretrained(self, path: str) -> None:
+        ray.get([r.save_pretrained.remote(path) for r in self.ranks])
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            ray.kill(r)
+        ray.util.remove_placement_group(self.placement)

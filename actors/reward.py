@@ -1,0 +1,124 @@
+"""A pool of reward-worker actors, sized independently of the engines.
+
+Groups are scored in batches as they arrive (so scoring overlaps generation); a worker that
+dies is replaced and its batch retried up to `reward.max_retries` times; a batch that gets no
+answer within `reward.timeout_s` is retried the same way and finally scored 0, so the driver
+never waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from groupflow.config import Config
+from groupflow.records import SampledGroup, ScoredGroup, Verdict
+from reward_workers.scorer import Scorer
+
+log = logging.getLogger(__name__)
+
+
+class RewardWorker:
+    def __init__(self, task_name: str, task_options: dict, plugin: str | None, timeout_s: float):
+        self.scorer = Scorer(task_name, task_options, plugin=plugin, timeout_s=timeout_s)
+
+    def score(self, groups: list[SampledGroup]) -> tuple[list[ScoredGroup], int, int]:
+        before = (self.scorer.errors, self.scorer.timeouts)
+        scored = [self.scorer.score_group(g) for g in groups]
+        return scored, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@dataclass
+class _Batch:
+    groups: list[SampledGroup]
+    worker: int
+    ref: ray.ObjectRef
+    started: float
+    attempts: int = 1
+
+
+class RewardPool:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        res = cfg.reward.resources
+        self._actor = ray.remote(RewardWorker).options(num_cpus=res.num_cpus, num_gpus=res.num_gpus)
+        self._args = (cfg.task.name, cfg.task.options, cfg.reward.verifier, cfg.reward.timeout_s)
+        self.workers = [self._actor.remote(*self._args) for _ in range(cfg.reward.num_workers)]
+        self._load = [0] * len(self.workers)
+        self._pending: list[_Batch] = []
+        self.errors = 0
+        self.timeouts = 0
+        self.worker_restarts = 0
+
+    def submit(self, groups: list[SampledGroup]) -> None:
+        """Queue groups for scoring on the least-loaded worker."""
+        if groups:
+            self._pending.append(self._launch(groups, attempts=1))
+
+    def _launch(self, groups: list[SampledGroup], attempts: int) -> _Batch:
+        worker = min(range(len(self.workers)), key=self._load.__getitem__)
+        self._load[worker] += len(groups)
+        ref = self.workers[worker].score.remote(groups)
+        return _Batch(groups, worker, ref, time.monotonic(), attempts)
+
+    def _replace(self, worker: int) -> None:
+        ray.kill(self.workers[worker], no_restart=True)
+        self.workers[worker] = self._actor.remote(*self._args)
+        self._load[worker] = 0
+        self.worker_restarts += 1
+
+    def _retry_or_zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
+        if batch.attempts <= self.cfg.reward.max_retries:
+            log.warning("reward batch %s on worker %d; retrying (attempt %d)", why, batch.worker, batch.attempts + 1)
+            self._pending.append(self._launch(batch.groups, batch.attempts + 1))
+            return []
+        log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
+        self.timeouts += sum(len(g.responses) for g in batch.groups)
+        return [
+            ScoredGroup(g, [Verdict(0.0, f"reward worker {why}", error="timeout")] * len(g.responses))
+            for g in batch.groups
+        ]
+
+    def drain(self) -> list[ScoredGroup]:
+        """Wait for every submitted group; returns them in completion order."""
+        done: list[ScoredGroup] = []
+        timeout = self.cfg.reward.timeout_s
+        while self._pending:
+            refs = [b.ref for b in self._pending]
+            oldest = min(b.started for b in self._pending)
+            wait_s = max(0.0, oldest + timeout - time.monotonic())
+            ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
+            now = time.monotonic()
+            for batch in list(self._pending):
+                finished = batch.ref in ready
+                expired = not finished and now - batch.started >= timeout
+                if not (finished or expired):
+                    continue
+                self._pending.remove(batch)
+                self._load[batch.worker] -= len(batch.groups)
+                if expired:
+                    self._replace(batch.worker)
+                    done += self._retry_or_zero(batch, "timed out")
+                    continue
+                try:
+                    scored, errors, timeouts = ray.get(batch.ref, timeout=timeout)
+                except (RayActorError, GetTimeoutError):
+                    self._replace(batch.worker)
+                    done += self._retry_or_zero(batch, "lost its worker")
+                    continue
+                self.errors += errors
+                self.timeouts += timeouts
+                done += scored
+        return done
+
+    def pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self.workers])

@@ -1,0 +1,139 @@
+"""The built-in quickstart model: a small Qwen2-architecture model with a character tokenizer,
+built locally (no model hub) and given a short supervised warm start on the arithmetic task.
+
+The result is cached by a hash of everything that shapes it, so only the first run pays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import string
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+CHARACTERS = list(string.digits + "+-*/=()., " + string.ascii_letters)
+ARCHITECTURE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
+WARM_START = dict(batch_size=64, lr=1e-3, warmup=30, seed=0)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GROUPFLOW_CACHE", Path.home() / ".cache" / "groupflow"))
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer that vLLM and transformers load like any other."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def build_model(tokenizer, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **ARCHITECTURE,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _sft_batch(task, prompts, tokenizer, batch_size: int):
+    """Prompt + answer + eos, loss on the answer tokens only."""
+    texts = [next(prompts) for _ in range(batch_size)]
+    ids, labels = [], []
+    for p in texts:
+        prompt_ids = tokenizer.encode(p.text)
+        answer_ids = tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id]
+        ids.append(prompt_ids + answer_ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    width = max(map(len, ids))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
+    label_ids = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
+    return input_ids, label_ids, input_ids != pad
+
+
+def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> None:
+    """Short supervised training on task answers so that RL starts from a model that can answer."""
+    from tqdm import tqdm
+
+    cfg = WARM_START
+    prompts = task.train_prompts(seed=cfg["seed"] + 10_000)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / cfg["warmup"])
+    )
+    model.train()
+    bar = tqdm(range(steps), desc="warm start", disable=not progress, mininterval=2.0)
+    for _ in bar:
+        input_ids, labels, attention = _sft_batch(task, prompts, tokenizer, cfg["batch_size"])
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    model.eval()
+
+
+def quickstart_model_path(task_name: str, task_options: dict, warm_start_steps: int, progress: bool = True) -> Path:
+    """Return the cached quickstart model directory, building it on first use."""
+    from reward_workers.tasks import make_task
+
+    spec = dict(
+        version=1,
+        architecture=ARCHITECTURE,
+        characters="".join(CHARACTERS),
+        warm_start=WARM_START,
+        steps=warm_start_steps,
+        task=task_name,
+        options=task_options,
+    )
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    target = cache_root() / f"quickstart-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("building the quickstart model (first run only) into %s", target)
+    random.seed(WARM_START["seed"])
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=WARM_START["seed"])
+    warm_start(model, tokenizer, make_task(task_name, task_options), warm_start_steps, progress)
+    # Write to a temporary directory and rename, so a cut-off build never looks finished.
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "groupflow_spec.json").write_text(json.dumps(spec, indent=1))
+    partial.rename(target)
+    return target
