@@ -159,39 +159,45 @@ class Trainer:
     def train(self, writer: MetricsWriter, progress: ProgressReporter) -> None:
         cfg = self.cfg
         stale = cfg.trainer.max_staleness
-        inflight = self._launch(self._next_prompts())
+        last_end = time.monotonic()
+        pending = self._collect(self._launch(self._next_prompts()))
         for step in range(1, cfg.trainer.steps + 1):
-            t0 = time.monotonic()
-            scored, t_gen, t_reward = self._collect(inflight)
+            more = step < cfg.trainer.steps
+            scored, t_gen, t_reward = pending
             if cfg.algorithm.dynamic_sampling:
                 scored = self._drop_flat_groups(scored)
-            if stale >= 1 and step < cfg.trainer.steps:
-                # Overlap: the engines start on the next step with the current weights.
-                inflight = self._launch(self._next_prompts())
             seqs = self._sequences(scored)
             staleness = [self.version - s.policy_version for s in seqs]
             if max(staleness, default=0) > stale:
-                raise RuntimeError(f"sample {max(staleness)} versions old exceeds max_staleness={stale}")
+                raise RuntimeError(f"a sample {max(staleness)} versions old exceeds max_staleness={stale}")
+            # Overlap: the engines generate the next step with the current weights meanwhile.
+            inflight = self._launch(self._next_prompts()) if stale and more else None
             t1 = time.monotonic()
             results = self.learner.train_step(seqs)
             t2 = time.monotonic()
+            if inflight is not None:
+                pending = self._collect(inflight)
+            t3 = time.monotonic()
             self.version += 1
             self.transport.sync(self.learner, self.engines, self.version)
-            t3 = time.monotonic()
-            if stale == 0 and step < cfg.trainer.steps:
-                inflight = self._launch(self._next_prompts())
+            t4 = time.monotonic()
+            if not stale and more:
+                pending = self._collect(self._launch(self._next_prompts()))
             record = step_metrics(step, self.version, scored, seqs, results, staleness)
+            now = time.monotonic()
             record.update(
                 reward_errors=self.rewards.errors,
                 reward_timeouts=self.rewards.timeouts,
                 time_gen_s=t_gen,
                 time_reward_s=t_reward,
                 time_learn_s=t2 - t1,
-                time_sync_s=t3 - t2,
-                time_step_s=time.monotonic() - t0,
+                time_wait_gen_s=t3 - t2,
+                time_sync_s=t4 - t3,
+                time_step_s=now - last_end,
             )
+            last_end = now
             record["gen_tokens_per_s"] = record["tokens_generated"] / max(t_gen, 1e-9)
-            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.steps:
+            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and more:
                 record["eval_accuracy"] = self.evaluate()
             writer.write(record)
             progress.update(record)

@@ -9,6 +9,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 from groupflow.config import Config
 from groupflow.records import ScoredGroup, TrainSequence
 from learner.diagnostics import cancellation_residual
@@ -42,7 +44,7 @@ def step_metrics(
     by_group: dict[int, list] = {}
     for res in results:
         for gid, ids, grads in res.token_grads:
-            by_group.setdefault(gid, []).append((ids, grads))
+            by_group.setdefault(gid, []).append((ids, torch.tensor(grads, dtype=torch.float64)))
     grad_norms = [g for res in results[:1] for g in res.grad_norms if not math.isnan(g)]
     record = {
         "step": step,

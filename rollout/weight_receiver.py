@@ -12,9 +12,38 @@ class WeightReceiver:
         # reload_weights maps Hugging Face names onto vLLM's fused layers (qkv, gate_up),
         # the same path as loading a checkpoint, so no name mapping lives here.
         self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+        self._repack_kept_cpu_weights()
         return len(named_tensors)
 
-    def named_parameters_snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of the engine's parameters in vLLM's own layout (for sync checks)."""
+    def _repack_kept_cpu_weights(self) -> None:
+        """On CPU, the output projection keeps its weight *and* a packed copy for the GEMM
+        kernel; the in-place reload updates the weight but not the packed copy (vLLM 0.32),
+        so the engine would keep sampling from the old head. Repack it from the new weight."""
         model = self.model_runner.get_model()
-        return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0:
+                from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def named_parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights the engine computes with, in vLLM's layout (for sync checks).
+
+        On CPU, vLLM repacks linear weights (and the output projection) into oneDNN/SGL
+        kernels, often leaving an empty parameter behind; such a weight is read back by
+        applying the packed kernel to an identity matrix, which reproduces every element
+        exactly (one non-zero per sum).
+        """
+        model = self.model_runner.get_model()
+        out = {}
+        for module_name, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                key = f"{module_name}.{name}" if module_name else name
+                if name == "weight" and hasattr(module, "cpu_linear"):
+                    width = param.shape[1] if param.numel() else module.input_size_per_partition
+                    eye = torch.eye(width, dtype=param.dtype)
+                    out[key] = module.cpu_linear(eye, param, None).T.contiguous()
+                else:
+                    out[key] = param.detach().cpu().clone()
+        return out
