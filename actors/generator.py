@@ -13,7 +13,9 @@ class Generator:
     def __init__(self, settings: EngineSettings):
         self.engine = RolloutEngine(settings)
 
-    def sample(self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings) -> list[SampledGroup]:
+    def sample(
+        self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings
+    ) -> list[SampledGroup]:
         return self.engine.sample_groups(prompts, group_size, sampling)
 
     def greedy(self, prompts: list[Prompt], max_tokens: int) -> list[str]:
@@ -33,7 +35,12 @@ def start_generators(cfg: Config, model_path: str) -> list:
     actor = ray.remote(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,
-        runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(res.torch_threads)}},
+        runtime_env={
+            "env_vars": {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "OMP_NUM_THREADS": str(res.torch_threads),
+            }
+        },
     )
     settings = [
         EngineSettings(

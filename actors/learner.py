@@ -92,9 +92,12 @@ class LearnerGroup:
             self.cfg.learner.micro_batch_tokens,
         )
         shares = [
-            [[[sequences[i] for i in micro] for micro in mini] for mini in rank_plan] for rank_plan in plan
+            [[[sequences[i] for i in micro] for micro in mini] for mini in rank_plan]
+            for rank_plan in plan
         ]
-        return ray.get([r.train_step.remote(share) for r, share in zip(self.ranks, shares, strict=True)])
+        return ray.get(
+            [r.train_step.remote(share) for r, share in zip(self.ranks, shares, strict=True)]
+        )
 
     def publish_weights(self):
         """The object-store reference to the gathered parameters (collective over ranks)."""

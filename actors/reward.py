@@ -78,13 +78,20 @@ class RewardPool:
 
     def _retry_or_zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
         if batch.attempts <= self.cfg.reward.max_retries:
-            log.warning("reward batch %s on worker %d; retrying (attempt %d)", why, batch.worker, batch.attempts + 1)
+            log.warning(
+                "reward batch %s on worker %d; retrying (attempt %d)",
+                why,
+                batch.worker,
+                batch.attempts + 1,
+            )
             self._pending.append(self._launch(batch.groups, batch.attempts + 1))
             return []
         log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
         self.timeouts += sum(len(g.responses) for g in batch.groups)
         return [
-            ScoredGroup(g, [Verdict(0.0, f"reward worker {why}", error="timeout")] * len(g.responses))
+            ScoredGroup(
+                g, [Verdict(0.0, f"reward worker {why}", error="timeout")] * len(g.responses)
+            )
             for g in batch.groups
         ]
 

@@ -37,7 +37,10 @@ def measure(staleness: int, steps: int, overrides: list[str], out: Path) -> dict
         ],
     )
     run(cfg)
-    records = [json.loads(x) for x in (out / f"staleness{staleness}" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x)
+        for x in (out / f"staleness{staleness}" / "metrics.jsonl").read_text().splitlines()
+    ]
     steady = records[1:] or records
     row = {k: statistics.fmean(r[k] for r in steady) for k in STAGES}
     row["tokens_per_s"] = statistics.fmean(r["tokens_generated"] / r["time_step_s"] for r in steady)
@@ -45,7 +48,9 @@ def measure(staleness: int, steps: int, overrides: list[str], out: Path) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
@@ -54,7 +59,9 @@ def main() -> None:
         rows = {s: measure(s, args.steps, args.overrides, Path(tmp)) for s in (0, 1)}
     ray.shutdown()
     print(f"\nstep time breakdown, mean of steps 2..{args.steps} (seconds)")
-    print(f"{'staleness':>9} {'gen':>7} {'reward':>7} {'learn':>7} {'sync':>7} {'step':>7} {'tok/s':>8} {'bound':>7}")
+    print(
+        f"{'staleness':>9} {'gen':>7} {'reward':>7} {'learn':>7} {'sync':>7} {'step':>7} {'tok/s':>8} {'bound':>7}"
+    )
     for s, r in rows.items():
         bound = max(r["time_gen_s"] + r["time_reward_s"], r["time_learn_s"]) + r["time_sync_s"]
         print(

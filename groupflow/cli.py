@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.dump_yaml(), end="")
         return 0
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from groupflow.driver import RunError, run
 

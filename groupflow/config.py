@@ -34,7 +34,8 @@ class Resources(Section):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="local Hugging Face model directory; unset = the built-in quickstart model"
+        None,
+        description="local Hugging Face model directory; unset = the built-in quickstart model",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     warm_start_steps: int = Field(
@@ -61,7 +62,9 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(32, ge=1)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
+    )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = Field(256, ge=8)
 
@@ -117,7 +120,9 @@ class ARConfig(Section):
 
 class LoptiConfig(Section):
     enabled: bool = False
-    eta: float = Field(0.5, ge=-1, le=1, description="probability threshold; < 0 reverses the order")
+    eta: float = Field(
+        0.5, ge=-1, le=1, description="probability threshold; < 0 reverses the order"
+    )
 
 
 class EntropyMaskConfig(Section):
@@ -149,7 +154,9 @@ class AlgorithmConfig(Section):
     lopti: LoptiConfig = Field(default_factory=LoptiConfig)
     entropy_mask: EntropyMaskConfig = Field(default_factory=EntropyMaskConfig)
     dfpo: DFPOConfig = Field(default_factory=DFPOConfig)
-    lowprob_eta: float = Field(0.5, gt=0, le=1, description="p threshold of the low-prob diagnostics")
+    lowprob_eta: float = Field(
+        0.5, gt=0, le=1, description="p threshold of the low-prob diagnostics"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -168,8 +175,12 @@ class TrainerConfig(Section):
     seed: int = 0
     output_dir: str = "runs"
     run_name: str = "quickstart"
-    max_staleness: int = Field(0, ge=0, le=1, description="0 = on-policy; 1 = overlap gen and learn")
-    eval_every: int = Field(0, ge=0, description="greedy eval every N steps; 0 = start and end only")
+    max_staleness: int = Field(
+        0, ge=0, le=1, description="0 = on-policy; 1 = overlap gen and learn"
+    )
+    eval_every: int = Field(
+        0, ge=0, description="greedy eval every N steps; 0 = start and end only"
+    )
 
 
 class MetricsConfig(Section):
@@ -179,7 +190,9 @@ class MetricsConfig(Section):
 
 class ClusterConfig(Section):
     address: str | None = Field(None, description="Ray address; unset = a local cluster")
-    num_cpus: float | None = Field(None, gt=0, description="CPUs of a local cluster; unset = detected")
+    num_cpus: float | None = Field(
+        None, gt=0, description="CPUs of a local cluster; unset = detected"
+    )
 
 
 class Config(Section):
@@ -268,17 +281,18 @@ def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
         raise ConfigError(_format_error(err)) from None
 
 
+QUICKSTART = Path(__file__).with_name("quickstart.yaml")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Load a YAML config (None = the built-in quickstart defaults) and apply overrides."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    """Load a YAML config (None = the built-in quickstart job) and apply overrides."""
+    path = Path(path) if path is not None else QUICKSTART
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return build_config(raw, overrides)

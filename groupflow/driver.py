@@ -116,7 +116,12 @@ class Trainer:
         """Greedy accuracy on the held-out set, split across the engines."""
         n = len(self.engines)
         shards = [self.eval_set[i::n] for i in range(n)]
-        outs = ray.get([e.greedy.remote(s, self.sampling.max_tokens) for e, s in zip(self.engines, shards, strict=True)])
+        outs = ray.get(
+            [
+                e.greedy.remote(s, self.sampling.max_tokens)
+                for e, s in zip(self.engines, shards, strict=True)
+            ]
+        )
         rewards = [
             self.eval_scorer.task.verify(p, text).reward
             for shard, texts in zip(shards, outs, strict=True)
@@ -154,7 +159,7 @@ class Trainer:
                     )
                 )
                 k += 1
-        return [s for s in seqs if s.num_response_tokens > 0]
+        return seqs
 
     def train(self, writer: MetricsWriter, progress: ProgressReporter) -> None:
         cfg = self.cfg
@@ -169,7 +174,9 @@ class Trainer:
             seqs = self._sequences(scored)
             staleness = [self.version - s.policy_version for s in seqs]
             if max(staleness, default=0) > stale:
-                raise RuntimeError(f"a sample {max(staleness)} versions old exceeds max_staleness={stale}")
+                raise RuntimeError(
+                    f"a sample {max(staleness)} versions old exceeds max_staleness={stale}"
+                )
             # Overlap: the engines generate the next step with the current weights meanwhile.
             inflight = self._launch(self._next_prompts()) if stale and more else None
             t1 = time.monotonic()
@@ -259,5 +266,7 @@ def trainer_shutdown(trainer: Trainer) -> None:
     """Stop the job's actors; on a shared cluster nothing else would."""
     if getattr(trainer, "learner", None) is not None:
         trainer.learner.shutdown()
-    for actor in getattr(trainer, "engines", []) + getattr(getattr(trainer, "rewards", None), "workers", []):
+    for actor in getattr(trainer, "engines", []) + getattr(
+        getattr(trainer, "rewards", None), "workers", []
+    ):
         ray.kill(actor)

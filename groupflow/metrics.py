@@ -35,12 +35,18 @@ def step_metrics(
     counts: dict[str, float] = {}
     for res in results:
         for key, value in res.sums.items():
-            sums[key] = max(sums.get(key, 0.0), value) if key.endswith("_max") else sums.get(key, 0.0) + value
+            sums[key] = (
+                max(sums.get(key, 0.0), value)
+                if key.endswith("_max")
+                else sums.get(key, 0.0) + value
+            )
         for key, value in res.counts.items():
             counts[key] = counts.get(key, 0.0) + value
     # The planner's figures are already global over ranks: take rank 0's, averaged over mini-batches.
     plan_stats = results[0].plan_stats if results else []
-    plan_mean = {k: statistics.fmean(p[k] for p in plan_stats) for k in (plan_stats[0] if plan_stats else {})}
+    plan_mean = {
+        k: statistics.fmean(p[k] for p in plan_stats) for k in (plan_stats[0] if plan_stats else {})
+    }
     by_group: dict[int, list] = {}
     for res in results:
         for gid, ids, grads in res.token_grads:
@@ -103,7 +109,9 @@ class ProgressReporter:
         from tqdm import tqdm
 
         self.interactive = cfg.metrics.progress and sys.stderr.isatty()
-        self.bar = tqdm(total=cfg.trainer.steps, desc="train", unit="step", disable=not self.interactive)
+        self.bar = tqdm(
+            total=cfg.trainer.steps, desc="train", unit="step", disable=not self.interactive
+        )
         self.total = cfg.trainer.steps
 
     def __enter__(self) -> ProgressReporter:

@@ -107,7 +107,9 @@ def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> Non
     model.eval()
 
 
-def quickstart_model_path(task_name: str, task_options: dict, warm_start_steps: int, progress: bool = True) -> Path:
+def quickstart_model_path(
+    task_name: str, task_options: dict, warm_start_steps: int, progress: bool = True
+) -> Path:
     """Return the cached quickstart model directory, building it on first use."""
     from reward_workers.tasks import make_task
 

@@ -38,5 +38,9 @@ PRESETS: dict[str, dict] = {
     },
     # Cancellation-safe sequence weights (arXiv 2604.13088): linear loss, group
     # weights made orthogonal to the advantages, exchangeable aggregation.
-    "dfpo": {"loss": "dfpo", "aggregation": "token_mean", "dfpo": {"weight_transform": "min_replace"}},
+    "dfpo": {
+        "loss": "dfpo",
+        "aggregation": "token_mean",
+        "dfpo": {"weight_transform": "min_replace"},
+    },
 }

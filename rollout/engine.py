@@ -68,7 +68,9 @@ class RolloutEngine:
         """One greedy completion per prompt (held-out evaluation)."""
         from vllm import SamplingParams
 
-        groups = self._generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens))
+        groups = self._generate(
+            prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+        )
         return [g.responses[0].text for g in groups]
 
     def _generate(self, prompts: list[Prompt], params) -> list[SampledGroup]:
@@ -103,4 +105,7 @@ class RolloutEngine:
 def _sampled_logprobs(completion) -> list[float]:
     if completion.logprobs is None:
         return []
-    return [step[tok].logprob for tok, step in zip(completion.token_ids, completion.logprobs, strict=True)]
+    return [
+        step[tok].logprob
+        for tok, step in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]

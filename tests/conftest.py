@@ -26,4 +26,8 @@ def quickstart_model() -> str:
     from groupflow.quickstart import quickstart_model_path
 
     cfg = Config()
-    return str(quickstart_model_path(cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, progress=False))
+    return str(
+        quickstart_model_path(
+            cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, progress=False
+        )
+    )

@@ -14,22 +14,42 @@ from groupflow.cli import main
 pytestmark = pytest.mark.integration
 
 STEP_KEYS = {
-    "step", "policy_version", "reward_mean", "reward_std", "response_len_mean", "entropy_mean",
-    "clip_frac", "grad_norm", "tokens_generated", "time_gen_s", "time_reward_s", "time_learn_s",
-    "time_sync_s", "time_step_s", "staleness_mean",
+    "step",
+    "policy_version",
+    "reward_mean",
+    "reward_std",
+    "response_len_mean",
+    "entropy_mean",
+    "clip_frac",
+    "grad_norm",
+    "tokens_generated",
+    "time_gen_s",
+    "time_reward_s",
+    "time_learn_s",
+    "time_sync_s",
+    "time_step_s",
+    "staleness_mean",
 }
 
 
 def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstart_model, tmp_path):
-    code = main([
-        "train",
-        "--set", f"trainer.output_dir={tmp_path}",
-        "--set", "trainer.run_name=e2e",
-        "--set", "trainer.steps=3",
-        "--set", "trainer.max_staleness=1",
-        "--set", "task.eval_size=32",
-        "--set", "learner.optimizer.lr=1e-3",
-    ])
+    code = main(
+        [
+            "train",
+            "--set",
+            f"trainer.output_dir={tmp_path}",
+            "--set",
+            "trainer.run_name=e2e",
+            "--set",
+            "trainer.steps=3",
+            "--set",
+            "trainer.max_staleness=1",
+            "--set",
+            "task.eval_size=32",
+            "--set",
+            "learner.optimizer.lr=1e-3",
+        ]
+    )
     assert code == 0
     run = tmp_path / "e2e"
     assert (run / "config.resolved.yaml").is_file()
@@ -60,7 +80,15 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
 )
 def test_bad_input_exits_nonzero_with_one_line(args, culprit, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "groupflow.cli", "train", *args, "--set", f"trainer.output_dir={tmp_path}"],
+        [
+            sys.executable,
+            "-m",
+            "groupflow.cli",
+            "train",
+            *args,
+            "--set",
+            f"trainer.output_dir={tmp_path}",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

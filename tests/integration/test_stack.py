@@ -31,14 +31,24 @@ def stack(ray_cluster, quickstart_model):
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
     task = make_task("arithmetic")
     prompts = [p for p, _ in zip(task.train_prompts(seed), range(n_prompts), strict=False)]
-    groups = ray.get(engines[0].sample.remote(prompts, group_size, SamplingSettings(temperature=1.0)))
+    groups = ray.get(
+        engines[0].sample.remote(prompts, group_size, SamplingSettings(temperature=1.0))
+    )
     seqs = []
     for gid, g in enumerate(groups):
         rewards = [task.verify(g.prompt, r.text).reward for r in g.responses]
         mean = sum(rewards) / len(rewards)
         for r, resp in zip(rewards, g.responses, strict=True):
             seqs.append(
-                TrainSequence(g.prompt_ids + resp.token_ids, len(g.prompt_ids), r - mean + 0.1, r, gid, g.policy_version, resp.logprobs)
+                TrainSequence(
+                    g.prompt_ids + resp.token_ids,
+                    len(g.prompt_ids),
+                    r - mean + 0.1,
+                    r,
+                    gid,
+                    g.policy_version,
+                    resp.logprobs,
+                )
             )
     return seqs
 
@@ -51,7 +61,9 @@ def _expected_vllm_params(hf: dict[str, torch.Tensor], vllm_names) -> dict[str, 
             parts = [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
             out[name] = torch.cat([hf[p] for p in parts])
         elif "gate_up_proj" in name:
-            out[name] = torch.cat([hf[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")])
+            out[name] = torch.cat(
+                [hf[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")]
+            )
         elif name == "lm_head.weight" and name not in hf:
             out[name] = hf["model.embed_tokens.weight"]  # tied embeddings
         else:

@@ -31,7 +31,9 @@ def test_plan_covers_every_sequence_once_and_keeps_groups_whole(trial):
                 for i in micro:
                     owners.setdefault(group_ids[i], set()).add((r, m))
         assert all(len(o) == 1 for o in owners.values())
-    mini_of = {group_ids[i]: m for r in plan for m, mini in enumerate(r) for micro in mini for i in micro}
+    mini_of = {
+        group_ids[i]: m for r in plan for m, mini in enumerate(r) for micro in mini for i in micro
+    }
     assert len(mini_of) == groups
 
 

@@ -11,7 +11,9 @@ def test_defaults_validate_and_round_trip(tmp_path):
 
 
 def test_overrides_parse_yaml_values():
-    cfg = build_config({}, ["learner.optimizer.lr=1e-5", "rollout.group_size=4", "metrics.prometheus_port=9100"])
+    cfg = build_config(
+        {}, ["learner.optimizer.lr=1e-5", "rollout.group_size=4", "metrics.prometheus_port=9100"]
+    )
     assert cfg.learner.optimizer.lr == 1e-5
     assert cfg.rollout.group_size == 4
     assert cfg.metrics.prometheus_port == 9100

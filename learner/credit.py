@@ -1,0 +1,352 @@
+"""Token-credit transforms and aggregation for one mini-batch (ALGORITHMS.md sections 3-5).
+
+`plan_credit` turns one rank's share of a mini-batch into a `CreditPlan`: the per-token
+advantages A_it (after AR and the dfpo sequence weight) and, per optimizer stage, a detached
+coefficient c_it that already holds the masks (STAPO, 20-Entropy, Lopti) and 1/denominator of
+the aggregation. The learner's loss for a micro-batch of a stage is then
+`(stage_coef * token_loss(...).loss).sum()`, summed over micro-batches and ranks.
+
+Denominators are global to the mini-batch (one optimizer update): a token count divided per
+micro-batch or per rank would give the responses of one group different weights and break the
+token gradient cancellation of arXiv 2604.13088. Groups are rank-local, counts are not, so the
+plan needs one sum of a small vector across ranks, a max for the `constant` mode, and a gather
+of entropies only where a quantile is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from groupflow.config import AlgorithmConfig
+from learner.advantages import GroupIndex
+from learner.diagnostics import logit_grad_norm_sq
+from learner.losses import sequence_log_ratio
+
+
+@dataclass
+class MiniBatchTokens:
+    """The sequences one rank holds in a mini-batch: padded [B, T] plus per-sequence [B].
+
+    cur_* come from the current policy, detached; on the first on-policy mini-batch they equal
+    old_*. Every group lies wholly on one rank.
+    """
+
+    mask: Tensor
+    old_logp: Tensor
+    cur_logp: Tensor
+    old_entropy: Tensor
+    cur_entropy: Tensor
+    cur_sum_p2: Tensor
+    advantages: Tensor
+    group_ids: Tensor
+
+    def __post_init__(self) -> None:
+        shape = self.mask.shape
+        for name in ("old_logp", "cur_logp", "old_entropy", "cur_entropy", "cur_sum_p2"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(getattr(self, name).shape)} != mask {tuple(shape)}"
+                )
+        for name in ("advantages", "group_ids"):
+            if getattr(self, name).shape != shape[:1]:
+                raise ValueError(
+                    f"{name}: shape {tuple(getattr(self, name).shape)} != ({shape[0]},)"
+                )
+
+
+class Reducer(Protocol):
+    """Collectives over the learner ranks. Every rank must make the same calls in the same order."""
+
+    world_size: int
+
+    def sum(self, t: Tensor) -> Tensor:
+        """Elementwise sum over ranks."""
+        ...
+
+    def max(self, t: Tensor) -> Tensor:
+        """Elementwise max over ranks."""
+        ...
+
+    def gather(self, t: Tensor) -> Tensor:
+        """Concatenation of a 1-d tensor over ranks, in rank order; lengths may differ (even 0)."""
+        ...
+
+
+@dataclass
+class LocalReducer:
+    """A single process: every collective is the identity."""
+
+    world_size: int = 1
+
+    def sum(self, t: Tensor) -> Tensor:
+        return t
+
+    def max(self, t: Tensor) -> Tensor:
+        return t
+
+    def gather(self, t: Tensor) -> Tensor:
+        return t
+
+
+@dataclass
+class CreditPlan:
+    """token_adv: A_it [B, T]; stages: detached c_it [B, T], one per optimizer update, in order."""
+
+    token_adv: Tensor
+    stages: list[Tensor]
+    stats: dict[str, float]
+
+
+def ar_weight(old_logp: Tensor, alpha: float) -> Tensor:
+    """Advantage Reweighting (Yang et al., "Do Not Let Low-Probability Tokens Over-Dominate in
+    RL for LLMs", arXiv 2505.12929): A_it <- (alpha * p_old + 1 - alpha) A_it.
+
+    Written as 1 - alpha (1 - p) so rounding keeps it in [1 - alpha, 1], monotone in p_old,
+    and exactly 1 for alpha = 0. Detached.
+    """
+    return 1.0 - alpha * (1.0 - old_logp.detach().exp())
+
+
+def stapo_mask(
+    p: Tensor,
+    entropy: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    tau_p: float,
+    quantile: float,
+    reducer: Reducer | None = None,
+) -> Tensor:
+    """STAPO spurious tokens (arXiv 2602.15620): the bool [B, T] set of tokens to silence.
+
+    Candidates are valid tokens of positive-advantage responses with p < tau_p; tau_h is the
+    `quantile` of the entropy over the candidates of the whole mini-batch (all ranks); the
+    candidates with entropy < tau_h are silenced.
+    """
+    candidates = (mask > 0) & (advantages.unsqueeze(-1) > 0) & (p < tau_p)
+    candidate_entropy = _reducer(reducer).gather(entropy[candidates])
+    if candidate_entropy.numel() == 0:
+        return candidates
+    return candidates & (entropy < _quantile(candidate_entropy, quantile))
+
+
+def lopti_split(p_old: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
+    """Lopti (arXiv 2505.12929): valid tokens split into (low, high) by p_old < |eta| (strict).
+
+    A token with p_old = |eta| is high. The sign of eta only sets the stage order (plan_credit).
+    """
+    valid = mask > 0
+    low = valid & (p_old < abs(eta))
+    return low, valid & ~low
+
+
+def entropy_top_mask(
+    entropy: Tensor, mask: Tensor, rho: float, reducer: Reducer | None = None
+) -> Tensor:
+    """20-Entropy (Wang et al., "Beyond the 80/20 Rule", arXiv 2506.01939): the bool [B, T]
+    set of valid tokens to keep, those with entropy >= the (1 - rho) quantile over the valid
+    tokens of the whole mini-batch (all ranks).
+    """
+    valid = mask > 0
+    all_entropy = _reducer(reducer).gather(entropy[valid])
+    if all_entropy.numel() == 0:
+        return valid
+    return valid & (entropy >= _quantile(all_entropy, 1.0 - rho))
+
+
+def sequence_weight(cur_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """dfpo's w_i = sg[s_i], s_i = exp(mean_t (cur_logp - old_logp)) (ALGORITHMS.md section 3), [B]."""
+    return torch.exp(sequence_log_ratio(cur_logp.detach(), old_logp.detach(), mask > 0))
+
+
+def min_replace(w: Tensor, adv: Tensor, group_ids: Tensor) -> Tensor:
+    """Token gradient cancellation fix (arXiv 2604.13088): w~_i = min_{j in group} w_j.
+
+    One weight per group makes the coefficient exchangeable, so A.w~ = (min w) sum A = 0.
+    Detached.
+    """
+    return GroupIndex.of(group_ids).reduce(w.detach(), "amin")
+
+
+def adv_orthogonal(w: Tensor, adv: Tensor, group_ids: Tensor) -> Tensor:
+    """Token gradient cancellation fix (arXiv 2604.13088): per group w~ = w - (A.w / |A|^2) A.
+
+    Removes from w its component along A, so A.w~ = 0; a group with A = 0 keeps w. Detached.
+    """
+    w, adv = w.detach(), adv.detach().to(w.dtype)
+    groups = GroupIndex.of(group_ids)
+    adv_norm_sq = groups.sum(adv * adv)
+    projection = groups.sum(adv * w) / torch.where(
+        adv_norm_sq > 0, adv_norm_sq, torch.ones_like(adv_norm_sq)
+    )
+    return w - projection * adv
+
+
+DFPO_WEIGHT_TRANSFORMS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "min_replace": min_replace,
+    "adv_orthogonal": adv_orthogonal,
+}
+
+
+def _quantile(values: Tensor, q: float) -> Tensor:
+    """torch.quantile's linear interpolation, without its 16M-element limit: 20-Entropy takes
+    the quantile over every valid token of a mini-batch, which can be larger than that."""
+    ordered = values.sort().values
+    # The position in the values' dtype, as torch.quantile does, so both agree to the bit.
+    position = torch.tensor(q, dtype=values.dtype) * (ordered.numel() - 1)
+    below = int(position)
+    above = min(below + 1, ordered.numel() - 1)
+    return torch.lerp(ordered[below], ordered[above], (position - below).to(values.device))
+
+
+def _reducer(reducer: Reducer | None) -> Reducer:
+    return LocalReducer() if reducer is None else reducer
+
+
+def _probs(logp: Tensor, valid: Tensor) -> Tensor:
+    """exp(logp) on valid tokens, 0 on padding (which may hold anything)."""
+    return torch.where(valid, logp.detach(), torch.full_like(logp, float("-inf"))).exp()
+
+
+def token_advantages(tokens: MiniBatchTokens, cfg: AlgorithmConfig) -> Tensor:
+    """A_it [B, T]: A_i broadcast to valid tokens, times AR's weight and dfpo's w~_i."""
+    valid = tokens.mask > 0
+    dtype = tokens.old_logp.dtype
+    adv = tokens.advantages.to(dtype).unsqueeze(-1).expand_as(tokens.mask)
+    adv = adv * ar_weight(tokens.old_logp, cfg.ar.alpha)
+    if cfg.loss == "dfpo":
+        w = sequence_weight(tokens.cur_logp, tokens.old_logp, tokens.mask)
+        transform = DFPO_WEIGHT_TRANSFORMS[cfg.dfpo.weight_transform]
+        adv = adv * transform(w, tokens.advantages, tokens.group_ids).to(dtype).unsqueeze(-1)
+    return torch.where(valid, adv, torch.zeros_like(adv))
+
+
+def _stapo_source(
+    tokens: MiniBatchTokens, cfg: AlgorithmConfig, valid: Tensor
+) -> tuple[Tensor, Tensor]:
+    if cfg.stapo.prob_source == "old":
+        return _probs(tokens.old_logp, valid), tokens.old_entropy
+    return _probs(tokens.cur_logp, valid), tokens.cur_entropy
+
+
+def _stage_masks(tokens: MiniBatchTokens, cfg: AlgorithmConfig, valid: Tensor) -> list[Tensor]:
+    """Which valid tokens each optimizer stage trains, in order, before other masks."""
+    if not cfg.lopti.enabled:
+        return [valid]
+    low, high = lopti_split(_probs(tokens.old_logp, valid), tokens.mask, cfg.lopti.eta)
+    return [low, high] if cfg.lopti.eta >= 0 else [high, low]
+
+
+def _row_weight(aggregation: str, unmasked: Tensor) -> Tensor:
+    """The rank-local part of c_it, [B, 1]: 1/|o_i| for seq_mean_token_mean, else 1.
+
+    |o_i| counts the tokens STAPO left, so STAPO renormalises each sequence's mean.
+    """
+    if aggregation != "seq_mean_token_mean":
+        return torch.ones_like(unmasked[:, :1], dtype=torch.float64)
+    counts = unmasked.sum(-1, keepdim=True).to(torch.float64)
+    return torch.where(counts > 0, 1.0 / counts.clamp(min=1), torch.zeros_like(counts))
+
+
+def _global_scale(aggregation: str, totals: dict[str, float], max_length: float) -> float:
+    """The global part of c_it: 1 / the aggregation's mini-batch denominator (0 if empty)."""
+    denominator = {
+        "token_mean": totals["unmasked_tokens"],
+        "seq_mean_token_sum": totals["sequences"],
+        "seq_mean_token_mean": totals["sequences"],
+        "constant": totals["sequences"] * max_length,
+    }[aggregation]
+    return 1.0 / denominator if denominator > 0 else 0.0
+
+
+def _sum_over_ranks(reducer: Reducer, local: dict[str, Tensor]) -> dict[str, float]:
+    """One all-reduce of all named scalar sums, in float64 so token counts stay exact."""
+    stacked = torch.stack([value.to(torch.float64).reshape(()) for value in local.values()])
+    return dict(zip(local, reducer.sum(stacked).tolist(), strict=True))
+
+
+def _max_length(reducer: Reducer, valid: Tensor) -> float:
+    lengths = valid.sum(-1).to(torch.float64)
+    local_max = lengths.max() if lengths.numel() else lengths.new_zeros(())
+    return float(reducer.max(local_max.reshape(1)).item())
+
+
+def _fraction(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer) -> CreditPlan:
+    """The credit plan of one rank's share of a mini-batch (see the module docstring).
+
+    Collectives, in order: a gather of STAPO candidate entropies (always, for spurious_frac),
+    a gather of valid-token entropies (20-Entropy only), one sum of a small vector, and a
+    max of the response length (`constant` aggregation only).
+    """
+    valid = tokens.mask > 0
+    token_adv = token_advantages(tokens, cfg)
+
+    stapo_p, stapo_entropy = _stapo_source(tokens, cfg, valid)
+    spurious = stapo_mask(
+        stapo_p,
+        stapo_entropy,
+        tokens.advantages,
+        tokens.mask,
+        cfg.stapo.tau_p,
+        cfg.stapo.quantile,
+        reducer,
+    )
+    silenced = spurious if cfg.stapo.enabled else torch.zeros_like(spurious)
+    unmasked = valid & ~silenced  # what token_mean counts: STAPO renormalises
+    trained = unmasked
+    if cfg.entropy_mask.enabled:  # 20-Entropy keeps the full count in the denominator
+        trained = trained & entropy_top_mask(
+            tokens.cur_entropy, tokens.mask, cfg.entropy_mask.rho, reducer
+        )
+    stage_masks = [stage & trained for stage in _stage_masks(tokens, cfg, valid)]
+    row_weight = _row_weight(cfg.aggregation, unmasked)
+
+    p_cur = _probs(tokens.cur_logp, valid)
+    lowprob = valid & (p_cur < cfg.lowprob_eta)
+    # The logit-gradient norm of each token's term in the update: |c_it A_it| ||d logp / d z||;
+    # the global part of c_it is the same for every token, so it cancels in the share.
+    logit_norm = logit_grad_norm_sq(p_cur, tokens.cur_sum_p2).to(torch.float64).clamp(min=0).sqrt()
+    grad_norm = row_weight * token_adv.abs().to(torch.float64) * logit_norm
+    grad_norm = torch.where(trained, grad_norm, torch.zeros_like(grad_norm))  # padding may be NaN
+    totals = _sum_over_ranks(
+        reducer,
+        {
+            "valid_tokens": valid.sum(),
+            "sequences": valid.any(-1).sum(),
+            "unmasked_tokens": unmasked.sum(),
+            "trained_tokens": trained.sum(),
+            "spurious_tokens": spurious.sum(),
+            "silenced_tokens": silenced.sum(),
+            "lowprob_tokens": lowprob.sum(),
+            "lowprob_grad_norm": grad_norm[lowprob].sum(),
+            "grad_norm": grad_norm.sum(),
+            **{f"stage{k}_tokens": stage.sum() for k, stage in enumerate(stage_masks)},
+        },
+    )
+    max_length = _max_length(reducer, valid) if cfg.aggregation == "constant" else 0.0
+
+    coef = (row_weight * _global_scale(cfg.aggregation, totals, max_length)).to(
+        tokens.old_logp.dtype
+    )
+    stages = [stage * coef for k, stage in enumerate(stage_masks) if totals[f"stage{k}_tokens"] > 0]
+    valid_tokens = totals["valid_tokens"]
+    stats = {
+        "valid_tokens": valid_tokens,
+        "num_sequences": totals["sequences"],
+        "trained_frac": _fraction(totals["trained_tokens"], valid_tokens),
+        "spurious_frac": _fraction(totals["spurious_tokens"], valid_tokens),
+        "stapo_silenced_frac": _fraction(totals["silenced_tokens"], valid_tokens),
+        "lowprob_frac": _fraction(totals["lowprob_tokens"], valid_tokens),
+        "lowprob_grad_share": _fraction(totals["lowprob_grad_norm"], totals["grad_norm"]),
+        "num_stages": float(max(len(stages), 1)),
+    }
+    # At least one stage, so the learner's loop never has to special-case an empty plan.
+    return CreditPlan(token_adv, stages or [torch.zeros_like(tokens.old_logp)], stats)

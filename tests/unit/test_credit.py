@@ -1,0 +1,738 @@
+"""Token-credit plan: transforms, aggregation, stats (ALGORITHMS.md sections 3-6)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+
+from groupflow.config import AlgorithmConfig, ConfigError, build_config
+from learner.advantages import compute_advantages
+from learner.credit import (
+    CreditPlan,
+    LocalReducer,
+    MiniBatchTokens,
+    adv_orthogonal,
+    ar_weight,
+    entropy_top_mask,
+    lopti_split,
+    min_replace,
+    plan_credit,
+    stapo_mask,
+)
+from learner.losses import token_loss
+
+F64 = torch.float64
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_baseline"]
+AGGREGATIONS = ["token_mean", "seq_mean_token_sum", "constant", "seq_mean_token_mean"]
+LOSSES = ["ppo", "gspo", "linear", "dfpo"]
+ALL_TRANSFORMS = {
+    "stapo": {"enabled": True},
+    "ar": {"alpha": 0.3},
+    "lopti": {"enabled": True},
+    "entropy_mask": {"enabled": True},
+}
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A generator on a fresh seed; the seed is printed, so pytest shows it on failure."""
+    seed = int(os.environ.get("GROUPFLOW_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"seed={seed} (rerun with GROUPFLOW_TEST_SEED={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def algorithm(**keys) -> AlgorithmConfig:
+    return build_config({"algorithm": keys}).algorithm
+
+
+def random_tokens(
+    gen: torch.Generator,
+    num_groups: int = 6,
+    group_size: int = 4,
+    width: int = 8,
+    equal_groups: int = 0,
+    estimator: str = "grpo",
+    off_policy: bool = True,
+) -> MiniBatchTokens:
+    """A shuffled mini-batch of groups with unequal lengths and NaN in the padding.
+
+    Log-probs spread over [-9, 0], so about a third of the tokens lie below STAPO's tau_p.
+    The first `equal_groups` groups (in id order) have all-equal rewards.
+    """
+    rows = num_groups * group_size
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = (torch.arange(width) < lengths[:, None]).to(F64)
+
+    def noisy(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (
+            x + scale * torch.randn(x.shape, generator=gen, dtype=F64) if off_policy else x.clone()
+        )
+
+    old_logp = -9 * torch.rand(rows, width, generator=gen, dtype=F64)
+    cur_logp = noisy(old_logp, 0.3).clamp(max=0)
+    p_cur = cur_logp.exp()
+    cur_sum_p2 = p_cur**2 + torch.rand(rows, width, generator=gen, dtype=F64) * (1 - p_cur) ** 2
+    old_entropy = 3 * torch.rand(rows, width, generator=gen, dtype=F64)
+    cur_entropy = noisy(old_entropy, 0.1).clamp(min=0)
+    group_ids = torch.sort(torch.randperm(10_000, generator=gen)[:num_groups]).values
+    group_ids = group_ids.repeat_interleave(group_size)
+    rewards = torch.rand(rows, generator=gen, dtype=F64)
+    rewards[: equal_groups * group_size] = 0.7
+    advantages = compute_advantages(rewards, group_ids, estimator, token_counts=lengths)
+    order = torch.randperm(rows, generator=gen)
+    per_token = [x[order] for x in (mask, old_logp, cur_logp, old_entropy, cur_entropy, cur_sum_p2)]
+    for x in per_token[1:]:
+        x[per_token[0] == 0] = float("nan")  # padding may hold anything
+    return MiniBatchTokens(*per_token, advantages=advantages[order], group_ids=group_ids[order])
+
+
+def constructed_tokens(
+    p: list[list[float]], entropy: list[list[float]], advantages: list[float]
+) -> MiniBatchTokens:
+    """Fully valid rows with the given probabilities and entropies (old = current)."""
+    logp = torch.tensor(p, dtype=F64).log()
+    ent = torch.tensor(entropy, dtype=F64)
+    return MiniBatchTokens(
+        mask=torch.ones_like(logp),
+        old_logp=logp,
+        cur_logp=logp.clone(),
+        old_entropy=ent,
+        cur_entropy=ent.clone(),
+        cur_sum_p2=logp.exp() ** 2,
+        advantages=torch.tensor(advantages, dtype=F64),
+        group_ids=torch.zeros(len(advantages), dtype=torch.int64),
+    )
+
+
+def stage_losses(
+    tokens: MiniBatchTokens, plan: CreditPlan, cfg: AlgorithmConfig, logp: torch.Tensor
+):
+    """The learner's loss of each stage over the whole mini-batch at fixed parameters."""
+    out = token_loss(logp, tokens.old_logp, plan.token_adv, tokens.mask, cfg)
+    return [(stage * out.loss).sum() for stage in plan.stages]
+
+
+def stage_gradients(
+    tokens: MiniBatchTokens, plan: CreditPlan, cfg: AlgorithmConfig
+) -> list[torch.Tensor]:
+    """d(stage loss)/d logp for each stage, taken at the current policy."""
+    logp = tokens.cur_logp.clone().requires_grad_()
+    losses = stage_losses(tokens, plan, cfg, logp)
+    return [torch.autograd.grad(loss, logp, retain_graph=True)[0] for loss in losses]
+
+
+def probs(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask > 0, logp, torch.full_like(logp, -math.inf)).exp()
+
+
+# ----- property 1: equal rewards -> zero gradient in every mode ------------------------------
+
+
+VALID_MODES = [(loss, agg) for loss in LOSSES for agg in AGGREGATIONS]
+VALID_MODES.remove(("dfpo", "seq_mean_token_mean"))
+
+
+@pytest.mark.parametrize("transforms", [{}, ALL_TRANSFORMS], ids=["plain", "all_transforms"])
+@pytest.mark.parametrize("loss, aggregation", VALID_MODES)
+def test_equal_rewards_give_zero_gradient_in_every_mode(gen, loss, aggregation, transforms):
+    cfg = algorithm(loss=loss, aggregation=aggregation, **transforms)
+    for estimator in ESTIMATORS:
+        tokens = random_tokens(gen, equal_groups=2, estimator=estimator)
+        equal_rows = tokens.group_ids <= torch.unique(tokens.group_ids)[1]
+        grad = sum(stage_gradients(tokens, plan_credit(tokens, cfg, LocalReducer()), cfg))
+        assert torch.equal(grad[equal_rows], torch.zeros_like(grad[equal_rows])), estimator
+        assert grad[~equal_rows].abs().sum() > 0, f"{estimator}: the other groups must still learn"
+
+        tokens = random_tokens(gen, equal_groups=6, estimator=estimator)
+        grad = sum(stage_gradients(tokens, plan_credit(tokens, cfg, LocalReducer()), cfg))
+        assert torch.equal(grad, torch.zeros_like(grad)), estimator
+
+
+# ----- property 3: micro-batches and ranks give the gradient of one big batch ---------------
+
+
+class ThreadedRanks:
+    """world_size simulated ranks in one process: one thread per rank, collectives meet at a
+    barrier, so plan_credit runs unchanged against a Reducer that really spans ranks."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.barrier = threading.Barrier(world_size, timeout=30)
+        self.slots: list[torch.Tensor | None] = [None] * world_size
+
+    def exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = t
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return values
+
+    def plan(self, rank_tokens: list[MiniBatchTokens], cfg: AlgorithmConfig) -> list[CreditPlan]:
+        def plan_on_rank(rank: int) -> CreditPlan:
+            try:
+                return plan_credit(rank_tokens[rank], cfg, RankReducer(self, rank))
+            except BaseException:
+                self.barrier.abort()  # fail the other ranks now instead of at the timeout
+                raise
+
+        with ThreadPoolExecutor(self.world_size) as pool:
+            return list(pool.map(plan_on_rank, range(self.world_size)))
+
+
+@dataclass
+class RankReducer:
+    ranks: ThreadedRanks
+    rank: int
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.world_size = self.ranks.world_size
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.ranks.exchange(self.rank, t)).sum(0)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.ranks.exchange(self.rank, t)).amax(0)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.ranks.exchange(self.rank, t))
+
+
+def rows_of(tokens: MiniBatchTokens, rows: torch.Tensor) -> MiniBatchTokens:
+    return MiniBatchTokens(
+        *(getattr(tokens, f)[rows] for f in MiniBatchTokens.__dataclass_fields__)
+    )
+
+
+def split_over_ranks(
+    tokens: MiniBatchTokens, gen: torch.Generator, world_size: int
+) -> list[torch.Tensor]:
+    """Row indices per rank: whole groups on random ranks (a rank may get none), shuffled."""
+    group_rank = {
+        gid: torch.randint(0, world_size, (), generator=gen).item()
+        for gid in tokens.group_ids.tolist()
+    }
+    owner = torch.tensor([group_rank[g] for g in tokens.group_ids.tolist()])
+    rows = [torch.nonzero(owner == r).flatten() for r in range(world_size)]
+    return [r[torch.randperm(len(r), generator=gen)] for r in rows]
+
+
+def micro_batches(count: int, gen: torch.Generator) -> list[slice]:
+    """Consecutive chunks of 1..5 rows: groups get cut across micro-batches."""
+    cuts, start = [], 0
+    while start < count:
+        size = torch.randint(1, 6, (), generator=gen).item()
+        cuts.append(slice(start, min(start + size, count)))
+        start += size
+    return cuts
+
+
+def split_gradients(tokens, cfg, gen, rank_rows, plans) -> list[torch.Tensor]:
+    """Per stage, the gradient summed over ranks and micro-batches, as the learner does it."""
+    logp = tokens.cur_logp.clone().requires_grad_()
+    grads = [torch.zeros_like(logp) for _ in plans[0].stages]
+    for rows, plan in zip(rank_rows, plans, strict=True):
+        for micro in micro_batches(len(rows), gen):
+            sub = rows[micro]
+            out = token_loss(
+                logp[sub], tokens.old_logp[sub], plan.token_adv[micro], tokens.mask[sub], cfg
+            )
+            for k, stage in enumerate(plan.stages):
+                grads[k] += torch.autograd.grad(
+                    (stage[micro] * out.loss).sum(), logp, retain_graph=True
+                )[0]
+    return grads
+
+
+SPLIT_CASES = [{"aggregation": agg} for agg in AGGREGATIONS] + [
+    {"aggregation": "token_mean", **ALL_TRANSFORMS},
+    {
+        "aggregation": "seq_mean_token_mean",
+        "stapo": {"enabled": True},
+        "lopti": {"enabled": True, "eta": -0.3},
+    },
+    {
+        "aggregation": "seq_mean_token_sum",
+        "entropy_mask": {"enabled": True, "rho": 0.5},
+        "stapo": {"enabled": True},
+    },
+    {"loss": "gspo", "aggregation": "seq_mean_token_mean"},
+    {
+        "loss": "dfpo",
+        "aggregation": "constant",
+        "dfpo": {"weight_transform": "adv_orthogonal"},
+        "ar": {"alpha": 0.1},
+    },
+]
+
+
+@pytest.mark.parametrize("keys", SPLIT_CASES, ids=lambda k: "-".join(f"{a}" for a in k))
+def test_ranks_and_micro_batches_give_the_one_batch_gradient(gen, keys):
+    cfg = algorithm(**keys)
+    tokens = random_tokens(gen, num_groups=7)
+    whole = plan_credit(tokens, cfg, LocalReducer())
+    expected = stage_gradients(tokens, whole, cfg)
+
+    world_size = torch.randint(2, 5, (), generator=gen).item()
+    rank_rows = split_over_ranks(tokens, gen, world_size)
+    plans = ThreadedRanks(world_size).plan([rows_of(tokens, rows) for rows in rank_rows], cfg)
+    assert all(len(plan.stages) == len(whole.stages) for plan in plans)
+    for plan in plans:
+        assert plan.stats == pytest.approx(whole.stats, rel=1e-12)
+    got = split_gradients(tokens, cfg, gen, rank_rows, plans)
+    assert sum(e.abs().sum() for e in expected) > 0
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-15)
+
+
+def test_rank_local_denominators_would_change_the_gradient(gen):
+    # The control for the test above: without the reducer, the split gradient differs.
+    cfg = algorithm()
+    tokens = random_tokens(gen, num_groups=7)
+    expected = stage_gradients(tokens, plan_credit(tokens, cfg, LocalReducer()), cfg)[0]
+    rank_rows = [torch.arange(0, 5), torch.arange(5, len(tokens.advantages))]
+    plans = [plan_credit(rows_of(tokens, rows), cfg, LocalReducer()) for rows in rank_rows]
+    got = split_gradients(tokens, cfg, gen, rank_rows, plans)[0]
+    assert not torch.allclose(got, expected)
+
+
+# ----- aggregation modes -----------------------------------------------------------------------
+
+
+def loop_coefficient(tokens: MiniBatchTokens, aggregation: str) -> torch.Tensor:
+    """c_it of section 3, one token at a time."""
+    lengths = [int(row.sum().item()) for row in tokens.mask]
+    n_seq, n_tok, l_max = sum(n > 0 for n in lengths), sum(lengths), max(lengths)
+    coef = torch.zeros_like(tokens.mask)
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            coef[i, t] = {
+                "token_mean": 1 / n_tok,
+                "seq_mean_token_sum": 1 / n_seq,
+                "constant": 1 / (n_seq * l_max),
+                "seq_mean_token_mean": 1 / (n_seq * n),
+            }[aggregation]
+    return coef
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_aggregation_coefficients_match_loop(gen, aggregation):
+    tokens = random_tokens(gen)
+    plan = plan_credit(tokens, algorithm(aggregation=aggregation), LocalReducer())
+    assert len(plan.stages) == 1
+    torch.testing.assert_close(
+        plan.stages[0], loop_coefficient(tokens, aggregation), rtol=1e-14, atol=0
+    )
+
+
+def test_plan_ignores_padding_content(gen):
+    tokens = random_tokens(gen)
+    pad = tokens.mask == 0
+    clean = replace(
+        tokens,
+        **{
+            name: getattr(tokens, name).masked_fill(pad, 0.0)
+            for name in ("old_logp", "cur_logp", "old_entropy", "cur_entropy", "cur_sum_p2")
+        },
+    )
+    cfg = algorithm(**ALL_TRANSFORMS)
+    nan_plan, clean_plan = (
+        plan_credit(tokens, cfg, LocalReducer()),
+        plan_credit(clean, cfg, LocalReducer()),
+    )
+    assert torch.equal(nan_plan.token_adv, clean_plan.token_adv)
+    assert all(torch.equal(a, b) for a, b in zip(nan_plan.stages, clean_plan.stages, strict=True))
+    assert nan_plan.stats == clean_plan.stats
+
+
+def test_plan_without_valid_tokens_has_one_zero_stage(gen):
+    tokens = random_tokens(gen)
+    empty = replace(tokens, mask=torch.zeros_like(tokens.mask))
+    plan = plan_credit(empty, algorithm(**ALL_TRANSFORMS), LocalReducer())
+    assert len(plan.stages) == 1 and not plan.stages[0].any()
+    assert plan.stats["valid_tokens"] == 0 and plan.stats["lowprob_grad_share"] == 0
+
+
+@pytest.mark.parametrize(
+    "keys, calls",
+    [
+        ({}, {"gather": 1, "sum": 1}),
+        ({"aggregation": "constant"}, {"gather": 1, "sum": 1, "max": 1}),
+        ({"entropy_mask": {"enabled": True}, "stapo": {"enabled": True}}, {"gather": 2, "sum": 1}),
+        (
+            {"lopti": {"enabled": True}, "ar": {"alpha": 0.3}, "loss": "dfpo"},
+            {"gather": 1, "sum": 1},
+        ),
+    ],
+)
+def test_plan_makes_few_collectives(gen, keys, calls):
+    seen: Counter[str] = Counter()
+
+    class CountingReducer(LocalReducer):
+        def sum(self, t):
+            seen["sum"] += 1
+            return t
+
+        def max(self, t):
+            seen["max"] += 1
+            return t
+
+        def gather(self, t):
+            seen["gather"] += 1
+            return t
+
+    plan_credit(random_tokens(gen), algorithm(**keys), CountingReducer())
+    assert dict(seen) == calls
+
+
+def test_minibatch_shapes_are_checked(gen):
+    tokens = random_tokens(gen)
+    with pytest.raises(ValueError, match="cur_sum_p2"):
+        replace(tokens, cur_sum_p2=tokens.cur_sum_p2[:, :-1])
+    with pytest.raises(ValueError, match="advantages"):
+        replace(tokens, advantages=tokens.advantages[:-1])
+
+
+# ----- property 4: Advantage Reweighting -------------------------------------------------------
+
+
+def test_ar_alpha_zero_is_bit_identical_to_plain_advantages(gen):
+    tokens = random_tokens(gen)
+    valid = tokens.mask > 0
+    assert torch.equal(
+        ar_weight(tokens.old_logp[valid], 0.0), torch.ones_like(tokens.old_logp[valid])
+    )
+    plan = plan_credit(tokens, algorithm(ar={"alpha": 0.0}), LocalReducer())
+    untransformed = torch.where(valid, tokens.advantages[:, None].expand_as(valid), 0.0)
+    assert torch.equal(plan.token_adv, untransformed)
+    cfg = algorithm()
+    out = token_loss(tokens.cur_logp, tokens.old_logp, untransformed, tokens.mask, cfg).loss
+    assert torch.equal(
+        stage_losses(tokens, plan, cfg, tokens.cur_logp)[0], (plan.stages[0] * out).sum()
+    )
+
+
+def test_ar_weight_range_monotone_and_detached(gen):
+    alpha = torch.rand((), generator=gen).item()
+    old_logp = torch.cat(
+        [-20 * torch.rand(500, generator=gen, dtype=F64), torch.zeros(1, dtype=F64)]
+    )
+    old_logp.requires_grad_()
+    weight = ar_weight(old_logp, alpha)
+    assert not weight.requires_grad
+    assert (weight >= 1 - alpha).all() and (weight <= 1).all()
+    by_p = weight[torch.argsort(old_logp.detach())]
+    assert (by_p.diff() >= 0).all()
+    assert weight[-1].item() == 1.0  # p_old = 1
+
+
+def test_ar_in_plan_matches_loop_and_keeps_sign(gen):
+    alpha = torch.rand((), generator=gen).item()
+    tokens = random_tokens(gen)
+    plan = plan_credit(tokens, algorithm(ar={"alpha": alpha}), LocalReducer())
+    for i, t in torch.nonzero(tokens.mask > 0).tolist():
+        a = tokens.advantages[i].item()
+        expected = (alpha * math.exp(tokens.old_logp[i, t].item()) + 1 - alpha) * a
+        assert plan.token_adv[i, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert math.copysign(1, plan.token_adv[i, t].item()) == math.copysign(1, a) or a == 0
+
+
+# ----- property 5: Lopti -------------------------------------------------------------------------
+
+
+def test_lopti_split_is_disjoint_covering_and_strict(gen):
+    tokens = random_tokens(gen)
+    valid = tokens.mask > 0
+    p_old = probs(tokens.old_logp, tokens.mask)
+    at_eta = tuple(
+        torch.nonzero(valid)[torch.randint(0, int(valid.sum()), (), generator=gen)].tolist()
+    )
+    eta = p_old[at_eta].item()
+    low, high = lopti_split(p_old, tokens.mask, eta)
+    assert not (low & high).any()
+    assert torch.equal(low | high, valid)
+    assert high[at_eta] and not low[at_eta]  # p = eta is high
+    for i, t in torch.nonzero(valid).tolist():
+        assert low[i, t].item() == (p_old[i, t].item() < eta)
+
+
+def test_lopti_stages_run_low_first_and_add_up_to_the_full_loss(gen):
+    tokens = random_tokens(gen)
+    eta = 0.002 + 0.5 * torch.rand((), generator=gen).item()
+    split = plan_credit(
+        tokens, algorithm(ar={"alpha": 0.3}, lopti={"enabled": True, "eta": eta}), LocalReducer()
+    )
+    full = plan_credit(tokens, algorithm(ar={"alpha": 0.3}), LocalReducer())
+    assert len(split.stages) == 2
+    low, high = lopti_split(probs(tokens.old_logp, tokens.mask), tokens.mask, eta)
+    assert torch.equal(split.stages[0] > 0, low) and torch.equal(split.stages[1] > 0, high)
+    assert torch.equal(split.stages[0] + split.stages[1], full.stages[0])  # both use the full count
+    assert torch.equal(split.token_adv, full.token_adv)  # AR applied before the split
+    cfg = algorithm()
+    logp = tokens.cur_logp
+    total = sum(stage_losses(tokens, split, cfg, logp))
+    torch.testing.assert_close(total, stage_losses(tokens, full, cfg, logp)[0], rtol=1e-13, atol=0)
+
+
+def test_lopti_negative_eta_reverses_the_order(gen):
+    tokens = random_tokens(gen)
+    forward = plan_credit(tokens, algorithm(lopti={"enabled": True, "eta": 0.01}), LocalReducer())
+    reverse = plan_credit(tokens, algorithm(lopti={"enabled": True, "eta": -0.01}), LocalReducer())
+    assert len(forward.stages) == len(reverse.stages) == 2
+    assert torch.equal(forward.stages[0], reverse.stages[1]) and torch.equal(
+        forward.stages[1], reverse.stages[0]
+    )
+
+
+def test_lopti_drops_an_empty_stage(gen):
+    tokens = random_tokens(gen)  # p_old >= exp(-9) > 1e-6: no low tokens
+    plan = plan_credit(tokens, algorithm(lopti={"enabled": True, "eta": 1e-6}), LocalReducer())
+    assert len(plan.stages) == 1
+    assert torch.equal(plan.stages[0], plan_credit(tokens, algorithm(), LocalReducer()).stages[0])
+
+
+def test_lopti_split_depends_on_old_policy_only(gen):
+    # Stage 2 runs after stage 1 has moved the policy: its split and A must come from old_logp.
+    tokens = random_tokens(gen)
+    cfg = algorithm(ar={"alpha": 0.3}, lopti={"enabled": True}, stapo={"prob_source": "old"})
+    moved = replace(
+        tokens, cur_logp=(tokens.cur_logp + 1.0).clamp(max=0), cur_entropy=tokens.cur_entropy * 2
+    )
+    before, after = (
+        plan_credit(tokens, cfg, LocalReducer()),
+        plan_credit(moved, cfg, LocalReducer()),
+    )
+    assert torch.equal(before.token_adv, after.token_adv)
+    assert all(torch.equal(a, b) for a, b in zip(before.stages, after.stages, strict=True))
+
+
+# ----- property 6: STAPO ---------------------------------------------------------------------------
+
+
+def loop_stapo(tokens: MiniBatchTokens, tau_p: float, q: float) -> set[tuple[int, int]]:
+    """Section 4.1 token by token: candidates, their entropy quantile, the silenced set."""
+    p = tokens.cur_logp.exp()
+    candidates = [
+        (i, t)
+        for i, t in torch.nonzero(tokens.mask > 0).tolist()
+        if tokens.advantages[i] > 0 and p[i, t].item() < tau_p
+    ]
+    if not candidates:
+        return set()
+    tau_h = torch.quantile(
+        torch.tensor([tokens.cur_entropy[c].item() for c in candidates], dtype=F64), q
+    ).item()
+    return {c for c in candidates if tokens.cur_entropy[c].item() < tau_h}
+
+
+def test_stapo_silences_exactly_the_tokens_meeting_all_three_conditions(gen):
+    tokens = random_tokens(gen)
+    q = torch.rand((), generator=gen).item()
+    plan = plan_credit(tokens, algorithm(stapo={"enabled": True, "quantile": q}), LocalReducer())
+    expected = loop_stapo(tokens, 0.002, q)
+    silenced = stapo_mask(
+        tokens.cur_logp.exp(), tokens.cur_entropy, tokens.advantages, tokens.mask, 0.002, q
+    )
+    assert {tuple(c) for c in torch.nonzero(silenced).tolist()} == expected
+    valid = int(tokens.mask.sum().item())
+    assert plan.stats["stapo_silenced_frac"] == pytest.approx(len(expected) / valid)
+    zero_coef = {
+        tuple(c) for c in torch.nonzero((plan.stages[0] == 0) & (tokens.mask > 0)).tolist()
+    }
+    assert zero_coef == expected
+
+
+def test_stapo_never_silences_a_token_missing_a_condition():
+    # Each token misses exactly one condition: A <= 0, p >= tau_p, or H >= tau_h (the
+    # candidates share one entropy, so none lies below their quantile).
+    tokens = constructed_tokens(
+        p=[[1e-4, 0.5, 1e-4], [1e-4, 1e-4, 0.3], [0.9, 1e-3, 1e-4]],
+        entropy=[[0.01, 0.01, 0.01], [0.01, 0.01, 0.01], [0.01, 2.0, 2.0]],
+        advantages=[-1.0, 0.0, 1.0],
+    )
+    cfg = algorithm(stapo={"enabled": True})
+    plan = plan_credit(tokens, cfg, LocalReducer())
+    assert plan.stats["spurious_frac"] == 0 and plan.stats["stapo_silenced_frac"] == 0
+    off = plan_credit(tokens, algorithm(), LocalReducer())
+    assert torch.equal(plan.stages[0], off.stages[0])
+
+
+def test_stapo_silences_on_a_batch_with_spurious_tokens():
+    tokens = constructed_tokens(
+        p=[[1e-4, 1e-4, 1e-4, 1e-4, 0.5], [1e-4, 0.5, 0.5, 0.5, 0.5]],
+        entropy=[[0.1, 0.2, 0.3, 0.4, 0.05], [0.05, 1.0, 1.0, 1.0, 1.0]],
+        advantages=[1.0, -1.0],
+    )
+    plan = plan_credit(tokens, algorithm(stapo={"enabled": True, "quantile": 0.75}), LocalReducer())
+    # Candidates: row 0's four p = 1e-4 tokens; tau_h = quantile_0.75(0.1..0.4) = 0.325.
+    assert plan.stats["stapo_silenced_frac"] == pytest.approx(3 / 10)
+    assert plan.stats["spurious_frac"] == pytest.approx(3 / 10)
+    assert torch.equal(plan.stages[0][0, :4] == 0, torch.tensor([True, True, True, False]))
+
+
+def test_stapo_with_no_candidates_is_exactly_the_unmasked_plan(gen):
+    tokens = random_tokens(gen)
+    cfg = algorithm(stapo={"enabled": True, "tau_p": 1e-6})  # p >= exp(-9.3) > 1e-6 everywhere
+    plan, off = (
+        plan_credit(tokens, cfg, LocalReducer()),
+        plan_credit(tokens, algorithm(), LocalReducer()),
+    )
+    assert torch.equal(plan.token_adv, off.token_adv) and torch.equal(plan.stages[0], off.stages[0])
+    assert plan.stats["stapo_silenced_frac"] == 0
+
+
+def test_stapo_quantile_is_over_candidates_only(gen):
+    tokens = random_tokens(gen)
+    candidates = (
+        (tokens.mask > 0) & (tokens.advantages[:, None] > 0) & (tokens.cur_logp.exp() < 0.002)
+    )
+    # Candidates get entropies in [0, 1), everything else in [5, 6): a quantile taken over all
+    # tokens would sit above every candidate and silence all of them.
+    entropy = torch.where(candidates, torch.rand(tokens.mask.shape, generator=gen, dtype=F64), 5.5)
+    tokens = replace(tokens, cur_entropy=entropy)
+    plan = plan_credit(tokens, algorithm(stapo={"enabled": True}), LocalReducer())
+    expected = loop_stapo(tokens, 0.002, 0.75)
+    assert 0 < len(expected) < candidates.sum().item()
+    assert plan.stats["stapo_silenced_frac"] == pytest.approx(
+        len(expected) / tokens.mask.sum().item()
+    )
+
+
+def test_stapo_loss_is_mean_over_unsilenced_tokens(gen):
+    tokens = random_tokens(gen)
+    cfg = algorithm(stapo={"enabled": True})
+    plan = plan_credit(tokens, cfg, LocalReducer())
+    silenced = stapo_mask(
+        tokens.cur_logp.exp(), tokens.cur_entropy, tokens.advantages, tokens.mask, 0.002, 0.75
+    )
+    assert silenced.any()
+    keep = ((tokens.mask > 0) & ~silenced).to(F64)
+    loss = token_loss(tokens.cur_logp, tokens.old_logp, plan.token_adv, tokens.mask, cfg).loss
+    torch.testing.assert_close(
+        stage_losses(tokens, plan, cfg, tokens.cur_logp)[0], (keep * loss).sum() / keep.sum()
+    )
+
+
+def test_stapo_prob_source(gen):
+    # A token that is spurious under the old policy but not under the current one.
+    tokens = constructed_tokens(p=[[1e-4, 1e-4, 0.5]], entropy=[[0.1, 0.5, 0.1]], advantages=[1.0])
+    tokens = replace(tokens, cur_logp=torch.tensor([[0.5, 1e-4, 0.5]], dtype=F64).log())
+    on_old = plan_credit(
+        tokens, algorithm(stapo={"enabled": True, "prob_source": "old"}), LocalReducer()
+    )
+    on_cur = plan_credit(
+        tokens, algorithm(stapo={"enabled": True, "prob_source": "current"}), LocalReducer()
+    )
+    assert on_old.stats["stapo_silenced_frac"] == pytest.approx(
+        1 / 3
+    )  # tau_h = 0.4 over {0.1, 0.5}
+    assert on_cur.stats["stapo_silenced_frac"] == 0  # the only candidate is at its own quantile
+
+
+def test_spurious_frac_is_reported_with_stapo_off(gen):
+    tokens = random_tokens(gen)
+    on = plan_credit(tokens, algorithm(stapo={"enabled": True}), LocalReducer())
+    off = plan_credit(tokens, algorithm(), LocalReducer())
+    assert (
+        off.stats["spurious_frac"]
+        == on.stats["spurious_frac"]
+        == on.stats["stapo_silenced_frac"]
+        > 0
+    )
+    assert off.stats["stapo_silenced_frac"] == 0 and off.stats["trained_frac"] == 1
+
+
+# ----- 20-Entropy -------------------------------------------------------------------------------
+
+
+def test_entropy20_keeps_the_top_quantile_over_the_full_count(gen):
+    tokens = random_tokens(gen)
+    rho = 0.1 + 0.8 * torch.rand((), generator=gen).item()
+    plan = plan_credit(
+        tokens, algorithm(entropy_mask={"enabled": True, "rho": rho}), LocalReducer()
+    )
+    valid = tokens.mask > 0
+    tau = torch.quantile(tokens.cur_entropy[valid], 1 - rho)
+    kept = valid & (tokens.cur_entropy >= tau)
+    assert torch.equal(entropy_top_mask(tokens.cur_entropy, tokens.mask, rho), kept)
+    n_valid = valid.sum().item()
+    torch.testing.assert_close(plan.stages[0], kept.to(F64) / n_valid, rtol=1e-15, atol=0)
+    assert plan.stats["trained_frac"] == pytest.approx(rho, abs=1.5 / n_valid)
+
+
+# ----- property 8: dfpo weights ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", [min_replace, adv_orthogonal])
+def test_dfpo_weight_transforms_are_orthogonal_to_a_and_detached(gen, transform):
+    tokens = random_tokens(gen, num_groups=8, equal_groups=1)
+    w = (1 + 0.3 * torch.randn(tokens.advantages.shape, generator=gen, dtype=F64)).requires_grad_()
+    w_tilde = transform(w, tokens.advantages, tokens.group_ids)
+    assert not w_tilde.requires_grad
+    for gid in tokens.group_ids.unique():
+        idx = tokens.group_ids == gid
+        a, wg, wt = tokens.advantages[idx], w.detach()[idx], w_tilde[idx]
+        assert abs(torch.dot(a, wt).item()) <= 1e-12 * (a.abs().sum() * wt.abs().max()).item()
+        if transform is min_replace:
+            assert torch.equal(wt, torch.full_like(wt, wg.min().item()))
+        elif a.abs().sum() > 0:
+            expected = wg - (torch.dot(a, wg) / torch.dot(a, a)) * a
+            torch.testing.assert_close(wt, expected, rtol=1e-13, atol=1e-15)
+        else:
+            assert torch.equal(wt, wg)
+
+
+@pytest.mark.parametrize("transform", ["min_replace", "adv_orthogonal"])
+def test_dfpo_plan_folds_the_group_weight_into_a(gen, transform):
+    tokens = random_tokens(gen)
+    plan = plan_credit(
+        tokens, algorithm(loss="dfpo", dfpo={"weight_transform": transform}), LocalReducer()
+    )
+    valid = tokens.mask > 0
+    w = torch.tensor(
+        [
+            math.exp(((tokens.cur_logp[i] - tokens.old_logp[i])[valid[i]]).mean().item())
+            for i in range(len(valid))
+        ],
+        dtype=F64,
+    )
+    w_tilde = {"min_replace": min_replace, "adv_orthogonal": adv_orthogonal}[transform](
+        w, tokens.advantages, tokens.group_ids
+    )
+    expected = torch.where(valid, (tokens.advantages * w_tilde)[:, None].expand_as(valid), 0.0)
+    torch.testing.assert_close(plan.token_adv, expected, rtol=1e-12, atol=1e-15)
+    assert not plan.token_adv.requires_grad
+
+
+def test_dfpo_with_seq_mean_token_mean_is_refused():
+    with pytest.raises(ConfigError):
+        build_config({"algorithm": {"loss": "dfpo", "aggregation": "seq_mean_token_mean"}})
+
+
+# ----- low-probability diagnostics ------------------------------------------------------------
+
+
+def test_lowprob_stats_match_loop(gen):
+    tokens = random_tokens(gen)
+    eta = 0.001 + 0.5 * torch.rand((), generator=gen).item()
+    plan = plan_credit(tokens, algorithm(lowprob_eta=eta), LocalReducer())
+    low = total = low_norm = total_norm = 0.0
+    for i, t in torch.nonzero(tokens.mask > 0).tolist():
+        p = math.exp(tokens.cur_logp[i, t].item())
+        norm = abs(tokens.advantages[i].item()) * math.sqrt(
+            1 - 2 * p + tokens.cur_sum_p2[i, t].item()
+        )
+        total += 1
+        total_norm += norm
+        if p < eta:
+            low += 1
+            low_norm += norm
+    assert plan.stats["lowprob_frac"] == pytest.approx(low / total)
+    assert plan.stats["lowprob_grad_share"] == pytest.approx(low_norm / total_norm, rel=1e-10)
