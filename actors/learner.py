@@ -46,6 +46,7 @@ class LearnerGroup:
 
     def __init__(self, cfg: Config, model_path: str):
         self.cfg = cfg
+        self.model_path = model_path
         res = cfg.learner.resources
         n = cfg.learner.num_ranks
         bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}

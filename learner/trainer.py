@@ -16,7 +16,7 @@ from groupflow.records import TrainSequence
 from learner.credit import CreditPlan, MiniBatchTokens, plan_credit
 from learner.device import Device
 from learner.losses import token_loss
-from learner.token_stats import token_stats
+from learner.token_stats import TokenStats, token_stats
 
 
 @dataclass
@@ -45,25 +45,36 @@ class StepResult:
     token_grads: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
 
 
+@dataclass
+class BehaviourTokens:
+    """Per-sequence quantities fixed before the update: old policy (and reference) log-probs."""
+
+    stats: TokenStats
+    ref_logp: torch.Tensor | None
+
+
 class DistributedReducer:
     """torch.distributed reductions for the credit planner."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         import torch.distributed as dist
 
         out = t.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=op)
         return out
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        return self._all_reduce(t, dist.ReduceOp.SUM)
 
     def max(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        out = t.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-        return out
+        return self._all_reduce(t, dist.ReduceOp.MAX)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -78,15 +89,11 @@ def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.optimizer.max_grad_norm,
-        "zero_optimization": {
-            "stage": cfg.zero_stage,
-            "stage3_gather_16bit_weights_on_model_save": False,
-        },
+        "zero_optimization": {"stage": cfg.zero_stage},
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
     }
 
 
@@ -102,7 +109,6 @@ class LearnerRank:
             MASTER_PORT=str(setup.master_port),
         )
         import deepspeed
-        from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
         deepspeed.init_distributed(dist_backend=setup.device.backend, verbose=False)
@@ -110,24 +116,36 @@ class LearnerRank:
         ds_config = deepspeed_config(cfg, setup.dtype)
         # Alive during from_pretrained, this makes transformers load straight into ZeRO-3 shards.
         self._hf_ds_config = HfDeepSpeedConfig(ds_config)
-        model = AutoModelForCausalLM.from_pretrained(
-            setup.model_path, dtype=getattr(torch, setup.dtype)
-        )
-        model.config.use_cache = False
+        model = self._load_model()
         opt = cfg.optimizer
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
         )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        # The frozen reference policy costs a second sharded copy: only when KL is on.
+        self.reference = None
+        if algo.kl.coef > 0:
+            self.reference, *_ = deepspeed.initialize(model=self._load_model(), config=ds_config)
+            self.reference.eval()
         self.reducer = DistributedReducer(setup.world_size)
         self.device = setup.device.torch_device()
-        self.version = 0
+
+    def _load_model(self):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            self.setup.model_path, dtype=getattr(torch, self.setup.dtype)
+        )
+        model.config.use_cache = False
+        return model
 
     # ----- forward -------------------------------------------------------------------------
-    def _forward(self, seqs: list[TrainSequence], grad: bool):
-        """Per-sequence TokenStats of the response tokens; an empty list still runs a forward
-        on one token because ZeRO-3 ranks must all take part in every parameter gather."""
-        dummy = not seqs
+    def _forward(
+        self, engine, seqs: list[TrainSequence], grad: bool
+    ) -> tuple[list[TokenStats], torch.Tensor | None]:
+        """Per-sequence TokenStats of the response tokens. An empty micro-batch still runs a
+        forward on one token (and returns its zero loss) because ZeRO-3 ranks must all take
+        part in every parameter gather."""
         rows = [s.input_ids for s in seqs] or [[0]]
         width = max(map(len, rows))
         ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -137,8 +155,8 @@ class LearnerRank:
             attention[r, : len(row)] = 1
         ids, attention = ids.to(self.device), attention.to(self.device)
         with torch.set_grad_enabled(grad):
-            logits = self.engine(input_ids=ids, attention_mask=attention).logits
-            if dummy:
+            logits = engine(input_ids=ids, attention_mask=attention).logits
+            if not seqs:
                 return [], logits.sum() * 0.0
             # position t predicts token t+1: select each response's predicting positions
             rows_idx, pos_idx = [], []
@@ -148,62 +166,71 @@ class LearnerRank:
                 pos_idx.append(positions)
             rows_t, pos_t = torch.cat(rows_idx).to(self.device), torch.cat(pos_idx).to(self.device)
             stats = token_stats(
-                logits[rows_t, pos_t], ids[rows_t, pos_t + 1], self.setup.temperature
+                logits[rows_t, pos_t],
+                ids[rows_t, pos_t + 1],
+                self.setup.temperature,
+                entropy_grad=grad and self.algo.entropy_coef != 0,
             )
         sizes = [s.num_response_tokens for s in seqs]
-        return [
-            (lp, ent, sp)
-            for lp, ent, sp in zip(
-                stats.logp.split(sizes),
-                stats.entropy.split(sizes),
-                stats.sum_p2.split(sizes),
-                strict=True,
-            )
-        ], None
+        parts = zip(
+            stats.logp.split(sizes),
+            stats.entropy.split(sizes),
+            stats.sum_p2.split(sizes),
+            strict=True,
+        )
+        return [TokenStats(*p) for p in parts], None
 
-    def _no_grad_pass(self, micro_batches: list[list[TrainSequence]]):
-        out = []
+    def _no_grad_stats(self, engine, micro_batches: list[list[TrainSequence]]) -> list[TokenStats]:
+        out: list[TokenStats] = []
         for mb in micro_batches:
-            per_seq, _ = self._forward(mb, grad=False)
-            out.extend((lp.detach(), ent, sp) for lp, ent, sp in per_seq)
+            out.extend(self._forward(engine, mb, grad=False)[0])
         return out
+
+    def _behaviour(self, micro_batches: list[list[TrainSequence]]) -> list[BehaviourTokens]:
+        old = self._no_grad_stats(self.engine, micro_batches)
+        if self.reference is None:
+            return [BehaviourTokens(s, None) for s in old]
+        ref = self._no_grad_stats(self.reference, micro_batches)
+        return [BehaviourTokens(s, r.logp) for s, r in zip(old, ref, strict=True)]
 
     # ----- one step ------------------------------------------------------------------------
     def train_step(self, minibatches: list[list[list[TrainSequence]]]) -> StepResult:
         """minibatches[m][k] = this rank's k-th micro-batch of mini-batch m."""
         self.engine.train()
         result = StepResult()
-        old = [self._no_grad_pass(mini) for mini in minibatches]
+        # old_logp (and ref_logp) are fixed for the whole step, Lopti's two stages included.
+        behaviour = [self._behaviour(mini) for mini in minibatches]
         for m, mini in enumerate(minibatches):
             seqs = [s for mb in mini for s in mb]
+            old = [b.stats for b in behaviour[m]]
             # The first mini-batch sees the parameters that produced old_logp; later ones don't.
-            cur = old[m] if m == 0 else self._no_grad_pass(mini)
-            plan = plan_credit(_pad_tokens(seqs, old[m], cur, self.device), self.algo, self.reducer)
+            cur = old if m == 0 else self._no_grad_stats(self.engine, mini)
+            plan = plan_credit(_pad_tokens(seqs, old, cur, self.device), self.algo, self.reducer)
             result.plan_stats.append(plan.stats)
-            self._accumulate_old_stats(result, seqs, old[m])
+            self._record_behaviour(result, seqs, old)
             grads = [torch.zeros(s.num_response_tokens, dtype=torch.float64) for s in seqs]
             for stage in plan.stages:
-                self._update(mini, old[m], plan, stage, result, grads)
+                self._update(mini, behaviour[m], plan, stage, result, grads)
             result.token_grads.extend(
                 (s.group_id, s.input_ids[s.prompt_len :], g.tolist())
                 for s, g in zip(seqs, grads, strict=True)
             )
         return result
 
-    def _update(self, mini, old, plan: CreditPlan, stage: torch.Tensor, result: StepResult, grads):
+    def _update(self, mini, behaviour, plan: CreditPlan, stage, result: StepResult, grads) -> None:
+        """One optimizer update over the mini-batch's micro-batches with stage coefficients."""
         offset = 0
-        last = len(mini) - 1
         for k, mb in enumerate(mini):
-            per_seq, dummy_loss = self._forward(mb, grad=True)
+            per_seq, empty_loss = self._forward(self.engine, mb, grad=True)
             logp = None
-            if dummy_loss is not None:
-                loss = dummy_loss
+            if empty_loss is not None:
+                loss = empty_loss
             else:
                 rows = slice(offset, offset + len(mb))
-                loss, logp = self._micro_loss(per_seq, old[rows], plan, stage, rows, result)
+                loss, logp = self._micro_loss(per_seq, behaviour[rows], plan, stage, rows, result)
             # DeepSpeed averages gradients over ranks; the coefficients already hold the global
             # denominator, so undo the average to get the plain sum over ranks.
-            self.engine.set_gradient_accumulation_boundary(k == last)
+            self.engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
             self.engine.backward(loss * self.setup.world_size, scale_wrt_gas=False)
             if logp is not None:
                 g = logp.grad.detach().double().cpu() / self.setup.world_size
@@ -215,37 +242,48 @@ class LearnerRank:
         norm = self.engine.get_global_grad_norm()
         result.grad_norms.append(float(norm) if norm is not None else float("nan"))
 
-    def _micro_loss(self, per_seq, old_rows, plan, stage, rows, result):
-        logp = _pad([lp for lp, _, _ in per_seq], self.device)
-        logp.retain_grad()
-        old_logp = _pad([lp for lp, _, _ in old_rows], self.device)
-        mask = _pad([torch.ones_like(lp) for lp, _, _ in per_seq], self.device)
+    def _micro_loss(self, per_seq: list[TokenStats], behaviour, plan, stage, rows, result):
+        logp = _pad([s.logp for s in per_seq], self.device)
+        logp.retain_grad()  # dLoss/dlogp per token feeds the cancellation diagnostic
+        old_logp = _pad([b.stats.logp for b in behaviour], self.device)
+        ref_logp = None
+        if self.reference is not None:
+            ref_logp = _pad([b.ref_logp for b in behaviour], self.device)
+        entropy = _pad([s.entropy for s in per_seq], self.device)
+        mask = _pad([torch.ones_like(s.logp) for s in per_seq], self.device)
         width = logp.shape[1]
-        adv = plan.token_adv[rows, :width]
-        coef = stage[rows, :width]
-        out = token_loss(logp, old_logp, adv, mask, self.algo)
-        loss = (coef * out.loss).sum()
+        out = token_loss(
+            logp,
+            old_logp,
+            plan.token_adv[rows, :width],
+            mask,
+            self.algo,
+            ref_logp=ref_logp,
+            entropy=entropy if self.algo.entropy_coef != 0 else None,
+        )
+        loss = (stage[rows, :width] * out.loss).sum()
         valid = mask.bool()
         _add(result.sums, "clip_low", out.clipped_low[valid].sum().item())
         _add(result.sums, "clip_high", out.clipped_high[valid].sum().item())
-        _add(result.counts, "clip_tokens", valid.sum().item())
+        _add(result.sums, "kl_ref", out.kl[valid].sum().item())
+        _add(result.counts, "update_tokens", valid.sum().item())
         # k2 estimate of KL(old || current) on the tokens as they are about to be updated
-        _add(result.sums, "approx_kl", (0.5 * (logp.detach() - old_logp) ** 2)[valid].sum().item())
+        approx_kl = 0.5 * (logp.detach() - old_logp) ** 2
+        _add(result.sums, "approx_kl", approx_kl[valid].sum().item())
         return loss, logp
 
-    def _accumulate_old_stats(self, result: StepResult, seqs, old) -> None:
-        for s, (lp, ent, _) in zip(seqs, old, strict=True):
-            key = "pos" if s.advantage > 0 else "neg" if s.advantage < 0 else "zero"
-            _add(result.sums, "entropy", ent.sum().item())
-            _add(result.sums, f"entropy_{key}", ent.sum().item())
-            _add(result.counts, "tokens", len(ent))
-            _add(result.counts, f"tokens_{key}", len(ent))
+    def _record_behaviour(self, result: StepResult, seqs, old: list[TokenStats]) -> None:
+        for s, stats in zip(seqs, old, strict=True):
+            sign = "pos" if s.advantage > 0 else "neg" if s.advantage < 0 else "zero"
+            for key in ("", f"_{sign}"):
+                _add(result.sums, f"entropy{key}", stats.entropy.sum().item())
+                _add(result.counts, f"tokens{key}", len(stats.entropy))
             if s.vllm_logprobs:
-                diff = (lp - torch.tensor(s.vllm_logprobs, dtype=lp.dtype)).abs()
+                vllm = torch.tensor(s.vllm_logprobs, dtype=stats.logp.dtype)
+                diff = (stats.logp.cpu() - vllm).abs()
                 _add(result.sums, "logp_mismatch", diff.sum().item())
-                result.sums["logp_mismatch_max"] = max(
-                    result.sums.get("logp_mismatch_max", 0.0), diff.max().item()
-                )
+                worst = max(result.sums.get("logp_mismatch_max", 0.0), diff.max().item())
+                result.sums["logp_mismatch_max"] = worst
 
     # ----- weights ---------------------------------------------------------------------------
     def gathered_weights(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -276,12 +314,12 @@ def _pad(rows: list[torch.Tensor], device) -> torch.Tensor:
 
 def _pad_tokens(seqs: list[TrainSequence], old, cur, device) -> MiniBatchTokens:
     return MiniBatchTokens(
-        mask=_pad([torch.ones_like(lp) for lp, _, _ in old], device),
-        old_logp=_pad([lp for lp, _, _ in old], device),
-        cur_logp=_pad([lp for lp, _, _ in cur], device),
-        old_entropy=_pad([ent for _, ent, _ in old], device),
-        cur_entropy=_pad([ent for _, ent, _ in cur], device),
-        cur_sum_p2=_pad([sp for _, _, sp in cur], device),
+        mask=_pad([torch.ones_like(s.logp) for s in old], device),
+        old_logp=_pad([s.logp for s in old], device),
+        cur_logp=_pad([s.logp for s in cur], device),
+        old_entropy=_pad([s.entropy for s in old], device),
+        cur_entropy=_pad([s.entropy for s in cur], device),
+        cur_sum_p2=_pad([s.sum_p2 for s in cur], device),
         advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float32, device=device),
         group_ids=torch.tensor([s.group_id for s in seqs], dtype=torch.long, device=device),
     )

@@ -101,3 +101,46 @@ def test_vllm_logprobs_match_the_learner(stack):
     worst = max(r.sums["logp_mismatch_max"] for r in results)
     mean = sum(r.sums["logp_mismatch"] for r in results) / sum(r.counts["tokens"] for r in results)
     assert worst < 1e-3, (worst, mean)
+
+
+def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
+    """Same loss, same parameters: 2 ZeRO-3 ranks x 3 micro-batches vs one plain-torch batch."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.credit import LocalReducer, plan_credit
+    from learner.token_stats import token_stats
+    from learner.trainer import _pad_tokens
+
+    cfg, engines, learner = stack
+    seqs = _sample_sequences(engines, n_prompts=6, group_size=4, seed=2)
+    weights = dict(ray.get(learner.publish_weights()))
+
+    model = AutoModelForCausalLM.from_pretrained(learner.model_path, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    per_seq = []
+    for s in seqs:
+        logits = model(input_ids=torch.tensor([s.input_ids])).logits[0]
+        pos = torch.arange(s.prompt_len - 1, len(s.input_ids) - 1)
+        per_seq.append(token_stats(logits[pos], torch.tensor(s.input_ids)[pos + 1], 1.0))
+    frozen = [type(t)(t.logp.detach(), t.entropy, t.sum_p2) for t in per_seq]
+    plan = plan_credit(_pad_tokens(seqs, frozen, frozen, "cpu"), cfg.algorithm, LocalReducer())
+    from learner.losses import token_loss
+
+    logp = torch.nn.utils.rnn.pad_sequence([t.logp for t in per_seq], batch_first=True)
+    old = torch.nn.utils.rnn.pad_sequence([t.logp for t in frozen], batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence(
+        [torch.ones_like(t.logp) for t in per_seq], batch_first=True
+    )
+    loss = (plan.stages[0] * token_loss(logp, old, plan.token_adv, mask, cfg.algorithm).loss).sum()
+    loss.backward()
+    expected = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
+
+    # groups 0-2 on rank 0, groups 3-5 on rank 1; each rank's share in 3 uneven micro-batches
+    rank0, rank1 = seqs[:12], seqs[12:]
+    shares = [[[rank0[:2], rank0[2:9], rank0[9:]]], [[rank1[:5], rank1[5:6], rank1[6:]]]]
+    results = ray.get(
+        [r.train_step.remote(sh) for r, sh in zip(learner.ranks, shares, strict=True)]
+    )
+    got = results[0].grad_norms[0]
+    assert got == pytest.approx(expected.item(), rel=1e-4), (got, expected.item())
