@@ -6,8 +6,18 @@ from typing import Any
 
 from reward_workers.tasks.arithmetic import ArithmeticTask
 from reward_workers.tasks.base import Task
+from reward_workers.tasks.code_problems import CodeTask
+from reward_workers.tasks.countdown import CountdownTask
+from reward_workers.tasks.knights import KnightsAndKnavesTask
+from reward_workers.tasks.math_problems import MathTask
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask}
+TASKS: dict[str, type] = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "knights_and_knaves": KnightsAndKnavesTask,
+    "math": MathTask,
+    "code": CodeTask,
+}
 
 
 def make_task(name: str, options: dict[str, Any] | None = None) -> Task:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from reward_workers.tasks.base import is_held_out
@@ -51,6 +52,11 @@ class ArithmeticTask:
                 if len(seen) == n:
                     break
         return list(seen.values())
+
+    def parse_answer(self, raw: Any) -> int:
+        if type(raw) is not int:
+            raise ValueError(f"expected an integer, got {type(raw).__name__}")
+        return raw
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         match = _LEADING_INT.match(response)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from groupflow.records import Prompt, Verdict
 
@@ -20,6 +20,10 @@ class Task(Protocol):
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         """Score one response in [0, 1] with a reason."""
+
+    def parse_answer(self, raw: Any) -> Any:
+        """Validate and convert a ground-truth answer read from a file (JSON); ValueError
+        with a short reason when it is malformed."""
 
 
 def is_held_out(key: str, fraction: float = 0.1) -> bool:

@@ -1,0 +1,158 @@
+"""Prompts from a dataset file: JSONL (one object a line) or Parquet, with a field mapping.
+
+The mapping says which column holds each of our fields, e.g. {"prompt": "question",
+"answer": "solution"}; a dotted name reaches into nested objects ("reward_model.ground_truth").
+A malformed row stops loading with a one-line ValueError naming file, line and field, or,
+with skip_bad=True, is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from groupflow.records import Prompt
+
+FIELDS = ("prompt", "answer", "uid")
+REQUIRED_FIELDS = ("prompt", "answer")
+
+
+class BadRow(ValueError):
+    """One malformed row; str() is the one-line message naming file, line and field."""
+
+
+@dataclass
+class LoadedPrompts:
+    prompts: list[Prompt]
+    skipped: int
+
+
+def load_prompts(
+    path: str | Path,
+    fields: Mapping[str, str] | None = None,
+    *,
+    skip_bad: bool = False,
+    parse_answer: Callable[[Any], Any] | None = None,
+) -> LoadedPrompts:
+    """Read every row of the file as a Prompt; parse_answer validates/converts the answer."""
+    mapping = resolve_fields(fields)
+    prompts, skipped = [], 0
+    for line, record in read_records(path):
+        try:
+            prompts.append(prompt_from_record(path, line, record, mapping, parse_answer))
+        except BadRow:
+            if not skip_bad:
+                raise
+            skipped += 1
+    return LoadedPrompts(prompts, skipped)
+
+
+def resolve_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
+    """Our field name -> the file's column name, defaulting to the same name."""
+    mapping = {name: name for name in FIELDS}
+    for key, column in (fields or {}).items():
+        if key not in FIELDS:
+            raise ValueError(f"dataset fields: unknown key {key!r}; use {', '.join(FIELDS)}")
+        if not isinstance(column, str) or not column:
+            raise ValueError(f"dataset fields: {key!r} must name a column (got {column!r})")
+        mapping[key] = column
+    return mapping
+
+
+def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line or row number from 1, record) for each row; a record that is not valid JSON
+    arrives as a BadRow instance so that callers decide whether to stop or skip."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return _jsonl_records(path)
+    if suffix in (".parquet", ".pq"):
+        return _parquet_records(path)
+    raise ValueError(f"{path}: unknown dataset format (use .jsonl or .parquet)")
+
+
+def prompt_from_record(
+    path: str | Path,
+    line: int,
+    record: Any,
+    mapping: Mapping[str, str],
+    parse_answer: Callable[[Any], Any] | None = None,
+) -> Prompt:
+    if isinstance(record, BadRow):
+        raise record
+    if not isinstance(record, dict):
+        raise BadRow(f"{path}:{line}: expected an object, got {type(record).__name__}")
+
+    def fail(field: str, problem: str) -> BadRow:
+        return BadRow(f"{path}:{line}: field {mapping[field]!r} ({field}): {problem}")
+
+    values = {}
+    for field in FIELDS:
+        found, value = _lookup(record, mapping[field])
+        if not found or value is None:
+            if field in REQUIRED_FIELDS:
+                raise fail(field, "missing")
+            continue
+        values[field] = value
+    text = values["prompt"]
+    if not isinstance(text, str) or not text.strip():
+        raise fail("prompt", f"expected non-empty text, got {_describe(text)}")
+    answer = values["answer"]
+    if parse_answer is not None:
+        try:
+            answer = parse_answer(answer)
+        except (ValueError, TypeError) as err:
+            raise fail("answer", str(err)) from None
+    uid = values.get("uid", f"{Path(path).name}:{line}")
+    if not isinstance(uid, str | int) or isinstance(uid, bool):
+        raise fail("uid", f"expected text or an integer, got {_describe(uid)}")
+    return Prompt(uid=str(uid), text=text, answer=answer)
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open("rb") as f:
+        for line, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield line, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield line, BadRow(f"{path}:{line}: not valid UTF-8")
+            except json.JSONDecodeError as err:
+                yield line, BadRow(f"{path}:{line}: not valid JSON ({err.msg})")
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq  # only datasets in Parquet pay for the import
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                row += 1
+                yield row, record
+    except Exception as err:  # pyarrow raises several types for unreadable files
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{path}: not a readable Parquet file ({first_line})") from None
+
+
+def _lookup(record: dict, column: str) -> tuple[bool, Any]:
+    if column in record:
+        return True, record[column]
+    value: Any = record
+    for part in column.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

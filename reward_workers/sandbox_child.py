@@ -1,0 +1,154 @@
+"""The first code that runs inside the sandbox: set up, drop privileges, guard, run the program.
+
+reward_workers/sandbox.py starts it as `python -I -S -B -c <this file's text> <config json>`
+with the program's source on stdin; it is never imported. Standard library only: it may run
+on a different interpreter than the trainer's (one an unprivileged user can read).
+
+The audit hook is the in-process layer of the sandbox: it refuses what the kernel layers
+(namespaces, an unprivileged uid, rlimits) may not cover where they are unavailable. Audit
+hooks are not a security boundary on their own (PEP 578), so the hook keeps its settings in
+a closure that the program cannot reach (no globals, gc and tracing refused).
+"""
+
+import json
+import os
+import re
+import sys
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise SystemExit("sandbox: could not drop privileges")
+
+
+def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
+    root = os.path.realpath(workdir)
+    own_proc = f"/proc/{os.getpid()}/"
+    other_proc = re.compile(r"/proc/\d+(/|$)")
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    refused = {
+        # network (also cut off by the network namespace when there is one)
+        "socket.__new__",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyname_ex",
+        "socket.gethostbyaddr",
+        "socket.getnameinfo",
+        # ways to reach this hook's closure or forge code objects
+        "sys.settrace",
+        "sys.setprofile",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "code.__new__",
+        # symlinks would let a path that looks inside the workdir lead outside it
+        "os.symlink",
+        # signals to process groups (os.kill is allowed for the program's own pid only)
+        "os.killpg",
+    }
+    if not allow_subprocess:
+        refused |= {
+            "os.fork",
+            "os.forkpty",
+            "os.system",
+            "os.exec",
+            "os.posix_spawn",
+            "os.spawn",
+            "subprocess.Popen",
+            "pty.spawn",
+        }
+    # _posixsubprocess.fork_exec raises no audit event, and ctypes can do anything.
+    refused_modules = {"ctypes", "_ctypes"} | (set() if allow_subprocess else {"_posixsubprocess"})
+    # event -> (positions of paths that must stay inside the workdir, positions of dir_fd args)
+    path_events = {
+        "os.remove": ((0,), (1,)),
+        "os.rmdir": ((0,), (1,)),
+        "os.mkdir": ((0,), (2,)),
+        "os.rename": ((0, 1), (2, 3)),
+        "os.link": ((0, 1), (2, 3)),
+        "os.chmod": ((0,), (2,)),
+        "os.chown": ((0,), (3,)),
+        "os.chflags": ((0,), ()),
+        "os.truncate": ((0,), ()),
+        "os.utime": ((0,), (3,)),
+        "os.setxattr": ((0,), ()),
+        "os.removexattr": ((0,), ()),
+        "os.chdir": ((0,), ()),
+        "sqlite3.connect": ((0,), ()),
+    }
+
+    def resolve(path: object) -> str | None:
+        if isinstance(path, int):  # a descriptor: where it points
+            try:
+                return os.readlink(f"/proc/self/fd/{path}")
+            except OSError:
+                return None
+        try:
+            return os.path.realpath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return None
+
+    def inside(path: str | None) -> bool:
+        return path is not None and (path == root or path.startswith(root + "/"))
+
+    def check_open(path: object, mode: str | None, flags: int) -> None:
+        if isinstance(path, int):  # wrapping a descriptor opened earlier (and checked then)
+            return
+        resolved = resolve(path)
+        if resolved is None:
+            raise PermissionError("sandbox: unresolvable path")
+        writing = (mode is not None and any(c in mode for c in "wax+")) or flags & write_flags
+        if writing and not inside(resolved):
+            raise PermissionError(f"sandbox: writing outside the work directory: {resolved}")
+        if other_proc.match(resolved) and not resolved.startswith(own_proc):
+            raise PermissionError("sandbox: other processes are off limits")
+        # os.open of an outside directory would give a dir_fd that escapes the path checks
+        if mode is None and not inside(resolved) and os.path.isdir(resolved):
+            raise PermissionError("sandbox: directory descriptors outside the work directory")
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            check_open(*args[:3])
+        elif event in refused:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        elif event == "import":
+            if args[0].partition(".")[0] in refused_modules:
+                raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+        elif event == "os.kill":
+            if args[0] != os.getpid():
+                raise PermissionError("sandbox: signalling other processes is not allowed")
+        elif event in path_events:
+            paths, dir_fds = path_events[event]
+            if any(i < len(args) and args[i] is not None for i in dir_fds):
+                raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
+            for i in paths:
+                if not inside(resolve(args[i])):
+                    raise PermissionError(f"sandbox: {event} outside the work directory")
+
+    sys.addaudithook(hook)
+
+
+def _main() -> None:
+    config = json.loads(sys.argv[1])
+    source = sys.stdin.buffer.read()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    workdir, uid, gid = config["workdir"], config["uid"], config["gid"]
+    if config["create_workdir"]:  # inside the private tmpfs of the mount namespace
+        os.mkdir(workdir, 0o700)
+        if uid is not None:
+            os.chown(workdir, uid, gid)
+    os.chdir(workdir)
+    if uid is not None:
+        _drop_privileges(uid, gid)
+    code = compile(source, "<program>", "exec")
+    _install_audit_hook(workdir, config["allow_subprocess"])
+    sys.argv = ["<program>"]
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+_main()

@@ -1,0 +1,97 @@
+"""`groupflow score`: score responses from a JSONL file with a task's verifier or a plugin.
+
+Each input line is a JSON object with the prompt fields ("prompt", "answer", optional "uid")
+and "response". Every line is checked before anything is scored, so a bad line costs no
+work: it gets a one-line error naming file and line, and exit code 2. Output: one JSON line
+per response with its reward and reason; a summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from groupflow.records import Prompt
+from reward_workers.datasets import BadRow, prompt_from_record, read_records, resolve_fields
+from reward_workers.scorer import Scorer
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed usage or help already
+        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
+    try:
+        options = dict(_parse_option(text) for text in args.option)
+        scorer = Scorer(args.task, options, plugin=args.plugin, timeout_s=args.timeout)
+        items = _read_input(args.input, scorer)
+    except ValueError as err:
+        print(f"groupflow score: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    total = 0.0
+    for line, prompt, response in items:
+        verdict = scorer.score_response(prompt, response)
+        total += verdict.reward
+        out = {"line": line, "uid": prompt.uid, "reward": verdict.reward, "reason": verdict.reason}
+        if verdict.error is not None:
+            out["error"] = verdict.error
+        print(json.dumps(out, ensure_ascii=False), flush=True)
+    mean = total / len(items) if items else 0.0
+    print(
+        f"groupflow score: {len(items)} responses, mean reward {mean:.4f}, "
+        f"{scorer.errors} errors, {scorer.timeouts} timeouts",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="groupflow score",
+        description="Score responses with a task's verifier or a reward plugin.",
+    )
+    parser.add_argument("--task", required=True, help="a built-in task name")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a task option; VALUE is read as JSON when it parses (3, true, [1,2]), else as text",
+    )
+    parser.add_argument("--input", required=True, help="JSONL file: prompt fields plus 'response'")
+    parser.add_argument("--plugin", help="reward plugin 'module:function' or 'file.py:function'")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per plugin call")
+    return parser
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--option {text!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _read_input(path: str, scorer: Scorer) -> list[tuple[int, Prompt, str]]:
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"{path}: expected a .jsonl file")
+    mapping = resolve_fields(None)
+    items = []
+    for line, record in read_records(path):
+        prompt = prompt_from_record(path, line, record, mapping, scorer.task.parse_answer)
+        response = record.get("response")
+        if not isinstance(response, str):
+            found = (
+                "missing" if response is None else f"expected text, got {type(response).__name__}"
+            )
+            raise BadRow(f"{path}:{line}: field 'response': {found}")
+        items.append((line, prompt, response))
+    return items

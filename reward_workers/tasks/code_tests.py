@@ -1,0 +1,140 @@
+"""Run a model-written Python function against input/output test cases in the sandbox.
+
+A test case is {"args": [...], "expected": ...} in JSON terms. The function runs in the
+sandbox (reward_workers.sandbox) on every case's arguments; its return values come back as
+JSON and are compared here, floats with a small tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reward_workers.sandbox import Limits, run_python
+
+_HARNESS = (Path(__file__).parent / "code_harness_child.py").read_text()
+_FENCED = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class TestOutcome:
+    passed: int
+    total: int
+    first_failure: str | None
+    timed_out: bool
+
+
+def parse_spec(raw: Any) -> dict[str, Any]:
+    """Validate {"entry_point": name, "tests": [{"args": [...], "expected": ...}, ...]}."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"tests are not valid JSON ({err.msg})") from None
+    if not isinstance(raw, dict) or set(raw) != {"entry_point", "tests"}:
+        raise ValueError('expected {"entry_point": ..., "tests": [...]}')
+    entry_point, tests = raw["entry_point"], raw["tests"]
+    if not isinstance(entry_point, str) or not _IDENTIFIER.fullmatch(entry_point):
+        raise ValueError(f"entry_point must be a function name (got {entry_point!r})")
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("tests must be a non-empty list")
+    for test in tests:
+        if (
+            not isinstance(test, dict)
+            or set(test) != {"args", "expected"}
+            or not isinstance(test["args"], list)
+        ):
+            raise ValueError('every test must be {"args": [...], "expected": ...}')
+    return {"entry_point": entry_point, "tests": tests}
+
+
+def extract_code(response: str) -> str | None:
+    """The last fenced code block (an unclosed one at the end counts, as generation may stop
+    mid-block), else the whole response if it defines a function."""
+    blocks = _FENCED.findall(response)
+    if blocks:
+        return blocks[-1]
+    return response if "def " in response else None
+
+
+def run_tests(
+    code: str, spec: dict[str, Any], *, timeout_s: float, case_timeout_s: float, memory_mb: int
+) -> TestOutcome:
+    """Run every case in one sandboxed program: timeout_s bounds the whole run,
+    case_timeout_s each call (so one endless case does not cost the others)."""
+    tests = spec["tests"]
+    cases_json = json.dumps([test["args"] for test in tests])
+    call = f"\nrun({code!r}, {spec['entry_point']!r}, {cases_json!r}, {float(case_timeout_s)!r})\n"
+    limits = Limits(wall_s=timeout_s, cpu_s=math.ceil(timeout_s), memory_mb=memory_mb)
+    result = run_python(_HARNESS + call, limits)
+
+    reports: dict[int, dict[str, Any]] = {}
+    load_error = None
+    for line in result.stdout.splitlines():
+        try:
+            report = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a result line cut off at the output limit counts as missing
+        if not isinstance(report, dict):
+            continue
+        if "load_error" in report:
+            load_error = str(report["load_error"])
+        elif isinstance(report.get("case"), int):
+            reports.setdefault(report["case"], report)
+    if load_error is not None:
+        return TestOutcome(0, len(tests), f"solution did not load: {load_error}", result.timed_out)
+
+    passed, first_failure = 0, None
+    for case, test in enumerate(tests):
+        report = reports.get(case)
+        if (
+            report is not None
+            and "value" in report
+            and same_value(report["value"], test["expected"])
+        ):
+            passed += 1
+            continue
+        if first_failure is None:
+            first_failure = _describe_failure(spec["entry_point"], test, report, result.timed_out)
+    return TestOutcome(passed, len(tests), first_failure, result.timed_out)
+
+
+def same_value(got: Any, expected: Any) -> bool:
+    """JSON values equal, with floats compared to a relative/absolute tolerance of 1e-9
+    and booleans never equal to numbers."""
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is type(expected) and got == expected
+    if isinstance(got, int | float) and isinstance(expected, int | float):
+        if isinstance(got, float) or isinstance(expected, float):
+            return math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9)
+        return got == expected
+    if isinstance(got, list) and isinstance(expected, list):
+        return len(got) == len(expected) and all(map(same_value, got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(same_value(got[k], expected[k]) for k in got)
+    return type(got) is type(expected) and got == expected
+
+
+def _describe_failure(
+    entry_point: str, test: dict[str, Any], report: dict | None, timed_out: bool
+) -> str:
+    call = f"{entry_point}({', '.join(json.dumps(a) for a in test['args'])})"
+    if report is None:
+        what = (
+            "got no result (the program timed out)"
+            if timed_out
+            else "got no result (the program died)"
+        )
+    elif "failed" in report:
+        what = str(report["failed"])
+    else:
+        what = (
+            f"returned {json.dumps(report.get('value'))}, expected {json.dumps(test['expected'])}"
+        )
+    text = f"{call} {what}"
+    return text if len(text) <= 200 else text[:197] + "..."

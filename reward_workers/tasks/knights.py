@@ -1,0 +1,239 @@
+"""Knights and knaves: logic puzzles with a unique solution, in the style of the K&K benchmark.
+
+Knights always tell the truth, knaves always lie. Each inhabitant makes one statement built
+from "X is a knight/knave" with not / and / or / if-then / if-and-only-if, nested up to
+`depth`. A puzzle is kept only if exactly one assignment of roles makes every knight's
+statement true and every knave's false (checked by brute force over all 2^n assignments).
+The verifier reads the model's assignment ("A is a knight, B is a knave" and variants).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from groupflow.records import Prompt, Verdict
+from reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
+from reward_workers.tasks.base import is_held_out
+
+NAMES = (
+    "Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia",
+    "Henry", "Chloe", "Jack", "Grace", "Owen", "Ruby", "Leo", "Ella", "Isaac", "Nora",
+    "Caleb", "Hazel", "Felix", "Ivy", "Jasper", "Luna", "Miles", "Aria", "Oscar", "Stella",
+)  # fmt: skip
+VERBS = ("said", "stated", "claimed", "remarked", "told you")
+ROLES = ("knight", "knave")
+
+# A statement is a tree: ("is", person, is_knight) | ("not", s) | (op, s, s) for op in
+# "and", "or", "implies", "iff".
+Statement = tuple
+
+
+@dataclass(frozen=True)
+class Puzzle:
+    names: tuple[str, ...]
+    statements: tuple[Statement, ...]  # statements[i] is what names[i] says
+    solution: tuple[bool, ...]  # True = knight
+
+
+def holds(statement: Statement, knights: tuple[bool, ...]) -> bool:
+    kind = statement[0]
+    if kind == "is":
+        return knights[statement[1]] == statement[2]
+    if kind == "not":
+        return not holds(statement[1], knights)
+    a, b = holds(statement[1], knights), holds(statement[2], knights)
+    return {"and": a and b, "or": a or b, "implies": (not a) or b, "iff": a == b}[kind]
+
+
+def solutions(statements: tuple[Statement, ...]) -> list[tuple[bool, ...]]:
+    """Every assignment in which each speaker's statement is true exactly when they are a knight."""
+    n = len(statements)
+    return [
+        knights
+        for knights in itertools.product((True, False), repeat=n)
+        if all(holds(s, knights) == knights[i] for i, s in enumerate(statements))
+    ]
+
+
+def random_statement(rng: random.Random, people: int, depth: int) -> Statement:
+    if depth <= 1 or rng.random() < 0.25:
+        return ("is", rng.randrange(people), rng.random() < 0.5)
+    kind = rng.choice(("not", "and", "or", "implies", "iff"))
+    if kind == "not":
+        inner = random_statement(rng, people, depth - 1)
+        # "X is not a knave" reads better as a negated atom than as a nested clause
+        return ("not", inner) if inner[0] != "not" else inner[1]
+    left = random_statement(rng, people, depth - 1)
+    right = random_statement(rng, people, depth - 1)
+    while right == left:  # "if A is a knave then A is a knave" says nothing
+        right = random_statement(rng, people, depth - 1)
+    return (kind, left, right)
+
+
+def make_puzzle(rng: random.Random, people: int, depth: int, max_tries: int = 10_000) -> Puzzle:
+    names = tuple(rng.sample(NAMES, people))
+    for _ in range(max_tries):
+        statements = tuple(random_statement(rng, people, depth) for _ in range(people))
+        found = solutions(statements)
+        if len(found) == 1:
+            return Puzzle(names, statements, found[0])
+    raise RuntimeError(
+        f"no unique puzzle for {people} people at depth {depth} in {max_tries} tries"
+    )
+
+
+def render(statement: Statement, names: tuple[str, ...], nested: bool = False) -> str:
+    kind = statement[0]
+    if kind == "is":
+        return f"{names[statement[1]]} is a {ROLES[not statement[2]]}"
+    if kind == "not":
+        inner = statement[1]
+        if inner[0] == "is":
+            return f"{names[inner[1]]} is not a {ROLES[not inner[2]]}"
+        text = f"it is not the case that {render(inner, names, nested=True)}"
+    else:
+        a, b = render(statement[1], names, nested=True), render(statement[2], names, nested=True)
+        text = {
+            "and": f"{a} and {b}",
+            "or": f"{a} or {b}",
+            "implies": f"if {a} then {b}",
+            "iff": f"{a} if and only if {b}",
+        }[kind]
+    return f"({text})" if nested else text
+
+
+def puzzle_text(puzzle: Puzzle, rng: random.Random) -> str:
+    names = puzzle.names
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+    lines = [
+        "A very special island is inhabited only by knights and knaves. Knights always tell "
+        "the truth, and knaves always lie.",
+        f"You meet {len(names)} inhabitants: {listed}.",
+    ]
+    for name, statement in zip(names, puzzle.statements, strict=True):
+        said = render(statement, names)
+        lines.append(f'{name} {rng.choice(VERBS)}, "{said[0].upper()}{said[1:]}."')
+    example = "\n".join(f"({i}) {n} is a ..." for i, n in enumerate(names, start=1))
+    lines.append(
+        "So who is a knight and who is a knave? Give your final answer in <answer> </answer> "
+        f"tags, one line per inhabitant:\n<answer>\n{example}\n</answer>"
+    )
+    return "\n".join(lines)
+
+
+def _claim_patterns(names: list[str]) -> tuple[re.Pattern, re.Pattern]:
+    name = "|".join(re.escape(n) for n in names)
+    role = r"(knights?|knaves?|truth[- ]?tellers?|liars?)"
+    emphasis = r"[*_]*"  # markdown bold/italics around names and roles
+    single = re.compile(
+        rf"\b({name})\b{emphasis}\s*(?:is|was|:|-|=|–|—|→|->)?{emphasis}\s*(?:definitely\s+)?"
+        rf"(not\s+)?(?:an?\s+)?{emphasis}{role}\b",
+        re.IGNORECASE,
+    )
+    group = re.compile(
+        rf"\b((?:{name})(?:\s*,\s*(?:and\s+)?(?:{name})|\s+and\s+(?:{name}))+)\s+are\s+"
+        rf"(?:both\s+|all\s+)?{role}\b",
+        re.IGNORECASE,
+    )
+    return single, group
+
+
+def read_assignment(text: str, names: list[str]) -> dict[str, list[bool]]:
+    """Every claim the text makes, per person (True = knight), in order of appearance."""
+    single, group = _claim_patterns(names)
+    canonical = {n.lower(): n for n in names}
+    claims: list[tuple[int, str, bool]] = []
+    for match in single.finditer(text):
+        is_knight = match.group(3).lower().startswith(("knight", "truth"))
+        claims.append(
+            (match.start(), canonical[match.group(1).lower()], is_knight != bool(match.group(2)))
+        )
+    for match in group.finditer(text):
+        is_knight = match.group(2).lower().startswith(("knight", "truth"))
+        for person in re.findall(
+            "|".join(re.escape(n) for n in names), match.group(1), re.IGNORECASE
+        ):
+            claims.append((match.start(), canonical[person.lower()], is_knight))
+    found: dict[str, list[bool]] = {}
+    for _, person, is_knight in sorted(claims, key=lambda c: c[0]):
+        found.setdefault(person, []).append(is_knight)
+    return found
+
+
+class KnightsAndKnavesTask:
+    """Puzzles with `people` inhabitants (2-8) and statements nested up to `depth` levels
+    (2-4). Depth 1 (bare "X is a knight" claims) can never pin down a unique solution:
+    flipping everyone's role preserves every such claim's consistency."""
+
+    name = "knights_and_knaves"
+
+    def __init__(self, people: int = 3, depth: int = 2, format_weight: float = 0.0):
+        if not 2 <= people <= 8 or not 2 <= depth <= 4:
+            raise ValueError(
+                f"knights_and_knaves: need 2 <= people <= 8 and 2 <= depth <= 4 (got {people}, {depth})"
+            )
+        self.people, self.depth = people, depth
+        self.format_weight = check_format_weight(self.name, format_weight)
+
+    def _make(self, rng: random.Random) -> Prompt:
+        puzzle = make_puzzle(rng, self.people, self.depth)
+        text = puzzle_text(puzzle, rng)
+        uid = "kk-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+        answer = {n: ROLES[not k] for n, k in zip(puzzle.names, puzzle.solution, strict=True)}
+        return Prompt(uid=uid, text=text, answer=answer)
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        rng = random.Random(seed)
+        while True:
+            prompt = self._make(rng)
+            if not is_held_out(prompt.uid):
+                yield prompt
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        rng = random.Random(-1)
+        seen: dict[str, Prompt] = {}
+        for _ in range(1000 * n):
+            prompt = self._make(rng)
+            if is_held_out(prompt.uid):
+                seen.setdefault(prompt.uid, prompt)
+                if len(seen) == n:
+                    break
+        return list(seen.values())
+
+    def parse_answer(self, raw: Any) -> dict[str, str]:
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError('expected {"Name": "knight" | "knave", ...}')
+        if not all(isinstance(k, str) and v in ROLES for k, v in raw.items()):
+            raise ValueError('every role must be "knight" or "knave"')
+        return dict(raw)
+
+    def verify(self, prompt: Prompt, response: str) -> Verdict:
+        block = last_tagged_block(response)
+        verdict = self._check(
+            prompt.answer, response if block is None else block, strict=block is not None
+        )
+        return blend_format(verdict, block is not None, self.format_weight)
+
+    def _check(self, answer: dict[str, str], text: str, strict: bool) -> Verdict:
+        """Inside an answer block every person needs one consistent role; in free text (no
+        block) the last claim about each person counts, as reasoning usually precedes it."""
+        claims = read_assignment(text, list(answer))
+        missing = [name for name in answer if name not in claims]
+        if missing:
+            return Verdict(0.0, f"no role given for {', '.join(missing)}")
+        wrong = []
+        for name, role in answer.items():
+            said = claims[name]
+            if strict and len(set(said)) > 1:
+                return Verdict(0.0, f"contradictory roles for {name}")
+            if said[-1] != (role == "knight"):
+                wrong.append(name)
+        if wrong:
+            return Verdict(0.0, f"wrong role for {', '.join(wrong)}")
+        return Verdict(1.0, f"correct: all {len(answer)} roles")

@@ -1,0 +1,71 @@
+"""A finite set of prompts (built-in or from a dataset file) served as a task's prompt source.
+
+Training cycles through the train split in a fresh seeded order each epoch; evaluation takes
+the first n held-out prompts. The split is either explicit (a built-in table, or a separate
+eval file) or by a stable hash of the prompt text (is_held_out).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from groupflow.records import Prompt
+from reward_workers.datasets import load_prompts
+from reward_workers.tasks.base import is_held_out
+
+logger = logging.getLogger(__name__)
+
+
+class PromptPool:
+    def __init__(self, task: str, train: list[Prompt], held_out: list[Prompt]):
+        if not train:
+            raise ValueError(f"{task}: no training prompts")
+        self.task, self.train, self.held_out = task, train, held_out
+
+    @classmethod
+    def from_dataset(
+        cls,
+        task: str,
+        dataset: str,
+        *,
+        eval_dataset: str | None,
+        fields: Mapping[str, str] | None,
+        skip_bad: bool,
+        eval_fraction: float,
+        parse_answer: Callable[[Any], Any],
+    ) -> PromptPool:
+        if not 0.0 < eval_fraction < 1.0:
+            raise ValueError(f"{task}: eval_fraction must be in (0, 1) (got {eval_fraction})")
+
+        def load(path: str) -> list[Prompt]:
+            loaded = load_prompts(path, fields, skip_bad=skip_bad, parse_answer=parse_answer)
+            if loaded.skipped:
+                logger.warning("%s: skipped %d malformed rows in %s", task, loaded.skipped, path)
+            return loaded.prompts
+
+        prompts = load(dataset)
+        if eval_dataset is not None:
+            held_out = load(eval_dataset)
+            held_texts = {p.text for p in held_out}
+            return cls(task, [p for p in prompts if p.text not in held_texts], held_out)
+        train = [p for p in prompts if not is_held_out(p.text, eval_fraction)]
+        held_out = [p for p in prompts if is_held_out(p.text, eval_fraction)]
+        return cls(task, train, held_out)
+
+    def map(self, fn: Callable[[Prompt], Prompt]) -> PromptPool:
+        """The same pool with every prompt rewritten (e.g. an instruction appended)."""
+        return PromptPool(self.task, [fn(p) for p in self.train], [fn(p) for p in self.held_out])
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        rng = random.Random(seed)
+        order = list(self.train)
+        while True:
+            rng.shuffle(order)
+            yield from order
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """Up to n held-out prompts (fewer when the set is smaller)."""
+        return self.held_out[:n]

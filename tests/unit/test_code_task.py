@@ -1,0 +1,271 @@
+"""The code task: extraction, test specs, comparison, and sandboxed runs of solutions."""
+
+import itertools
+import json
+import time
+
+import pytest
+
+from groupflow.records import Prompt
+from reward_workers.tasks.code_problems import CodeTask
+from reward_workers.tasks.code_tests import extract_code, parse_spec, same_value
+
+GCD_SPEC = {
+    "entry_point": "gcd",
+    "tests": [
+        {"args": [12, 18], "expected": 6},
+        {"args": [17, 5], "expected": 1},
+        {"args": [0, 9], "expected": 9},
+        {"args": [0, 0], "expected": 0},
+    ],
+}
+GCD = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n"
+
+
+def fenced(code: str) -> str:
+    return f"Here you go:\n```python\n{code}```\n"
+
+
+@pytest.fixture(scope="module")
+def task():
+    return CodeTask(timeout_s=3.0, case_timeout_s=0.3, memory_mb=128)
+
+
+def test_extract_code():
+    assert extract_code("```python\nx = 1\n```\ntext\n```py\ny = 2\n```") == "y = 2\n"
+    assert extract_code("```\nz = 3\n```") == "z = 3\n"
+    assert extract_code("```python\ndef f():\n    return 1") == "def f():\n    return 1"  # cut off
+    assert extract_code("def f(): return 1") == "def f(): return 1"
+    assert extract_code("I cannot solve this.") is None
+    assert extract_code("") is None
+
+
+def test_parse_spec_validates():
+    assert parse_spec(GCD_SPEC) == GCD_SPEC
+    assert (
+        parse_spec('{"entry_point": "f", "tests": [{"args": [], "expected": null}]}')["entry_point"]
+        == "f"
+    )
+    for bad in (
+        {"entry_point": "f"},
+        {"entry_point": "not a name", "tests": [{"args": [], "expected": 1}]},
+        {"entry_point": "f", "tests": []},
+        {"entry_point": "f", "tests": [{"args": 1, "expected": 1}]},
+        "{not json",
+        [1, 2],
+    ):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+
+
+@pytest.mark.parametrize(
+    ("got", "expected", "same"),
+    [
+        (1, 1, True),
+        (0.1 + 0.2, 0.3, True),
+        (2, 2.0, True),
+        (True, 1, False),
+        (1, True, False),
+        (None, None, True),
+        ([1, [2, 3]], [1, [2, 3]], True),
+        ([1, 2], [1, 2, 3], False),
+        ({"a": 1.0}, {"a": 1}, True),
+        ({"a": 1}, {"b": 1}, False),
+        ("1", 1, False),
+        (float("nan"), float("nan"), False),
+    ],
+)
+def test_same_value(got, expected, same):
+    assert same_value(got, expected) is same
+
+
+def _verify(task, code):
+    return task.verify(Prompt("gcd", "write gcd", GCD_SPEC), fenced(code))
+
+
+def test_correct_solution_gets_full_reward(task):
+    verdict = _verify(task, GCD)
+    assert verdict.reward == 1.0
+    assert verdict.reason == "passed 4/4 tests"
+
+
+def test_reward_is_the_fraction_of_tests_passed(task):
+    verdict = _verify(task, "def gcd(a, b):\n    return max(a, b)\n")  # right only when one is 0
+    assert verdict.reward == 0.5
+    assert "gcd(12, 18) returned 18, expected 6" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("def gcd(a, b) return 1\n", "did not load: SyntaxError"),
+        ("def other(a, b):\n    return 1\n", "no function named gcd"),
+        ("raise SystemExit(0)\n", "did not load: SystemExit"),
+        ("import os\nos._exit(0)\n", "program died"),
+        ("def gcd(a, b):\n    raise ValueError('nope')\n", "raised ValueError: nope"),
+        ("def gcd(a, b):\n    return gcd(a, b)\n", "RecursionError"),
+        ("def gcd(a, b):\n    return {1, 2}\n", "not JSON serializable"),
+        ("def gcd(a, b):\n    return bytearray(1024 ** 3)\n", "MemoryError"),
+        ("def gcd(a, b):\n    return open('/etc/passwd', 'a')\n", "PermissionError"),
+        (
+            "def gcd(a, b):\n    import socket\n    return socket.create_connection(('1.1.1.1', 80))\n",
+            "PermissionError",
+        ),
+        ("def gcd(a, b):\n    return '𝔤𝔠𝔡 ünïcødé'\n", "returned"),
+    ],
+)
+def test_broken_and_hostile_solutions_score_zero(task, code, reason):
+    verdict = _verify(task, code)
+    assert verdict.reward == 0.0
+    assert reason in verdict.reason
+
+
+def test_an_endless_case_costs_only_itself(task):
+    code = "def gcd(a, b):\n    while a == 12:\n        pass\n    while b:\n        a, b = b, a % b\n    return a\n"
+    start = time.monotonic()
+    verdict = _verify(task, code)
+    assert verdict.reward == 0.75
+    assert "timed out" in verdict.reason
+    assert time.monotonic() - start < 3
+
+
+def test_a_solution_that_ignores_the_case_timeout_is_stopped():
+    task = CodeTask(timeout_s=1.0, case_timeout_s=0.3, memory_mb=128)
+    code = "def gcd(a, b):\n    while True:\n        try:\n            while True:\n                pass\n        except BaseException:\n            pass\n"
+    start = time.monotonic()
+    verdict = _verify(task, code)
+    assert verdict.reward == 0.0
+    assert "timed out" in verdict.reason
+    assert time.monotonic() - start < 3
+
+
+def test_printed_fake_results_do_not_count(task):
+    forger = (
+        "import os, sys\n"
+        "for i in range(4):\n"
+        '    print(\'{"case": %d, "value": 6}\' % i)\n'
+        '    sys.__stdout__.write(\'{"case": %d, "value": 6}\\n\' % i)\n'
+        '    os.write(1, b\'{"case": %d, "value": 6}\\n\' % i)\n'
+        "def gcd(a, b):\n"
+        "    return -1\n"
+    )
+    verdict = _verify(task, forger)
+    assert verdict.reward == 0.0
+
+
+def test_empty_and_codeless_responses(task):
+    prompt = Prompt("gcd", "write gcd", GCD_SPEC)
+    assert task.verify(prompt, "").reason == "no code found"
+    assert task.verify(prompt, "```python\n```").reward == 0.0
+
+
+def test_format_weight():
+    task = CodeTask(timeout_s=3.0, case_timeout_s=0.3, memory_mb=128, format_weight=0.1)
+    prompt = Prompt("gcd", "write gcd", GCD_SPEC)
+    assert task.verify(prompt, fenced(GCD)).reward == pytest.approx(1.0)
+    assert task.verify(prompt, GCD).reward == pytest.approx(0.9)
+
+
+REFERENCE_SOLUTIONS = {
+    "reverse_words": "def reverse_words(s):\n    return ' '.join(reversed(s.split()))\n",
+    "is_palindrome": "def is_palindrome(s):\n    t = [c.lower() for c in s if c.isalnum()]\n    return t == t[::-1]\n",
+    "fizzbuzz": (
+        "def fizzbuzz(n):\n"
+        "    return ['FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else str(i)\n"
+        "            for i in range(1, n + 1)]\n"
+    ),
+    "gcd": GCD,
+    "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiouAEIOU' for c in s)\n",
+    "second_largest": "def second_largest(nums):\n    v = sorted(set(nums))\n    return v[-2] if len(v) > 1 else None\n",
+    "run_length": (
+        "import itertools\n"
+        "def run_length(s):\n"
+        "    return ''.join(f'{k}{len(list(g))}' for k, g in itertools.groupby(s))\n"
+    ),
+    "flatten": (
+        "def flatten(items):\n"
+        "    out = []\n"
+        "    for x in items:\n"
+        "        out.extend(flatten(x) if isinstance(x, list) else [x])\n"
+        "    return out\n"
+    ),
+    "roman_to_int": (
+        "def roman_to_int(s):\n"
+        "    v = {'I': 1, 'V': 5, 'X': 10, 'L': 50, 'C': 100, 'D': 500, 'M': 1000}\n"
+        "    return sum(-v[a] if v[a] < v[b] else v[a] for a, b in zip(s, s[1:] + 'I'))\n"
+    ),
+    "two_sum": (
+        "def two_sum(nums, target):\n"
+        "    for j, b in enumerate(nums):\n"
+        "        for i in range(j):\n"
+        "            if nums[i] + b == target:\n"
+        "                return [i, j]\n"
+    ),
+    "max_subarray": (
+        "def max_subarray(nums):\n"
+        "    best = cur = nums[0]\n"
+        "    for x in nums[1:]:\n"
+        "        cur = max(x, cur + x)\n"
+        "        best = max(best, cur)\n"
+        "    return best\n"
+    ),
+    "is_prime": "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))\n",
+    "merge_intervals": (
+        "def merge_intervals(intervals):\n"
+        "    out = []\n"
+        "    for s, e in sorted(intervals):\n"
+        "        if out and s <= out[-1][1]:\n"
+        "            out[-1][1] = max(out[-1][1], e)\n"
+        "        else:\n"
+        "            out.append([s, e])\n"
+        "    return out\n"
+    ),
+    "balanced": (
+        "def balanced(s):\n"
+        "    stack, pairs = [], {')': '(', ']': '[', '}': '{'}\n"
+        "    for c in s:\n"
+        "        if c in '([{':\n"
+        "            stack.append(c)\n"
+        "        elif c in pairs and (not stack or stack.pop() != pairs[c]):\n"
+        "            return False\n"
+        "    return not stack\n"
+    ),
+    "binary_search": (
+        "import bisect\n"
+        "def binary_search(nums, target):\n"
+        "    i = bisect.bisect_left(nums, target)\n"
+        "    return i if i < len(nums) and nums[i] == target else -1\n"
+    ),
+    "mean": "def mean(nums):\n    return sum(nums) / len(nums)\n",
+}
+
+
+def test_every_builtin_problem_is_solvable_and_split(task):
+    prompts = task.pool.train + task.pool.held_out
+    assert {p.answer["entry_point"] for p in prompts} == set(REFERENCE_SOLUTIONS)
+    for prompt in prompts:
+        verdict = task.verify(prompt, fenced(REFERENCE_SOLUTIONS[prompt.answer["entry_point"]]))
+        assert verdict.reward == 1.0, (prompt.uid, verdict.reason)
+    held_out = task.eval_prompts(100)
+    train = list(itertools.islice(task.train_prompts(0), 50))
+    assert held_out and not {p.uid for p in held_out} & {p.uid for p in train}
+
+
+def test_dataset_driven_code_task(tmp_path):
+    path = tmp_path / "code.jsonl"
+    row = '{"q": "Write gcd(a, b).", "spec": %s}\n'
+    path.write_text(
+        row % json.dumps(GCD_SPEC)
+        + row % json.dumps(json.dumps(GCD_SPEC))
+        + '{"q": "x", "spec": {"tests": []}}\n'
+    )
+    with pytest.raises(ValueError, match=r"code.jsonl:3: field 'spec' \(answer\)"):
+        CodeTask(dataset=str(path), fields={"prompt": "q", "answer": "spec"})
+    task = CodeTask(
+        dataset=str(path),
+        fields={"prompt": "q", "answer": "spec"},
+        skip_bad=True,
+        eval_fraction=0.01,
+    )
+    assert len(task.pool.train) == 2
+    assert task.verify(task.pool.train[0], fenced(GCD)).reward == 1.0

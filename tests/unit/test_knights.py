@@ -1,0 +1,159 @@
+"""Knights and knaves: puzzle logic, uniqueness, rendering, and the answer parser."""
+
+import itertools
+import random
+
+import pytest
+
+from groupflow.records import Prompt
+from reward_workers.tasks.knights import (
+    KnightsAndKnavesTask,
+    holds,
+    make_puzzle,
+    read_assignment,
+    render,
+    solutions,
+)
+
+NAMES = ("Zoey", "Oliver", "Ethan")
+
+
+def test_holds_truth_tables():
+    knights = (True, False)
+    a_knight, b_knight = ("is", 0, True), ("is", 1, True)
+    assert holds(a_knight, knights) and not holds(b_knight, knights)
+    assert holds(("not", b_knight), knights)
+    assert not holds(("and", a_knight, b_knight), knights)
+    assert holds(("or", a_knight, b_knight), knights)
+    assert not holds(("implies", a_knight, b_knight), knights)
+    assert holds(("implies", b_knight, a_knight), knights)
+    assert not holds(("iff", a_knight, b_knight), knights)
+
+
+def test_classic_puzzle_has_its_known_solution():
+    # A says "We are both knaves": A must be a knave and B a knight.
+    statements = (("and", ("is", 0, False), ("is", 1, False)), ("is", 1, True))
+    assert solutions(statements) == [(False, True)]
+
+
+@pytest.mark.parametrize(("people", "depth"), [(2, 2), (3, 2), (5, 3), (8, 2), (4, 4)])
+def test_generated_puzzles_have_exactly_one_solution(people, depth):
+    rng = random.Random(people * 10 + depth)
+    for _ in range(5):
+        puzzle = make_puzzle(rng, people, depth)
+        assert len(puzzle.names) == len(set(puzzle.names)) == people
+        assert solutions(puzzle.statements) == [puzzle.solution]
+        # the stored solution really is consistent: knights tell the truth, knaves lie
+        for speaker, statement in enumerate(puzzle.statements):
+            assert holds(statement, puzzle.solution) == puzzle.solution[speaker]
+
+
+def test_render_is_unambiguous():
+    statement = ("and", ("is", 0, True), ("or", ("is", 1, False), ("not", ("is", 2, True))))
+    assert (
+        render(statement, NAMES)
+        == "Zoey is a knight and (Oliver is a knave or Ethan is not a knight)"
+    )
+    assert render(("not", ("iff", ("is", 0, True), ("is", 1, True))), NAMES) == (
+        "it is not the case that (Zoey is a knight if and only if Oliver is a knight)"
+    )
+
+
+def test_task_prompts_reproducible_disjoint_and_answerable():
+    task = KnightsAndKnavesTask(people=4, depth=2)
+    first = list(itertools.islice(task.train_prompts(11), 30))
+    assert [p.uid for p in first] == [p.uid for p in itertools.islice(task.train_prompts(11), 30)]
+    held_out = task.eval_prompts(10)
+    assert len(held_out) == 10
+    assert not {p.uid for p in held_out} & {
+        p.uid for p in itertools.islice(task.train_prompts(0), 300)
+    }
+    prompt = first[0]
+    assert set(prompt.answer.values()) <= {"knight", "knave"} and len(prompt.answer) == 4
+    assert all(name in prompt.text for name in prompt.answer)
+    perfect = (
+        "<answer>" + "\n".join(f"{n} is a {r}" for n, r in prompt.answer.items()) + "</answer>"
+    )
+    assert task.verify(prompt, perfect).reward == 1.0
+
+
+ANSWER = {"Zoey": "knight", "Oliver": "knave", "Ethan": "knight"}
+
+
+@pytest.mark.parametrize(
+    ("response", "reward", "reason"),
+    [
+        (
+            "<answer>(1) Zoey is a knight\n(2) Oliver is a knave\n(3) Ethan is a knight</answer>",
+            1.0,
+            "correct",
+        ),
+        (
+            "<answer>Zoey is a Knight, Oliver is a KNAVE, and Ethan is a knight.</answer>",
+            1.0,
+            "correct",
+        ),
+        ("<answer>Zoey: knight\nOliver - knave\nEthan = knight</answer>", 1.0, "correct"),
+        ("<answer>Zoey and Ethan are knights; Oliver is a liar.</answer>", 1.0, "correct"),
+        (
+            "<answer>Zoey is a truth-teller, Oliver is not a knight, Ethan is a knight</answer>",
+            1.0,
+            "correct",
+        ),
+        (
+            "<answer>**Zoey** is a **knight**, **Oliver**: *knave*, Ethan is a knight</answer>",
+            1.0,
+            "correct",
+        ),
+        (
+            "If Zoey is a knave then ... so Zoey is a knight, Oliver is a knave and Ethan is a knight.",
+            1.0,
+            "correct",
+        ),
+        (
+            "<answer>Zoey is a knight, Oliver is a knight, Ethan is a knight</answer>",
+            0.0,
+            "wrong role for Oliver",
+        ),
+        (
+            "<answer>Zoey is a knight or a knave, Zoey is a knave, Oliver is a knave, Ethan is a knight</answer>",
+            0.0,
+            "contradictory",
+        ),
+        ("<answer>Zoey is a knight, Oliver is a knave</answer>", 0.0, "no role given for Ethan"),
+        ("", 0.0, "no role given"),
+        (
+            "<answer>Ｚｏｅｙ is a knight, Oliver is a knave, Ethan is a knight</answer>",
+            0.0,
+            "no role given for Zoey",
+        ),
+        ("<answer>" + "Zoey is a knight " * 2000 + "</answer>", 0.0, "no role given for Oliver"),
+    ],
+)
+def test_verify(response, reward, reason):
+    verdict = KnightsAndKnavesTask().verify(Prompt("kk", "puzzle", ANSWER), response)
+    assert verdict.reward == reward
+    assert reason in verdict.reason
+
+
+def test_read_assignment_collects_claims_in_order():
+    claims = read_assignment(
+        "Zoey is a knave. Wait: Zoey is a knight. Oliver and Ethan are both knaves.", list(ANSWER)
+    )
+    assert claims == {"Zoey": [False, True], "Oliver": [False], "Ethan": [False]}
+
+
+def test_names_do_not_match_inside_other_words():
+    assert read_assignment("Leonard is a knight", ["Leo"]) == {}
+
+
+def test_options_and_answers_validate():
+    with pytest.raises(ValueError, match="knights_and_knaves"):
+        KnightsAndKnavesTask(people=1)
+    with pytest.raises(ValueError, match="knights_and_knaves"):
+        KnightsAndKnavesTask(depth=1)
+    task = KnightsAndKnavesTask()
+    assert task.parse_answer({"A": "knight"}) == {"A": "knight"}
+    for bad in ({"A": "wizard"}, {}, ["A", "knight"]):
+        with pytest.raises(ValueError):
+            task.parse_answer(bad)

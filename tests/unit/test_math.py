@@ -1,0 +1,157 @@
+"""Math: answer extraction, math-verify equivalence (from any thread), guards, datasets."""
+
+import itertools
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from groupflow.records import Prompt
+from reward_workers.tasks import math_answer
+from reward_workers.tasks.math_answer import extract_answer, last_boxed
+from reward_workers.tasks.math_problems import MathTask
+
+
+@pytest.mark.parametrize(
+    ("text", "boxed"),
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),
+        ("first \\boxed{1} then \\boxed{ {2} + {3} }", "{2} + {3}"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed 5 apples", "5"),
+        ("\\boxed{3} and a broken \\boxed{4", "3"),
+        ("no box", None),
+        ("\\boxed{", None),
+    ],
+)
+def test_last_boxed_handles_nesting(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+@pytest.mark.parametrize(
+    ("response", "found"),
+    [
+        ("Thus \\boxed{\\frac{3}{4}}.", ("\\frac{3}{4}", "boxed")),
+        ("The answer is $\\frac{3}{4}$.", ("\\frac{3}{4}", "stated")),
+        ("Final answer: **12**", ("12", "stated")),
+        ("We had 3 apples, then 1,250 more", ("1250", "last number")),
+        ("ratio 2/3 in the end", ("2/3", "last number")),
+        ("nothing numeric", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(response, found):
+    assert extract_answer(response) == found
+
+
+def _gold(answer):
+    return Prompt("m", "problem", answer)
+
+
+@pytest.mark.parametrize(
+    ("gold", "response", "reward", "reason"),
+    [
+        ("\\frac{3}{4}", "\\boxed{0.75}", 1.0, "correct"),
+        ("\\frac{3}{4}", "\\boxed{\\dfrac{6}{8}}", 1.0, "correct"),
+        ("5\\sqrt{2}", "\\boxed{\\sqrt{50}}", 1.0, "correct"),
+        ("9\\pi", "The answer is $9\\pi$", 1.0, "correct"),
+        ("159", "so she sells 159 rolls", 1.0, "correct"),
+        ("1000", "\\boxed{1,000}", 1.0, "correct"),
+        ("\\frac{3}{4}", "\\boxed{\\frac{4}{3}}", 0.0, "wrong"),
+        ("159", "\\boxed{160}", 0.0, "wrong"),
+        ("159", "", 0.0, "no answer"),
+        ("159", "I don't know", 0.0, "no answer"),
+        ("159", "\\boxed{½}", 0.0, "wrong"),
+        ("159", "\\boxed{１５９}", 0.0, "wrong"),
+        ("3", "\\boxed{9^{9^{9^{9}}}}", 0.0, "exponent too large"),
+        ("3", "\\boxed{10^{10^{10}}}", 0.0, "exponent too large"),
+        ("3", "\\boxed{2^{100000}}", 0.0, "exponent too large"),
+        ("3", "\\boxed{(10^{6})!}", 0.0, "factorial too large"),
+        ("3", "\\boxed{" + "9" * 500 + "}", 0.0, "longer than"),
+        ("3", "\\boxed{" + "{" * 40 + "3" + "}" * 40 + "}", 0.0, "nested deeper"),
+        ("e^{x^{2}}", "\\boxed{e^{x^2}}", 1.0, "correct"),  # exponents with symbols are fine
+    ],
+)
+def test_verify(gold, response, reward, reason):
+    start = time.perf_counter()
+    verdict = MathTask().verify(_gold(gold), response)
+    assert verdict.reward == reward
+    assert reason in verdict.reason
+    assert verdict.error is None
+    assert time.perf_counter() - start < 5
+
+
+def test_verify_works_off_the_main_thread():
+    # math-verify's own alarm-based timeouts raise outside the main thread; ours must not.
+    task = MathTask()
+    responses = ["\\boxed{0.75}", "\\boxed{4/3}", "\\boxed{\\frac{3}{4}}", "nothing"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        verdicts = list(pool.map(lambda r: task.verify(_gold("\\frac{3}{4}"), r), responses))
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 1.0, 0.0]
+    assert threading.current_thread() is threading.main_thread()
+
+
+def test_a_check_past_its_deadline_is_a_timeout(monkeypatch):
+    def slow_compare(gold, candidate):
+        time.sleep(1.0)
+        return True
+
+    monkeypatch.setattr(math_answer, "_compare", slow_compare)
+    start = time.perf_counter()
+    verdict = MathTask(timeout_s=0.1).verify(_gold("1"), "\\boxed{1}")
+    assert time.perf_counter() - start < 0.8
+    assert verdict.reward == 0.0
+    assert verdict.error == "timeout"
+
+
+def test_builtin_set_split_and_reproducible():
+    task = MathTask()
+    train = list(itertools.islice(task.train_prompts(5), 60))
+    assert [p.uid for p in train] == [p.uid for p in itertools.islice(task.train_prompts(5), 60)]
+    held_out = task.eval_prompts(100)
+    assert 0 < len(held_out) < 10
+    assert not {p.uid for p in held_out} & {p.uid for p in train}
+    assert all(p.text.endswith("\\boxed{}.") for p in train + held_out)
+
+
+def test_every_builtin_answer_verifies_against_itself():
+    task = MathTask()
+    for prompt in task.pool.train + task.pool.held_out:
+        assert task.verify(prompt, f"\\boxed{{{prompt.answer}}}").reward == 1.0, prompt.answer
+
+
+def test_dataset_prompts_with_field_mapping(tmp_path):
+    rows = [{"question": f"What is {i} + {i}?", "solution": 2 * i} for i in range(40)]
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    task = MathTask(
+        dataset=str(path), fields={"prompt": "question", "answer": "solution"}, eval_fraction=0.25
+    )
+    train = task.pool.train
+    held_out = task.eval_prompts(100)
+    assert len(train) + len(held_out) == 40 and held_out and train
+    assert not {p.text for p in train} & {p.text for p in held_out}
+    prompt = train[0]
+    assert prompt.text.endswith("\\boxed{}.")
+    assert task.verify(prompt, f"\\boxed{{{prompt.answer}}}").reward == 1.0
+
+
+def test_dataset_with_a_bad_answer_is_refused(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": [4]}\n')
+    with pytest.raises(ValueError, match=r"math.jsonl:2: field 'answer'"):
+        MathTask(dataset=str(path))
+    task = MathTask(dataset=str(path), skip_bad=True, eval_fraction=0.01)
+    assert [p.answer for p in task.pool.train] == ["2"]
+
+
+def test_parse_answer():
+    task = MathTask()
+    assert task.parse_answer(" \\frac{1}{2} ") == "\\frac{1}{2}"
+    assert task.parse_answer(7) == "7"
+    for bad in ("", None, True, [1]):
+        with pytest.raises(ValueError):
+            task.parse_answer(bad)
