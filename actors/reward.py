@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from groupflow.config import Config
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
@@ -41,6 +41,7 @@ class RewardWorker:
 class _Batch:
     groups: list[SampledGroup]
     worker: int
+    actor: ray.actor.ActorHandle
     ref: ray.ObjectRef
     started: float
     attempts: int = 1
@@ -59,6 +60,12 @@ class RewardPool:
         self.timeouts = 0
         self.worker_restarts = 0
 
+    def _deadline_s(self, batch: _Batch) -> float:
+        """Per-call timeouts inside the worker bound a batch by one timeout per response; a
+        batch past that has a hung or lost worker."""
+        responses = sum(len(g.responses) for g in batch.groups)
+        return self.cfg.reward.timeout_s * (responses + 1)
+
     def submit(self, groups: list[SampledGroup]) -> None:
         """Queue groups for scoring on the least-loaded worker."""
         if groups:
@@ -67,13 +74,16 @@ class RewardPool:
     def _launch(self, groups: list[SampledGroup], attempts: int) -> _Batch:
         worker = min(range(len(self.workers)), key=self._load.__getitem__)
         self._load[worker] += len(groups)
-        ref = self.workers[worker].score.remote(groups)
-        return _Batch(groups, worker, ref, time.monotonic(), attempts)
+        actor = self.workers[worker]
+        return _Batch(groups, worker, actor, actor.score.remote(groups), time.monotonic(), attempts)
 
-    def _replace(self, worker: int) -> None:
-        ray.kill(self.workers[worker], no_restart=True)
-        self.workers[worker] = self._actor.remote(*self._args)
-        self._load[worker] = 0
+    def _replace(self, batch: _Batch) -> None:
+        """Replace the batch's worker, unless another failed batch already did."""
+        if self.workers[batch.worker] is not batch.actor:
+            return
+        ray.kill(batch.actor, no_restart=True)
+        self.workers[batch.worker] = self._actor.remote(*self._args)
+        self._load[batch.worker] = 0
         self.worker_restarts += 1
 
     def _retry_or_zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
@@ -98,28 +108,28 @@ class RewardPool:
     def drain(self) -> list[ScoredGroup]:
         """Wait for every submitted group; returns them in completion order."""
         done: list[ScoredGroup] = []
-        timeout = self.cfg.reward.timeout_s
         while self._pending:
             refs = [b.ref for b in self._pending]
-            oldest = min(b.started for b in self._pending)
-            wait_s = max(0.0, oldest + timeout - time.monotonic())
+            first_deadline = min(b.started + self._deadline_s(b) for b in self._pending)
+            wait_s = max(0.0, first_deadline - time.monotonic())
             ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
             now = time.monotonic()
             for batch in list(self._pending):
                 finished = batch.ref in ready
-                expired = not finished and now - batch.started >= timeout
+                expired = not finished and now - batch.started >= self._deadline_s(batch)
                 if not (finished or expired):
                     continue
                 self._pending.remove(batch)
-                self._load[batch.worker] -= len(batch.groups)
+                if self.workers[batch.worker] is batch.actor:
+                    self._load[batch.worker] -= len(batch.groups)
                 if expired:
-                    self._replace(batch.worker)
+                    self._replace(batch)
                     done += self._retry_or_zero(batch, "timed out")
                     continue
                 try:
-                    scored, errors, timeouts = ray.get(batch.ref, timeout=timeout)
-                except (RayActorError, GetTimeoutError):
-                    self._replace(batch.worker)
+                    scored, errors, timeouts = ray.get(batch.ref)
+                except RayActorError:
+                    self._replace(batch)
                     done += self._retry_or_zero(batch, "lost its worker")
                     continue
                 self.errors += errors

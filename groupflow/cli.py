@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     show = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     _add_config_args(show)
+    # `score` parses its own arguments (reward_workers/score_cli.py); listed here for --help.
+    sub.add_parser(
+        "score",
+        add_help=False,
+        help="score a JSONL file of responses with a task's verifier or a plugin "
+        "(groupflow score --help)",
+    )
     return parser
 
 
@@ -52,6 +59,11 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["score"]:
+        from reward_workers.score_cli import main as score_main
+
+        return score_main(argv[1:])
     args = build_parser().parse_args(argv)
     from groupflow.config import ConfigError, load_config
 

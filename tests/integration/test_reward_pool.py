@@ -1,0 +1,88 @@
+"""The reward pool on the shared local Ray cluster: lost workers, hung plugins."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.reward import RewardPool
+from groupflow.cli import main
+from groupflow.config import build_config
+from groupflow.records import Response, SampledGroup
+from reward_workers.tasks import make_task
+
+pytestmark = pytest.mark.integration
+PLUGINS = Path(__file__).parent / "plugins" / "rewards.py"
+
+
+def _groups(n: int, group_size: int = 4) -> list[SampledGroup]:
+    task = make_task("arithmetic")
+    prompts = [p for p, _ in zip(task.train_prompts(7), range(n), strict=False)]
+    # half of each group answers correctly, so every sample's reward is known in advance
+    return [
+        SampledGroup(
+            p,
+            [1, 2],
+            [
+                Response([1], str(p.answer) if k % 2 == 0 else "x", [0.0], "stop")
+                for k in range(group_size)
+            ],
+            0,
+        )
+        for p in prompts
+    ]
+
+
+def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
+    cfg = build_config({}, ["reward.num_workers=2", f"reward.verifier={PLUGINS}:slow_exact"])
+    pool = RewardPool(cfg)
+    victim = pool.pids()[0]  # asked first: an actor answers calls in order
+    groups = _groups(16)
+    for i in range(0, 16, 4):
+        pool.submit(groups[i : i + 4])  # 4 batches of 16 responses, about 0.8 s each
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    scored = pool.drain()
+    assert pool.worker_restarts >= 1
+    assert sorted(s.group.prompt.uid for s in scored) == sorted(g.prompt.uid for g in groups)
+    for s in scored:
+        assert s.rewards == [1.0, 0.0, 1.0, 0.0], s.verdicts
+    assert pool.errors == pool.timeouts == 0
+    for w in pool.workers:
+        ray_cluster.kill(w)
+
+
+def test_a_plugin_that_hangs_scores_zero_and_the_step_completes(
+    ray_cluster, quickstart_model, tmp_path
+):
+    code = main(
+        [
+            "train",
+            "--set",
+            f"reward.verifier={PLUGINS}:sleeps_past_timeout",
+            "--set",
+            "reward.timeout_s=0.5",
+            "--set",
+            f"trainer.output_dir={tmp_path}",
+            "--set",
+            "trainer.run_name=hang",
+            "--set",
+            "trainer.steps=1",
+            "--set",
+            "task.eval_size=16",
+            "--set",
+            "rollout.prompts_per_step=8",
+        ]
+    )
+    assert code == 0
+    (record,) = [
+        json.loads(x) for x in (tmp_path / "hang" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert record["reward_timeouts"] > 0
+    # hung prompts scored 0, the others 1: the mean lies strictly between
+    assert 0.0 < record["reward_mean"] < 1.0
