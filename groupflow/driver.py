@@ -190,8 +190,10 @@ class Trainer:
             t4 = time.monotonic()
             if not stale and more:
                 pending = self._collect(self._launch(self._next_prompts()))
+            t5 = time.monotonic()
             record = step_metrics(step, self.version, scored, seqs, results, staleness)
             now = time.monotonic()
+            record["time_metrics_s"] = now - t5
             record.update(
                 reward_errors=self.rewards.errors,
                 reward_timeouts=self.rewards.timeouts,

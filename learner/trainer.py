@@ -211,10 +211,11 @@ class LearnerRank:
             grads = [torch.zeros(s.num_response_tokens, dtype=torch.float64) for s in seqs]
             for stage in plan.stages:
                 self._update(mini, behaviour[m], plan, stage, result, grads)
-            result.token_grads.extend(
-                (s.group_id, s.input_ids[s.prompt_len :], g.tolist())
-                for s, g in zip(seqs, grads, strict=True)
-            )
+            if self.algo.cancellation_diagnostic:
+                result.token_grads.extend(
+                    (s.group_id, s.input_ids[s.prompt_len :], g.tolist())
+                    for s, g in zip(seqs, grads, strict=True)
+                )
         return result
 
     def _update(self, mini, behaviour, plan: CreditPlan, stage, result: StepResult, grads) -> None:
@@ -232,7 +233,7 @@ class LearnerRank:
             # denominator, so undo the average to get the plain sum over ranks.
             self.engine.set_gradient_accumulation_boundary(k == len(mini) - 1)
             self.engine.backward(loss * self.setup.world_size, scale_wrt_gas=False)
-            if logp is not None:
+            if logp is not None and logp.grad is not None:
                 g = logp.grad.detach().double().cpu() / self.setup.world_size
                 for j in range(len(mb)):
                     grads[offset + j] += g[j, : len(grads[offset + j])]
@@ -244,7 +245,8 @@ class LearnerRank:
 
     def _micro_loss(self, per_seq: list[TokenStats], behaviour, plan, stage, rows, result):
         logp = _pad([s.logp for s in per_seq], self.device)
-        logp.retain_grad()  # dLoss/dlogp per token feeds the cancellation diagnostic
+        if self.algo.cancellation_diagnostic:
+            logp.retain_grad()  # dLoss/dlogp per token feeds cancellation_residual
         old_logp = _pad([b.stats.logp for b in behaviour], self.device)
         ref_logp = None
         if self.reference is not None:

@@ -1,0 +1,107 @@
+"""Reward-pool throughput, and how long the driver waits on rewards when scoring overlaps
+generation.
+
+    .venv/bin/python bench/reward_throughput.py [--responses 256]
+
+1. Responses scored per second by a pool of 1, 2 and 4 reward workers on the code verifier
+   (each response runs in the sandbox) and the math verifier (math-verify equivalence).
+2. A short quickstart training run: per step, the time generation takes and the time the
+   driver then still waits for rewards (scoring runs on chunks as they finish generating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from itertools import islice
+from pathlib import Path
+
+import ray
+
+from actors.reward import RewardPool
+from groupflow.config import build_config
+from groupflow.driver import run
+from groupflow.records import Response, SampledGroup
+from reward_workers.tasks import make_task
+
+GROUP = 8
+
+
+def response_for(task_name: str, prompt) -> str:
+    if task_name == "code":
+        entry = prompt.answer["entry_point"]
+        return f"```python\ndef {entry}(*args):\n    return args[0] if args else None\n```"
+    return f"Adding it up, the answer is \\boxed{{{prompt.answer}}}."
+
+
+def groups_for(task_name: str, responses: int) -> list[SampledGroup]:
+    task = make_task(task_name)
+    prompts = list(islice(task.train_prompts(0), responses // GROUP))
+    return [
+        SampledGroup(p, [0], [Response([0], response_for(task_name, p), [0.0], "stop")] * GROUP, 0)
+        for p in prompts
+    ]
+
+
+def throughput(task_name: str, workers: int, responses: int) -> float:
+    cfg = build_config({"task": {"name": task_name}}, [f"reward.num_workers={workers}"])
+    pool = RewardPool(cfg)
+    pool.pids()  # wait until every worker is up
+    groups = groups_for(task_name, responses)
+    start = time.monotonic()
+    for i in range(0, len(groups), 2):
+        pool.submit(groups[i : i + 2])
+    scored = pool.drain()
+    elapsed = time.monotonic() - start
+    assert sum(len(g.verdicts) for g in scored) == len(groups) * GROUP
+    for w in pool.workers:
+        ray.kill(w)
+    return len(groups) * GROUP / elapsed
+
+
+def reward_wait(steps: int) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config(
+            {},
+            [
+                f"trainer.steps={steps}",
+                f"trainer.output_dir={tmp}",
+                "task.eval_size=16",
+                "metrics.progress=false",
+            ],
+        )
+        run(cfg)
+        lines = (Path(tmp) / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    steady = [json.loads(x) for x in lines][1:]
+    return (
+        statistics.fmean(r["time_gen_s"] for r in steady),
+        statistics.fmean(r["time_reward_s"] for r in steady),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--responses", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    ray.init(log_to_driver=False, include_dashboard=False, num_cpus=8)
+    print(f"responses scored per second ({args.responses} responses, groups of {GROUP})")
+    print(f"{'verifier':>9} {'1 worker':>9} {'2 workers':>10} {'4 workers':>10}")
+    for task_name in ("code", "math"):
+        rates = [throughput(task_name, n, args.responses) for n in (1, 2, 4)]
+        print(f"{task_name:>9} {rates[0]:9.1f} {rates[1]:10.1f} {rates[2]:10.1f}", flush=True)
+    gen, wait = reward_wait(args.steps)
+    ray.shutdown()
+    print(
+        f"\nquickstart, mean of steps 2..{args.steps}: generation {gen:.3f}s per step; "
+        f"driver waits {wait:.4f}s more for rewards after generation ends"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""`groupflow submit | status | logs | stop`: training jobs on a Ray cluster, via the Ray Jobs API.
+
+How `submit` carries the config. The config is validated here first (a bad key fails at once,
+exit 2, before any cluster is contacted). The resolved config (file + `--set` + preset
+defaults, as `groupflow config` prints it) is then written as `groupflow-job.yaml` into an
+otherwise empty temporary directory, and that directory is the job's `working_dir`: Ray
+uploads it with the submission and every process of the job (the driver and all actors, on
+every node) starts in its own copy. The entrypoint is
+`python -m groupflow.cli train groupflow-job.yaml`, so the job runs exactly the config that was
+checked, and nothing from the submitting machine's disk is read later.
+
+What the cluster needs.
+- groupflow and its dependencies installed in the Python that Ray runs jobs with (`python` on
+  the PATH of the Ray processes), on every
+  node: deploy/Dockerfile builds that image for the CUDA stack. `--ship-code` additionally
+  uploads the local source packages as `py_modules`, which take precedence over the
+  installed copy: a way to run local edits on a cluster whose image has the dependencies.
+- Paths in the config are read on the cluster: `model.path`, a reward plugin file, dataset
+  files. `trainer.output_dir` is written there too, by the driver on the head node and by
+  learner rank 0 (the model) on its node, so on a multi-node cluster it must be storage
+  mounted at the same path on those nodes; a relative path would end up inside the job's
+  temporary working directory. The quickstart model is cached under `GROUPFLOW_CACHE`,
+  which must likewise be shared storage when engines and ranks run on other nodes.
+- A cluster with token authentication (what `ray start` turns on in Ray 2.60 when a token
+  exists) wants `RAY_AUTH_MODE=token` here and the token in `RAY_AUTH_TOKEN` or
+  ~/.ray/auth_token, as Ray's own `ray job` commands do.
+- For the Prometheus endpoint, set `metrics.prometheus_port`; the exporter runs in the driver,
+  which is on the head node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOB_COMMANDS = ("submit", "status", "logs", "stop")
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+JOB_CONFIG_NAME = "groupflow-job.yaml"
+ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
+# The top-level packages of this project (see pyproject.toml), shipped by --ship-code.
+SOURCE_PACKAGES = ("groupflow", "actors", "rollout", "learner", "reward_workers")
+STATUS_POLL_S = 1.0
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=None,
+        help=f"Ray dashboard URL (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
+    )
+
+
+def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add `submit`, `status`, `logs` and `stop` to the `groupflow` command's subparsers."""
+    submit = subparsers.add_parser(
+        "submit",
+        help="submit a training job to a Ray cluster and follow its logs",
+        description="Validate the config here, then run `groupflow train` with it on the "
+        "cluster at --address through the Ray Jobs API. Prints the job id; follows the logs "
+        "until the job ends (exit 0 if it succeeded) unless --no-follow.",
+    )
+    submit.add_argument(
+        "config", nargs="?", help="YAML config file (default: the built-in quickstart)"
+    )
+    submit.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set trainer.steps=50 (repeatable; values are YAML)",
+    )
+    _add_address(submit)
+    submit.add_argument("--no-follow", action="store_true", help="return once submitted")
+    submit.add_argument(
+        "--ship-code",
+        action="store_true",
+        help="upload the local groupflow source with the job (it overrides the installed copy)",
+    )
+    for name, text in (
+        ("status", "show a job's status"),
+        ("logs", "print a job's logs"),
+        ("stop", "stop a running job"),
+    ):
+        p = subparsers.add_parser(name, help=text, description=text)
+        p.add_argument("job_id", metavar="JOB", help="the job id `groupflow submit` printed")
+        _add_address(p)
+        if name == "logs":
+            p.add_argument("--follow", action="store_true", help="keep printing until it ends")
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"groupflow: error: {message}", file=sys.stderr)
+    return code
+
+
+def _client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
+
+
+def _package_dir(name: str) -> str:
+    # find_spec locates a package without importing it (importing would pull in torch).
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"--ship-code: package {name!r} not found locally")
+    return spec.submodule_search_locations[0]
+
+
+def job_runtime_env(config_dir: Path, ship_code: bool) -> dict:
+    """The runtime environment of a submitted job: the config directory as working_dir."""
+    env: dict = {"working_dir": str(config_dir)}
+    if ship_code:
+        env["py_modules"] = [_package_dir(name) for name in SOURCE_PACKAGES]
+    return env
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from groupflow.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        return _fail(str(err), 2)
+    if not Path(cfg.trainer.output_dir).is_absolute():
+        print(
+            f"groupflow: note: trainer.output_dir {cfg.trainer.output_dir!r} is relative: on "
+            "the cluster it lies inside the job's temporary working directory; set an "
+            "absolute path on storage shared by the head and learner nodes to keep the run",
+            file=sys.stderr,
+        )
+    client = _client(args.address)
+    with tempfile.TemporaryDirectory(prefix="groupflow-job-") as config_dir:
+        (Path(config_dir) / JOB_CONFIG_NAME).write_text(cfg.dump_yaml())
+        # submit_job uploads the working_dir before it returns, so the directory can go.
+        job_id = client.submit_job(
+            entrypoint=ENTRYPOINT,
+            runtime_env=job_runtime_env(Path(config_dir), args.ship_code),
+            metadata={"groupflow_run": cfg.trainer.run_name},
+        )
+    print(job_id, flush=True)
+    if args.no_follow:
+        return 0
+    return _follow(client, job_id)
+
+
+async def _print_log_stream(client, job_id: str) -> None:
+    async for chunk in client.tail_job_logs(job_id):
+        print(chunk, end="", flush=True)
+
+
+def _wait_until_ended(client, job_id: str):
+    # The log stream closes when the driver exits; the recorded status can trail it briefly.
+    while not (status := client.get_job_status(job_id)).is_terminal():
+        time.sleep(STATUS_POLL_S)
+    return status
+
+
+def _follow(client, job_id: str) -> int:
+    from ray.job_submission import JobStatus
+
+    try:
+        asyncio.run(_print_log_stream(client, job_id))
+    except KeyboardInterrupt:
+        print(
+            f"\ngroupflow: stopped following; job {job_id} keeps running "
+            f"(`groupflow stop {job_id}` ends it)",
+            file=sys.stderr,
+        )
+        return 130
+    status = _wait_until_ended(client, job_id)
+    print(f"groupflow: job {job_id} {status.value}", file=sys.stderr)
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    info = _client(args.address).get_job_info(args.job_id)
+    run = (info.metadata or {}).get("groupflow_run", "-")
+    print(f"{args.job_id}  {info.status.value}  run={run}")
+    if info.message:
+        print(info.message)
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    client = _client(args.address)
+    if args.follow:
+        asyncio.run(_print_log_stream(client, args.job_id))
+    else:
+        print(client.get_job_logs(args.job_id), end="")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    client = _client(args.address)
+    if client.stop_job(args.job_id):
+        print(f"stop requested for {args.job_id}")
+    else:
+        status = client.get_job_status(args.job_id)
+        print(f"{args.job_id} had already ended ({status.value})")
+    return 0
+
+
+HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop}
+
+
+def run_job_command(args: argparse.Namespace) -> int:
+    """Run a parsed job command: 0 on success, 2 for a bad config, 1 for cluster problems
+    (unreachable, unknown job, a submitted job that did not succeed)."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        return HANDLERS[args.command](args)
+    except AuthenticationError:
+        # Like Ray's own CLI, send the token only when asked to: never to any --address.
+        return _fail(
+            "the cluster requires a Ray auth token: set RAY_AUTH_MODE=token, with the token in "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token",
+            1,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        # The Jobs client reports an unreachable cluster or an unknown job this way; its
+        # messages can run over several lines, and one is enough here.
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return _fail(first_line, 1)

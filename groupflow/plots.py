@@ -1,0 +1,153 @@
+"""PNG plots of a run's metrics.jsonl: reward, entropy and the token-credit diagnostics."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    keys: tuple[str, ...]  # record keys drawn as one line each
+    ylabel: str = ""
+
+
+@dataclass(frozen=True)
+class Figure:
+    filename: str
+    title: str
+    panels: tuple[Panel, ...]
+
+
+FIGURES = (
+    Figure(
+        "reward.png",
+        "Reward and accuracy",
+        (
+            Panel("reward", ("reward_mean",), "mean reward"),
+            Panel("accuracy", ("accuracy", "eval_accuracy"), "fraction correct"),
+        ),
+    ),
+    Figure(
+        "entropy.png",
+        "Token entropy",
+        (Panel("entropy", ("entropy_mean", "entropy_pos", "entropy_neg"), "nats per token"),),
+    ),
+    Figure(
+        "token_credit.png",
+        "Token-credit diagnostics",
+        (
+            Panel("spurious tokens", ("spurious_frac",), "fraction of tokens"),
+            Panel("low-probability tokens", ("lowprob_frac", "lowprob_grad_share"), "fraction"),
+            Panel("gradient cancellation", ("cancellation_residual",), "residual"),
+            Panel("clipping", ("clip_frac_low", "clip_frac_high"), "fraction of tokens"),
+            Panel("approx. KL", ("approx_kl",), "nats"),
+        ),
+    ),
+)
+
+
+def read_records(metrics_jsonl: Path) -> list[dict]:
+    """The step records; a line cut short by a crash (or otherwise unreadable) is skipped."""
+    records = []
+    for line in metrics_jsonl.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records that hold a finite number under `key`."""
+    steps, values = [], []
+    for index, record in enumerate(records, start=1):
+        value = record.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            steps.append(record.get("step", index))
+            values.append(value)
+    return steps, values
+
+
+# Up to this many points a line gets markers; beyond, it is drawn faintly under its moving
+# average, because per-step RL figures are noisy and the trend is what a reader looks for.
+FEW_POINTS = 30
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _plot_series(ax, steps: list[float], values: list[float], key: str) -> None:
+    if len(values) <= FEW_POINTS:
+        ax.plot(steps, values, label=key, marker="o", markersize=3)
+        return
+    window = max(5, len(values) // 10)
+    (raw,) = ax.plot(steps, values, alpha=0.3, linewidth=1)
+    smooth = moving_average(values, window)
+    ax.plot(steps, smooth, color=raw.get_color(), label=f"{key} (mean of {window})")
+
+
+def _draw_panel(ax, records: list[dict], panel: Panel) -> None:
+    for key in panel.keys:
+        steps, values = _series(records, key)
+        if values:
+            _plot_series(ax, steps, values, key)
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def _has_data(records: list[dict], panel: Panel) -> bool:
+    return any(_series(records, key)[1] for key in panel.keys)
+
+
+def _write_figure(records: list[dict], figure: Figure, out_dir: Path) -> Path | None:
+    panels = [panel for panel in figure.panels if _has_data(records, panel)]
+    if not panels:
+        return None
+    columns = min(len(panels), 3)
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(max(5 * columns, 7), 3.6 * rows), squeeze=False
+    )
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        _draw_panel(ax, records, panel)
+    fig.suptitle(figure.title)
+    fig.tight_layout()
+    path = out_dir / figure.filename
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(metrics_jsonl: Path, out_dir: Path) -> list[Path]:
+    """Write the PNGs for the metrics present in `metrics_jsonl`; returns the files written.
+
+    A figure none of whose keys appear is skipped, and so is a line with none of its points.
+    """
+    records = read_records(Path(metrics_jsonl))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = (_write_figure(records, figure, out_dir) for figure in FIGURES)
+    return [path for path in written if path is not None]
