@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench setup clean
+.PHONY: run test lint bench setup clean prometheus
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/groupflow train
 
-test: $(STAMP)
+# The metrics test scrapes a running job with a real Prometheus server (Debian's package).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && apt-get install -y -q prometheus; }
+
+test: $(STAMP) prometheus
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 

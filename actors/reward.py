@@ -137,5 +137,8 @@ class RewardPool:
                 done += scored
         return done
 
+    def pending_groups(self) -> int:
+        return sum(len(b.groups) for b in self._pending)
+
     def pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])

@@ -7,6 +7,10 @@ import logging
 import os
 import sys
 
+from groupflow.jobs import add_job_commands, run_job_command
+
+JOB_COMMANDS = ("submit", "status", "logs", "stop")
+
 EPILOG = """examples:
   groupflow train                                   the built-in quickstart job
   groupflow train job.yaml --set learner.optimizer.lr=1e-5 --set rollout.group_size=8
@@ -43,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     show = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     _add_config_args(show)
+    add_job_commands(sub)
     # `score` parses its own arguments (reward_workers/score_cli.py); listed here for --help.
     sub.add_parser(
         "score",
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return score_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command in JOB_COMMANDS:
+        return run_job_command(args)
     from groupflow.config import ConfigError, load_config
 
     try:

@@ -157,6 +157,9 @@ class AlgorithmConfig(Section):
     lowprob_eta: float = Field(
         0.5, gt=0, le=1, description="p threshold of the low-prob diagnostics"
     )
+    cancellation_diagnostic: bool = Field(
+        True, description="collect dLoss/dlogp per token for cancellation_residual"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -185,6 +188,7 @@ class TrainerConfig(Section):
 
 class MetricsConfig(Section):
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="unset = no endpoint")
+    prometheus_addr: str = Field("0.0.0.0", description="interface to serve metrics on")
     progress: bool = Field(True, description="progress bar on a terminal")
 
 

@@ -25,6 +25,8 @@ from actors.reward import RewardPool
 from actors.transport import ObjectStoreTransport
 from groupflow.config import Config
 from groupflow.metrics import MetricsWriter, ProgressReporter, step_metrics
+from groupflow.plots import write_plots
+from groupflow.prometheus import PrometheusExporter
 from groupflow.records import Prompt, ScoredGroup, TrainSequence
 from learner.advantages import compute_advantages
 from reward_workers.scorer import Scorer
@@ -62,9 +64,10 @@ class Rollout:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, exporter: PrometheusExporter | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
+        self.exporter = exporter
         self.task = make_task(cfg.task.name, cfg.task.options)
         self.prompts: Iterator[Prompt] = self.task.train_prompts(cfg.trainer.seed)
         self.eval_set = self.task.eval_prompts(cfg.task.eval_size)
@@ -105,8 +108,17 @@ class Trainer:
             self._engine_load[e] -= n
             self.rewards.submit(ray.get(ready[0]))
         gen_done = time.monotonic()
+        self._export_queues()
         scored = self.rewards.drain()
         return scored, gen_done - rollout.started, time.monotonic() - gen_done
+
+    def _export_queues(self) -> None:
+        if self.exporter is not None:
+            self.exporter.set_queue_depth("generation", sum(self._engine_load))
+            self.exporter.set_queue_depth("reward", self.rewards.pending_groups())
+            self.exporter.set_cluster(
+                len(self.engines), len(self.rewards.workers), len(self.learner.ranks)
+            )
 
     def _next_prompts(self) -> list[Prompt]:
         return list(islice(self.prompts, self.cfg.rollout.prompts_per_step))
@@ -210,6 +222,9 @@ class Trainer:
                 record["eval_accuracy"] = self.evaluate()
             writer.write(record)
             progress.update(record)
+            if self.exporter is not None:
+                self.exporter.observe_step(record)
+                self._export_queues()
 
     def _drop_flat_groups(self, scored: list[ScoredGroup]) -> list[ScoredGroup]:
         """Dynamic sampling (DAPO): groups whose rewards are all equal teach nothing; draw more."""
@@ -232,7 +247,15 @@ def run(cfg: Config) -> dict:
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
-    trainer = Trainer(cfg, run_dir)
+    exporter = None
+    if cfg.metrics.prometheus_port is not None:
+        exporter = PrometheusExporter(
+            cfg.trainer.run_name, cfg.metrics.prometheus_port, cfg.metrics.prometheus_addr
+        )
+        log.info(
+            "Prometheus metrics on http://%s:%d/metrics", cfg.metrics.prometheus_addr, exporter.port
+        )
+    trainer = Trainer(cfg, run_dir, exporter)
     try:
         t0 = time.monotonic()
         trainer.start(model_path)
@@ -241,6 +264,7 @@ def run(cfg: Config) -> dict:
         log.info("held-out greedy accuracy before training: %.3f", warm)
         with MetricsWriter(run_dir / "metrics.jsonl") as writer, ProgressReporter(cfg) as progress:
             trainer.train(writer, progress)
+        write_plots(run_dir / "metrics.jsonl", run_dir)
         final = trainer.evaluate()
         log.info("held-out greedy accuracy after training: %.3f", final)
         model_dir = run_dir / "model"
@@ -260,6 +284,8 @@ def run(cfg: Config) -> dict:
         return summary
     finally:
         trainer_shutdown(trainer)
+        if exporter is not None:
+            exporter.close()
         if started_ray:
             ray.shutdown()
 

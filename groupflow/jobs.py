@@ -10,11 +10,11 @@ every node) starts in its own copy. The entrypoint is
 checked, and nothing from the submitting machine's disk is read later.
 
 What the cluster needs.
-- groupflow and its dependencies installed in the Python that Ray runs jobs with (`python` on
-  the PATH of the Ray processes), on every
-  node: deploy/Dockerfile builds that image for the CUDA stack. `--ship-code` additionally
-  uploads the local source packages as `py_modules`, which take precedence over the
-  installed copy: a way to run local edits on a cluster whose image has the dependencies.
+- groupflow and its dependencies installed, on every node, in the Python that Ray runs jobs
+  with (`python` on the PATH of the Ray processes): deploy/Dockerfile builds that image for
+  the CUDA stack. `--ship-code` additionally uploads the local source packages as
+  `py_modules`, which take precedence over the installed copy: a way to run local edits on a
+  cluster whose image has the dependencies.
 - Paths in the config are read on the cluster: `model.path`, a reward plugin file, dataset
   files. `trainer.output_dir` is written there too, by the driver on the head node and by
   learner rank 0 (the model) on its node, so on a multi-node cluster it must be storage
@@ -184,8 +184,11 @@ def _status(args: argparse.Namespace) -> int:
     info = _client(args.address).get_job_info(args.job_id)
     run = (info.metadata or {}).get("groupflow_run", "-")
     print(f"{args.job_id}  {info.status.value}  run={run}")
-    if info.message:
-        print(info.message)
+    # A failed job's message ends with up to 20,000 characters of its log; its first line
+    # and the log's last line (the error) are what a status needs.
+    message = (info.message or "").strip().splitlines()
+    for line in message[:1] + message[1:][-1:]:
+        print(line)
     return 0
 
 
@@ -228,5 +231,7 @@ def run_job_command(args: argparse.Namespace) -> int:
     except (ConnectionError, RuntimeError, ValueError) as err:
         # The Jobs client reports an unreachable cluster or an unknown job this way; its
         # messages can run over several lines, and one is enough here.
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return _fail(first_line, 1)
+        lines = str(err).strip().splitlines()
+        return _fail(lines[0] if lines else type(err).__name__, 1)
+    except KeyboardInterrupt:
+        return 130

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,17 @@ def read_records(metrics_jsonl: Path) -> list[dict]:
     return records
 
 
+def latest_run(records: list[dict]) -> list[dict]:
+    """The records of the last run: metrics.jsonl is appended to, so a run started again in
+    the same directory follows the previous one, and its steps start over."""
+    start = 0
+    for i in range(1, len(records)):
+        step, previous = records[i].get("step"), records[i - 1].get("step")
+        if isinstance(step, int | float) and isinstance(previous, int | float) and step <= previous:
+            start = i
+    return records[start:]
+
+
 def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the records that hold a finite number under `key`."""
     steps, values = [], []
@@ -111,6 +123,7 @@ def _draw_panel(ax, records: list[dict], panel: Panel) -> None:
             _plot_series(ax, steps, values, key)
     ax.set_title(panel.title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on short runs
     ax.set_ylabel(panel.ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -144,9 +157,10 @@ def _write_figure(records: list[dict], figure: Figure, out_dir: Path) -> Path | 
 def write_plots(metrics_jsonl: Path, out_dir: Path) -> list[Path]:
     """Write the PNGs for the metrics present in `metrics_jsonl`; returns the files written.
 
-    A figure none of whose keys appear is skipped, and so is a line with none of its points.
+    Only the last run in the file is drawn. A figure none of whose keys appear is skipped, and
+    so is a line with none of its points.
     """
-    records = read_records(Path(metrics_jsonl))
+    records = latest_run(read_records(Path(metrics_jsonl)))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = (_write_figure(records, figure, out_dir) for figure in FIGURES)

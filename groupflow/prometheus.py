@@ -140,7 +140,8 @@ class PrometheusExporter:
         self._queue = Gauge(
             QUEUE_DEPTH, "items waiting in a queue", ["job", "queue"], registry=self.registry
         )
-        # Step records and cluster updates may come from different threads of the driver.
+        # prometheus_client's metrics are thread-safe; this guards the running totals, should
+        # step records ever arrive from more than one thread.
         self._lock = threading.Lock()
         self._server, self._thread = start_http_server(port, addr, registry=self.registry)
 
@@ -162,12 +163,12 @@ class PrometheusExporter:
             self._observe_totals(record)
 
     def _observe_tokens(self, record: dict) -> None:
+        if "gen_tokens_per_s" in record:
+            self._tokens_per_s.labels(self.job, "generation").set(record["gen_tokens_per_s"])
         tokens = record.get("tokens_generated")
         if tokens is None:
             return
         self._tokens.labels(self.job).inc(tokens)
-        if "gen_tokens_per_s" in record:
-            self._tokens_per_s.labels(self.job, "generation").set(record["gen_tokens_per_s"])
         if record.get("time_learn_s"):
             # The learner trains on every response token of the step once.
             self._tokens_per_s.labels(self.job, "learning").set(tokens / record["time_learn_s"])
@@ -186,14 +187,12 @@ class PrometheusExporter:
             "reward_workers": reward_workers,
             "learner_ranks": learner_ranks,
         }
-        with self._lock:
-            for key, value in counts.items():
-                self._cluster[key].labels(self.job).set(value)
+        for key, value in counts.items():
+            self._cluster[key].labels(self.job).set(value)
 
     def set_queue_depth(self, name: str, depth: int) -> None:
         """Items waiting in the named queue (e.g. "generation", "reward")."""
-        with self._lock:
-            self._queue.labels(self.job, name).set(depth)
+        self._queue.labels(self.job, name).set(depth)
 
     def close(self) -> None:
         """Stop serving and free the port."""

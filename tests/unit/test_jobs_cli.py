@@ -1,0 +1,266 @@
+"""`groupflow submit | status | logs | stop`: parsing, local config checks, and what a submission
+carries, against a stand-in for the Ray Jobs client (no cluster is contacted here)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray.job_submission
+import yaml
+from ray.job_submission import JobStatus
+
+from groupflow.config import load_config
+from groupflow.jobs import (
+    ENTRYPOINT,
+    JOB_CONFIG_NAME,
+    SOURCE_PACKAGES,
+    add_job_commands,
+    job_runtime_env,
+    run_job_command,
+)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="groupflow")
+    add_job_commands(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+class FakeJobClient:
+    """Records what a submission sends; plays a job that logs two lines and ends."""
+
+    instances: list[FakeJobClient] = []
+    final_status = JobStatus.SUCCEEDED
+    info_message = "Job finished successfully."
+
+    def __init__(self, address: str):
+        self.address = address
+        self.submitted: dict = {}
+        self.stopped: list[str] = []
+        FakeJobClient.instances.append(self)
+
+    def submit_job(self, *, entrypoint: str, runtime_env: dict, metadata: dict) -> str:
+        # The working_dir exists only while submit_job runs (Ray uploads it then): read it now.
+        job_yaml = Path(runtime_env["working_dir"]) / JOB_CONFIG_NAME
+        self.submitted = {
+            "entrypoint": entrypoint,
+            "runtime_env": runtime_env,
+            "metadata": metadata,
+            "config_text": job_yaml.read_text(),
+        }
+        return "raysubmit_fake"
+
+    async def tail_job_logs(self, job_id: str):
+        yield "step 1/2 reward=0.1\n"
+        yield "step 2/2 reward=0.2\n"
+
+    def get_job_status(self, job_id: str) -> JobStatus:
+        return self.final_status
+
+    def get_job_info(self, job_id: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            status=self.final_status,
+            message=self.info_message,
+            metadata={"groupflow_run": "unit"},
+        )
+
+    def get_job_logs(self, job_id: str) -> str:
+        return "all the logs\n"
+
+    def stop_job(self, job_id: str) -> bool:
+        self.stopped.append(job_id)
+        return True
+
+
+@pytest.fixture
+def fake_client(monkeypatch):
+    FakeJobClient.instances = []
+    monkeypatch.setattr(FakeJobClient, "final_status", JobStatus.SUCCEEDED)
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", FakeJobClient)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return FakeJobClient
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cluster was contacted")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", refuse)
+
+
+# ----- parsing ------------------------------------------------------------------------------
+
+
+def test_submit_arguments():
+    args = parse(
+        [
+            "submit",
+            "job.yaml",
+            "--address",
+            "http://10.0.0.1:8265",
+            "--set",
+            "trainer.steps=2",
+            "--set",
+            "task.eval_size=16",
+            "--no-follow",
+        ]
+    )
+    assert args.command == "submit"
+    assert args.config == "job.yaml"
+    assert args.overrides == ["trainer.steps=2", "task.eval_size=16"]
+    assert args.address == "http://10.0.0.1:8265"
+    assert args.no_follow and not args.ship_code
+
+
+def test_submit_defaults_to_the_quickstart_and_following():
+    args = parse(["submit"])
+    assert args.config is None and args.overrides == []
+    assert args.address is None and not args.no_follow
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "stop"])
+def test_job_commands_take_a_job_id_and_an_address(command):
+    args = parse([command, "raysubmit_abc", "--address", "http://h:8265"])
+    assert (args.command, args.job_id, args.address) == (command, "raysubmit_abc", "http://h:8265")
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "stop"])
+def test_job_commands_need_a_job_id(command):
+    with pytest.raises(SystemExit):
+        parse([command])
+
+
+# ----- config checked before any cluster is contacted ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["submit", "--set", "rollout.group_sise=4"], "rollout.group_sise: unknown key"),
+        (["submit", "--set", "trainer.steps=zero"], "trainer.steps"),
+        (["submit", "/no/such/job.yaml"], "/no/such/job.yaml: config file not found"),
+    ],
+)
+def test_a_bad_config_fails_with_one_line_before_any_cluster(no_cluster, capsys, argv, culprit):
+    assert run_job_command(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("groupflow: error: ")
+    assert culprit in err
+
+
+# ----- what a submission carries -----------------------------------------------------------
+
+
+def test_submit_carries_the_resolved_config_in_its_working_dir(fake_client, tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("trainer:\n  steps: 7\n  output_dir: /shared/runs\n  run_name: unit\n")
+    args = parse(["submit", str(job), "--set", "task.eval_size=16", "--no-follow"])
+    assert run_job_command(args) == 0
+    assert capsys.readouterr().out == "raysubmit_fake\n"
+    (client,) = fake_client.instances
+    sent = client.submitted
+    assert sent["entrypoint"] == ENTRYPOINT
+    assert ENTRYPOINT.split()[-1] == JOB_CONFIG_NAME
+    assert sent["metadata"] == {"groupflow_run": "unit"}
+    assert yaml.safe_load(sent["config_text"]) == yaml.safe_load(
+        load_config(job, ["task.eval_size=16"]).dump_yaml()
+    )
+    assert not Path(sent["runtime_env"]["working_dir"]).exists()  # cleaned up after upload
+    assert "py_modules" not in sent["runtime_env"]
+
+
+def test_submit_notes_a_relative_output_dir(fake_client, capsys):
+    assert run_job_command(parse(["submit", "--no-follow"])) == 0
+    assert "trainer.output_dir 'runs' is relative" in capsys.readouterr().err
+
+
+def test_ship_code_uploads_the_source_packages(tmp_path):
+    env = job_runtime_env(tmp_path, ship_code=True)
+    assert env["working_dir"] == str(tmp_path)
+    dirs = [Path(d) for d in env["py_modules"]]
+    assert [d.name for d in dirs] == list(SOURCE_PACKAGES)
+    assert all((d / "__init__.py").is_file() for d in dirs)
+
+
+def test_address_defaults_to_ray_address(fake_client, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "http://ray-head:8265")
+    run_job_command(parse(["submit", "--no-follow"]))
+    assert fake_client.instances[0].address == "http://ray-head:8265"
+
+
+def test_address_falls_back_to_loopback(fake_client):
+    run_job_command(parse(["status", "raysubmit_fake"]))
+    assert fake_client.instances[0].address == "http://127.0.0.1:8265"
+
+
+# ----- following, status, logs, stop --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "status, code", [(JobStatus.SUCCEEDED, 0), (JobStatus.FAILED, 1), (JobStatus.STOPPED, 1)]
+)
+def test_follow_prints_the_logs_and_exits_with_the_job(fake_client, capsys, status, code):
+    fake_client.final_status = status
+    assert run_job_command(parse(["submit"])) == code
+    captured = capsys.readouterr()
+    assert captured.out == "raysubmit_fake\nstep 1/2 reward=0.1\nstep 2/2 reward=0.2\n"
+    assert f"raysubmit_fake {status.value}" in captured.err
+
+
+def test_status_shows_the_state_and_the_run(fake_client, capsys):
+    assert run_job_command(parse(["status", "raysubmit_fake"])) == 0
+    assert capsys.readouterr().out == (
+        "raysubmit_fake  SUCCEEDED  run=unit\nJob finished successfully.\n"
+    )
+
+
+def test_logs_and_stop(fake_client, capsys):
+    assert run_job_command(parse(["logs", "raysubmit_fake"])) == 0
+    assert capsys.readouterr().out == "all the logs\n"
+    assert run_job_command(parse(["logs", "raysubmit_fake", "--follow"])) == 0
+    assert "step 2/2" in capsys.readouterr().out
+    assert run_job_command(parse(["stop", "raysubmit_fake"])) == 0
+    assert fake_client.instances[-1].stopped == ["raysubmit_fake"]
+
+
+def test_status_of_a_failed_job_shows_the_error_not_the_whole_log(fake_client, monkeypatch, capsys):
+    log_tail = "\n".join(f"log line {i}" for i in range(500))
+    message = (
+        f"Job entrypoint command failed with exit code 2, last logs:\n{log_tail}\n"
+        "groupflow: error: model.path: /x is not a Hugging Face model directory\n"
+    )
+    monkeypatch.setattr(fake_client, "final_status", JobStatus.FAILED)
+    monkeypatch.setattr(fake_client, "info_message", message)
+    assert run_job_command(parse(["status", "raysubmit_fake"])) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "raysubmit_fake  FAILED  run=unit",
+        "Job entrypoint command failed with exit code 2, last logs:",
+        "groupflow: error: model.path: /x is not a Hugging Face model directory",
+    ]
+
+
+def test_a_cluster_with_token_auth_gets_a_hint(monkeypatch, capsys):
+    from ray.exceptions import AuthenticationError
+
+    def needs_token(address):
+        raise AuthenticationError("Authentication required: Unauthorized")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", needs_token)
+    assert run_job_command(parse(["status", "x"])) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RAY_AUTH_MODE=token" in err
+
+
+def test_an_unreachable_cluster_is_one_line_and_exit_1(monkeypatch, capsys):
+    def unreachable(address):
+        raise ConnectionError(f"Failed to connect to Ray at address: {address}.\nmore detail")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", unreachable)
+    assert run_job_command(parse(["status", "x", "--address", "http://127.0.0.1:1"])) == 1
+    assert capsys.readouterr().err == (
+        "groupflow: error: Failed to connect to Ray at address: http://127.0.0.1:1.\n"
+    )

@@ -1,0 +1,92 @@
+"""write_plots turns a metrics.jsonl into PNGs, whatever subset of keys the records hold."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from groupflow.plots import latest_run, moving_average, write_plots
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_record(step: int) -> dict:
+    t = step / 10
+    return {
+        "step": step,
+        "reward_mean": 0.2 + 0.01 * step,
+        "accuracy": 0.1 + 0.01 * step,
+        "entropy_mean": 0.6 - 0.002 * step,
+        "entropy_pos": 0.55 - 0.002 * step,
+        "entropy_neg": 0.65 - 0.002 * step,
+        "spurious_frac": 0.001 * (step % 3),
+        "lowprob_frac": 0.3 + 0.02 * math.sin(t),
+        "lowprob_grad_share": 0.8 + 0.05 * math.cos(t),
+        "cancellation_residual": 0.7 + 0.1 * math.sin(t),
+        "clip_frac_low": 0.01,
+        "clip_frac_high": 0.02,
+        "approx_kl": 1e-3 * step,
+    }
+
+
+def write_jsonl(path: Path, records: list[dict], tail: str = "") -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def assert_pngs(paths: list[Path], names: set[str]) -> None:
+    assert {p.name for p in paths} == names
+    for path in paths:
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5_000, path
+
+
+@pytest.mark.parametrize("steps", [5, 60])  # markers on short runs; moving average on long ones
+def test_full_records_give_all_three_plots(tmp_path, steps):
+    metrics = write_jsonl(
+        tmp_path / "metrics.jsonl", [synthetic_record(s) for s in range(1, steps + 1)]
+    )
+    paths = write_plots(metrics, tmp_path / "plots")
+    assert_pngs(paths, {"reward.png", "entropy.png", "token_credit.png"})
+    assert all(p.parent == tmp_path / "plots" for p in paths)
+
+
+def test_missing_keys_skip_only_what_is_missing(tmp_path):
+    records = [{"step": s, "reward_mean": s / 10} for s in range(1, 8)]
+    records[3]["entropy_mean"] = 0.5  # one point of one entropy line
+    records[4] = {"step": 5}  # a record with nothing to draw
+    paths = write_plots(write_jsonl(tmp_path / "m.jsonl", records), tmp_path)
+    assert_pngs(paths, {"reward.png", "entropy.png"})
+
+
+def test_a_line_cut_short_by_a_crash_is_skipped(tmp_path):
+    records = [synthetic_record(s) for s in range(1, 4)]
+    metrics = write_jsonl(tmp_path / "m.jsonl", records, tail='{"step": 4, "reward_')
+    assert_pngs(write_plots(metrics, tmp_path), {"reward.png", "entropy.png", "token_credit.png"})
+
+
+def test_no_records_no_plots(tmp_path):
+    assert write_plots(write_jsonl(tmp_path / "m.jsonl", []), tmp_path / "plots") == []
+
+
+def test_non_finite_values_are_left_out(tmp_path):
+    records = [{"step": s, "approx_kl": float("nan") if s == 2 else 0.1} for s in range(1, 5)]
+    assert_pngs(
+        write_plots(write_jsonl(tmp_path / "m.jsonl", records), tmp_path), {"token_credit.png"}
+    )
+
+
+def test_moving_average_averages_the_last_window():
+    assert moving_average([1, 2, 3, 4, 5], 2) == [1, 1.5, 2.5, 3.5, 4.5]
+    assert moving_average([4.0], 5) == [4.0]
+
+
+def test_only_the_last_of_several_appended_runs_is_drawn():
+    first = [{"step": s, "reward_mean": 0.1} for s in range(1, 6)]
+    second = [{"step": s, "reward_mean": 0.9} for s in range(1, 4)]
+    assert latest_run(first + second) == second
+    assert latest_run(first) == first
+    assert latest_run([]) == []
