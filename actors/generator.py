@@ -35,6 +35,7 @@ def start_generators(cfg: Config, model_path: str) -> list:
     actor = ray.remote(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,
+        resources=res.custom,
         runtime_env={
             "env_vars": {
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

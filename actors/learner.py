@@ -49,7 +49,11 @@ class LearnerGroup:
         self.model_path = model_path
         res = cfg.learner.resources
         n = cfg.learner.num_ranks
-        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+        bundle = {
+            "CPU": res.num_cpus,
+            **({"GPU": res.num_gpus} if res.num_gpus else {}),
+            **res.custom,
+        }
         self.placement = placement_group([bundle] * n, strategy="PACK")
         ray.get(self.placement.ready())
         actor = ray.remote(LearnerRankActor)
@@ -57,6 +61,7 @@ class LearnerGroup:
             actor.options(
                 num_cpus=res.num_cpus,
                 num_gpus=res.num_gpus,
+                resources=res.custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(res.torch_threads)}},
             ).remote()

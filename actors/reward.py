@@ -51,7 +51,9 @@ class RewardPool:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         res = cfg.reward.resources
-        self._actor = ray.remote(RewardWorker).options(num_cpus=res.num_cpus, num_gpus=res.num_gpus)
+        self._actor = ray.remote(RewardWorker).options(
+            num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom
+        )
         self._args = (cfg.task.name, cfg.task.options, cfg.reward.verifier, cfg.reward.timeout_s)
         self.workers = [self._actor.remote(*self._args) for _ in range(cfg.reward.num_workers)]
         self._load = [0] * len(self.workers)

@@ -7,9 +7,7 @@ import logging
 import os
 import sys
 
-from groupflow.jobs import add_job_commands, run_job_command
-
-JOB_COMMANDS = ("submit", "status", "logs", "stop")
+from groupflow.jobs import JOB_COMMANDS, add_job_commands, run_job_command
 
 EPILOG = """examples:
   groupflow train                                   the built-in quickstart job

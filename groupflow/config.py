@@ -30,6 +30,10 @@ class Resources(Section):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int = Field(1, ge=1, description="intra-op threads for torch in the actor")
+    custom: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources, e.g. {groupflow_rollout: 1} to pin a worker group",
+    )
 
 
 class ModelConfig(Section):

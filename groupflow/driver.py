@@ -249,9 +249,15 @@ def run(cfg: Config) -> dict:
         ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
     exporter = None
     if cfg.metrics.prometheus_port is not None:
-        exporter = PrometheusExporter(
-            cfg.trainer.run_name, cfg.metrics.prometheus_port, cfg.metrics.prometheus_addr
-        )
+        try:
+            exporter = PrometheusExporter(
+                cfg.trainer.run_name, cfg.metrics.prometheus_port, cfg.metrics.prometheus_addr
+            )
+        except OSError as err:
+            raise RunError(
+                f"metrics.prometheus_port: cannot serve on "
+                f"{cfg.metrics.prometheus_addr}:{cfg.metrics.prometheus_port} ({err.strerror})"
+            ) from None
         log.info(
             "Prometheus metrics on http://%s:%d/metrics", cfg.metrics.prometheus_addr, exporter.port
         )

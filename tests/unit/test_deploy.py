@@ -200,3 +200,17 @@ def test_prometheus_scrapes_the_job_endpoint_and_rays_discovery_file():
     assert [int(t.rsplit(":", 1)[1]) for t in targets] == [METRICS_PORT]
     ray_files = [f for sd in jobs["ray"]["file_sd_configs"] for f in sd["files"]]
     assert ray_files == [RAY_SD_FILE]
+
+
+def test_rayjob_actors_request_their_worker_groups_resource():
+    config_map, job = rayjob_docs()
+    cfg = build_config(yaml.safe_load(config_map["data"]["job.yaml"]))
+    groups = {g["groupName"]: g for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    for section, group in (
+        ("rollout", "generation"),
+        ("reward", "reward"),
+        ("learner", "learning"),
+    ):
+        wanted = getattr(cfg, section).resources.custom
+        offered = custom_resources(groups[group])
+        assert wanted and set(wanted) <= set(offered), (section, wanted, offered)
