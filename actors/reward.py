@@ -9,6 +9,7 @@ never waits forever.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -32,8 +33,6 @@ class RewardWorker:
         return scored, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 

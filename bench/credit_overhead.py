@@ -5,9 +5,9 @@
 Runs the quickstart model for a few steps with three settings on one Ray cluster and prints
 the mean (over steps after the first) of the learner's step time plus the driver's
 diagnostics time:
-  off      plain GRPO, no cancellation diagnostic
-  on       STAPO + AR + 20-Entropy + dual clip, all diagnostics
-  lopti    "on" plus Lopti (its second optimizer update is reported separately)
+  baseline  plain GRPO, no cancellation diagnostic
+  credit    STAPO + AR + 20-Entropy + dual clip, all diagnostics
+  lopti     "credit" plus Lopti (its second optimizer update is reported separately)
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from groupflow.config import build_config
 from groupflow.driver import run
 
 SETTINGS = {
-    "off": ["algorithm.cancellation_diagnostic=false"],
-    "on": [
+    "baseline": ["algorithm.cancellation_diagnostic=false"],
+    "credit": [
         "algorithm.stapo.enabled=true",
         "algorithm.ar.alpha=0.3",
         "algorithm.entropy_mask.enabled=true",
         "algorithm.clip.dual_clip=3.0",
     ],
 }
-SETTINGS["lopti"] = [*SETTINGS["on"], "algorithm.lopti.enabled=true"]
+SETTINGS["lopti"] = [*SETTINGS["credit"], "algorithm.lopti.enabled=true"]
 
 
 def measure(name: str, steps: int, out: Path) -> dict:
@@ -68,7 +68,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = {name: measure(name, args.steps, Path(tmp)) for name in SETTINGS}
     ray.shutdown()
-    base = rows["off"]["learn"] + rows["off"]["metrics"]
+    base = rows["baseline"]["learn"] + rows["baseline"]["metrics"]
     print(f"\nlearner + diagnostics time per step, mean of steps 2..{args.steps} (seconds)")
     print(f"{'setting':>8} {'learn':>8} {'diag':>8} {'total':>8} {'updates':>8} {'overhead':>9}")
     for name, r in rows.items():
@@ -80,7 +80,7 @@ def main() -> None:
     # Lopti's second update is inherent to the method: report its cost per update too.
     per_update = (rows["lopti"]["learn"] + rows["lopti"]["metrics"]) / rows["lopti"]["updates"]
     print(
-        f"lopti per optimizer update: {per_update:.3f}s ({100 * (per_update / base - 1):.1f}% vs off)"
+        f"lopti per optimizer update: {per_update:.3f}s ({100 * (per_update / base - 1):.1f}% vs baseline)"
     )
 
 

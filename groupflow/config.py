@@ -71,6 +71,9 @@ class RolloutConfig(Section):
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = Field(256, ge=8)
+    weight_transport: Literal["object_store"] = Field(
+        "object_store", description="how new weights reach the engines (actors/transport.py)"
+    )
 
 
 class RewardConfig(Section):
@@ -233,12 +236,24 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+# YAML 1.1 reads these as booleans; on a command line they are far more often names
+# (`--set trainer.run_name=off`). true/false still give booleans.
+_YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a','b','c'], parsed value); the value is read as YAML."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected key.path=value")
-    return key.strip().split("."), yaml.safe_load(value) if value.strip() else None
+    value = value.strip()
+    if value.lower() in _YAML11_BOOL_WORDS:
+        return key.strip().split("."), value
+    try:
+        parsed = yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML") from None
+    return key.strip().split("."), parsed
 
 
 def _set_path(tree: dict, path: list[str], value: Any) -> None:

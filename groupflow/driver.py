@@ -22,14 +22,13 @@ import torch
 from actors.generator import start_generators
 from actors.learner import LearnerGroup
 from actors.reward import RewardPool
-from actors.transport import ObjectStoreTransport
+from actors.transport import make_transport
 from groupflow.config import Config
 from groupflow.metrics import MetricsWriter, ProgressReporter, step_metrics
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.records import Prompt, ScoredGroup, TrainSequence
 from learner.advantages import compute_advantages
-from reward_workers.scorer import Scorer
 from reward_workers.tasks import make_task
 from rollout.engine import SamplingSettings
 
@@ -71,7 +70,6 @@ class Trainer:
         self.task = make_task(cfg.task.name, cfg.task.options)
         self.prompts: Iterator[Prompt] = self.task.train_prompts(cfg.trainer.seed)
         self.eval_set = self.task.eval_prompts(cfg.task.eval_size)
-        self.eval_scorer = Scorer(cfg.task.name, cfg.task.options)
         s = cfg.rollout.sampling
         self.sampling = SamplingSettings(s.temperature, s.top_p, s.max_tokens)
         self.version = 0
@@ -82,7 +80,7 @@ class Trainer:
         self.engines = start_generators(self.cfg, model_path)
         self.rewards = RewardPool(self.cfg)
         self.learner = LearnerGroup(self.cfg, model_path)
-        self.transport = ObjectStoreTransport()
+        self.transport = make_transport(self.cfg.rollout.weight_transport)
         self._engine_load = [0] * len(self.engines)
 
     # ----- generation and scoring --------------------------------------------------------------
@@ -135,7 +133,7 @@ class Trainer:
             ]
         )
         rewards = [
-            self.eval_scorer.task.verify(p, text).reward
+            self.task.verify(p, text).reward
             for shard, texts in zip(shards, outs, strict=True)
             for p, text in zip(shard, texts, strict=True)
         ]

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import string
+import sys
 from pathlib import Path
 
 import torch
@@ -94,7 +95,13 @@ def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> Non
         optimizer, lambda s: min(1.0, (s + 1) / cfg["warmup"])
     )
     model.train()
-    bar = tqdm(range(steps), desc="warm start", disable=not progress, mininterval=2.0)
+    # On a terminal a bar; elsewhere (logs, CI, Ray jobs) the start and end lines suffice.
+    bar = tqdm(
+        range(steps),
+        desc="warm start",
+        disable=not (progress and sys.stderr.isatty()),
+        mininterval=2.0,
+    )
     for _ in bar:
         input_ids, labels, attention = _sft_batch(task, prompts, tokenizer, cfg["batch_size"])
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
@@ -126,7 +133,11 @@ def quickstart_model_path(
     target = cache_root() / f"quickstart-{digest}"
     if (target / "config.json").is_file():
         return target
-    log.info("building the quickstart model (first run only) into %s", target)
+    log.info(
+        "building the quickstart model (first run only, %d warm-start steps) into %s",
+        warm_start_steps,
+        target,
+    )
     random.seed(WARM_START["seed"])
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=WARM_START["seed"])
@@ -138,4 +149,5 @@ def quickstart_model_path(
     tokenizer.save_pretrained(partial)
     (partial / "groupflow_spec.json").write_text(json.dumps(spec, indent=1))
     partial.rename(target)
+    log.info("quickstart model ready")
     return target

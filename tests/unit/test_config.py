@@ -39,6 +39,13 @@ def test_bad_config_names_the_key(raw, overrides, key):
     assert message.startswith(key) or f" {key}" in message or key in message
 
 
+def test_yaml_boolean_words_stay_strings_on_the_command_line():
+    cfg = build_config({}, ["trainer.run_name=off", "algorithm.stapo.enabled=true"])
+    assert cfg.trainer.run_name == "off" and cfg.algorithm.stapo.enabled is True
+    with pytest.raises(ConfigError, match="algorithm.stapo.enabled"):
+        build_config({}, ["algorithm.stapo.enabled=yes-please"])
+
+
 def test_preset_supplies_defaults_and_user_wins():
     cfg = build_config({"algorithm": {"preset": "dr_grpo"}})
     assert (cfg.algorithm.advantage, cfg.algorithm.aggregation) == ("dr_grpo", "constant")
