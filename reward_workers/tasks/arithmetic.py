@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from reward_workers.tasks.base import is_held_out
+from reward_workers.tasks.base import GeneratedTask
 
 _LEADING_INT = re.compile(r"\s*(-?\d{1,40})(?!\d)")
 
 
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     """Sums and differences of `terms` non-negative integers of up to `digits` digits."""
 
     name = "arithmetic"
@@ -34,24 +33,6 @@ class ArithmeticTask:
             answer += value if op == "+" else -value
             expr += f"{op}{value}"
         return Prompt(uid=expr, text=f"{expr}=", answer=answer)
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
-        while True:
-            prompt = self._make(rng)
-            if not is_held_out(prompt.uid):
-                yield prompt
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        rng = random.Random(-1)
-        seen: dict[str, Prompt] = {}
-        for _ in range(1000 * n):
-            prompt = self._make(rng)
-            if is_held_out(prompt.uid):
-                seen.setdefault(prompt.uid, prompt)
-                if len(seen) == n:
-                    break
-        return list(seen.values())
 
     def parse_answer(self, raw: Any) -> int:
         if type(raw) is not int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -30,3 +31,29 @@ def is_held_out(key: str, fraction: float = 0.1) -> bool:
     """Stable split: a problem belongs to the held-out set by a hash of its text."""
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+class GeneratedTask:
+    """Prompts drawn from a seeded generator (`_make`), split into train and held-out sets
+    by a hash of each problem, so the two never meet whatever the seed."""
+
+    def _make(self, rng: random.Random) -> Prompt:
+        raise NotImplementedError
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        rng = random.Random(seed)
+        while True:
+            prompt = self._make(rng)
+            if not is_held_out(prompt.uid):
+                yield prompt
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        rng = random.Random(-1)
+        seen: dict[str, Prompt] = {}
+        for _ in range(1000 * n):
+            prompt = self._make(rng)
+            if is_held_out(prompt.uid):
+                seen.setdefault(prompt.uid, prompt)
+                if len(seen) == n:
+                    break
+        return list(seen.values())

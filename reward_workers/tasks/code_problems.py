@@ -8,14 +8,14 @@ set, or from a dataset file whose answer field holds {"entry_point": ..., "tests
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from reward_workers.format_reward import blend_format, check_format_weight
 from reward_workers.sandbox import default_platform
 from reward_workers.tasks.code_tests import extract_code, parse_spec, run_tests
-from reward_workers.tasks.prompt_pool import PromptPool
+from reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Reply with the complete function in a ```python code block."
 
@@ -149,7 +149,7 @@ BUILTIN_PROBLEMS: tuple[tuple[str, str, list[tuple[list, Any]], bool], ...] = (
 )
 
 
-class CodeTask:
+class CodeTask(PooledTask):
     """Each solution runs once in the sandbox: `timeout_s` for the whole run,
     `case_timeout_s` per test case, `memory_mb` of address space."""
 
@@ -177,22 +177,7 @@ class CodeTask:
         self.instruction = instruction
         self.format_weight = check_format_weight(self.name, format_weight)
         default_platform()  # no usable sandbox on this machine: fail now, not mid-training
-        if dataset is None:
-            self.pool = PromptPool(self.name, *self._builtin_split())
-        else:
-            self.pool = PromptPool.from_dataset(
-                self.name,
-                dataset,
-                eval_dataset=eval_dataset,
-                fields=fields,
-                skip_bad=skip_bad,
-                eval_fraction=eval_fraction,
-                parse_answer=self.parse_answer,
-            ).map(self._instructed)
-
-    def _instructed(self, prompt: Prompt) -> Prompt:
-        text = f"{prompt.text}\n{self.instruction}" if self.instruction else prompt.text
-        return Prompt(uid=prompt.uid, text=text, answer=prompt.answer)
+        self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction)
 
     def _builtin_split(self) -> tuple[list[Prompt], list[Prompt]]:
         train, held_out = [], []
@@ -206,12 +191,6 @@ class CodeTask:
             prompt = Prompt(uid=f"code-{entry_point}", text=f"{description} {example}", answer=spec)
             (held_out if is_eval else train).append(self._instructed(prompt))
         return train, held_out
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        return self.pool.train_prompts(seed)
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        return self.pool.eval_prompts(n)
 
     def parse_answer(self, raw: Any) -> dict[str, Any]:
         return parse_spec(raw)

@@ -11,13 +11,12 @@ import ast
 import random
 import re
 from collections import Counter
-from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
-from reward_workers.tasks.base import is_held_out
+from reward_workers.tasks.base import GeneratedTask
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DEPTH = 24
@@ -91,7 +90,7 @@ def extract_expression(response: str) -> str | None:
     return parts[0].strip() if len(parts) == 1 else None
 
 
-class CountdownTask:
+class CountdownTask(GeneratedTask):
     """`count` numbers from 1..max_number; a positive integer target up to max_target that
     an expression over all the numbers reaches."""
 
@@ -142,24 +141,6 @@ class CountdownTask:
         if value.denominator != 1 or not 1 <= value <= self.max_target:
             return None
         return int(value)
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
-        while True:
-            prompt = self._make(rng)
-            if not is_held_out(prompt.uid):
-                yield prompt
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        rng = random.Random(-1)
-        seen: dict[str, Prompt] = {}
-        for _ in range(1000 * n):
-            prompt = self._make(rng)
-            if is_held_out(prompt.uid):
-                seen.setdefault(prompt.uid, prompt)
-                if len(seen) == n:
-                    break
-        return list(seen.values())
 
     def parse_answer(self, raw: Any) -> dict[str, Any]:
         if not isinstance(raw, dict) or set(raw) != {"numbers", "target"}:

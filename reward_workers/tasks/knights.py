@@ -13,13 +13,12 @@ import hashlib
 import itertools
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
-from reward_workers.tasks.base import is_held_out
+from reward_workers.tasks.base import GeneratedTask
 
 NAMES = (
     "Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia",
@@ -166,7 +165,7 @@ def read_assignment(text: str, names: list[str]) -> dict[str, list[bool]]:
     return found
 
 
-class KnightsAndKnavesTask:
+class KnightsAndKnavesTask(GeneratedTask):
     """Puzzles with `people` inhabitants (2-8) and statements nested up to `depth` levels
     (2-4). Depth 1 (bare "X is a knight" claims) can never pin down a unique solution:
     flipping everyone's role preserves every such claim's consistency."""
@@ -187,24 +186,6 @@ class KnightsAndKnavesTask:
         uid = "kk-" + hashlib.sha256(text.encode()).hexdigest()[:16]
         answer = {n: ROLES[not k] for n, k in zip(puzzle.names, puzzle.solution, strict=True)}
         return Prompt(uid=uid, text=text, answer=answer)
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
-        while True:
-            prompt = self._make(rng)
-            if not is_held_out(prompt.uid):
-                yield prompt
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        rng = random.Random(-1)
-        seen: dict[str, Prompt] = {}
-        for _ in range(1000 * n):
-            prompt = self._make(rng)
-            if is_held_out(prompt.uid):
-                seen.setdefault(prompt.uid, prompt)
-                if len(seen) == n:
-                    break
-        return list(seen.values())
 
     def parse_answer(self, raw: Any) -> dict[str, str]:
         if not isinstance(raw, dict) or not raw:

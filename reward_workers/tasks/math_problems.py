@@ -6,14 +6,14 @@ reward_workers.datasets) with `dataset=...` and a field mapping.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from reward_workers.deadline import DeadlineExceeded
 from reward_workers.format_reward import blend_format, check_format_weight
 from reward_workers.tasks.math_answer import AnswerTooCostly, equivalent, extract_answer, last_boxed
-from reward_workers.tasks.prompt_pool import PromptPool
+from reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."
 
@@ -60,7 +60,7 @@ BUILTIN_PROBLEMS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
-class MathTask:
+class MathTask(PooledTask):
     """Answers are compared with math-verify, each check bounded by `timeout_s` seconds."""
 
     name = "math"
@@ -80,22 +80,7 @@ class MathTask:
             raise ValueError(f"math: timeout_s must be positive (got {timeout_s})")
         self.instruction, self.timeout_s = instruction, timeout_s
         self.format_weight = check_format_weight(self.name, format_weight)
-        if dataset is None:
-            self.pool = PromptPool(self.name, *self._builtin_split())
-        else:
-            self.pool = PromptPool.from_dataset(
-                self.name,
-                dataset,
-                eval_dataset=eval_dataset,
-                fields=fields,
-                skip_bad=skip_bad,
-                eval_fraction=eval_fraction,
-                parse_answer=self.parse_answer,
-            ).map(self._instructed)
-
-    def _instructed(self, prompt: Prompt) -> Prompt:
-        text = f"{prompt.text}\n{self.instruction}" if self.instruction else prompt.text
-        return Prompt(uid=prompt.uid, text=text, answer=prompt.answer)
+        self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction)
 
     def _builtin_split(self) -> tuple[list[Prompt], list[Prompt]]:
         train, held_out = [], []
@@ -103,12 +88,6 @@ class MathTask:
             prompt = self._instructed(Prompt(uid=f"math-{i}", text=problem, answer=answer))
             (held_out if is_eval else train).append(prompt)
         return train, held_out
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        return self.pool.train_prompts(seed)
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        return self.pool.eval_prompts(n)
 
     def parse_answer(self, raw: Any) -> str:
         if isinstance(raw, bool) or not isinstance(raw, str | int | float):

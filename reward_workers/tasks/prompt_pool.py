@@ -69,3 +69,48 @@ class PromptPool:
     def eval_prompts(self, n: int) -> list[Prompt]:
         """Up to n held-out prompts (fewer when the set is smaller)."""
         return self.held_out[:n]
+
+
+class PooledTask:
+    """A task whose prompts come from a fixed pool: its built-in problems, or a dataset file
+    (JSONL/Parquet with a field mapping); either way each prompt gets the task's instruction."""
+
+    name: str
+    instruction: str
+
+    def _builtin_split(self) -> tuple[list[Prompt], list[Prompt]]:
+        raise NotImplementedError
+
+    def parse_answer(self, raw: Any) -> Any:
+        raise NotImplementedError
+
+    def _load_pool(
+        self,
+        dataset: str | None,
+        eval_dataset: str | None,
+        fields: Mapping[str, str] | None,
+        skip_bad: bool,
+        eval_fraction: float,
+    ) -> None:
+        if dataset is None:
+            self.pool = PromptPool(self.name, *self._builtin_split())
+            return
+        self.pool = PromptPool.from_dataset(
+            self.name,
+            dataset,
+            eval_dataset=eval_dataset,
+            fields=fields,
+            skip_bad=skip_bad,
+            eval_fraction=eval_fraction,
+            parse_answer=self.parse_answer,
+        ).map(self._instructed)
+
+    def _instructed(self, prompt: Prompt) -> Prompt:
+        text = f"{prompt.text}\n{self.instruction}" if self.instruction else prompt.text
+        return Prompt(uid=prompt.uid, text=text, answer=prompt.answer)
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        return self.pool.train_prompts(seed)
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return self.pool.eval_prompts(n)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import statistics
 
 import pytest
@@ -12,14 +11,6 @@ import torch
 from learner.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 
 ESTIMATORS = sorted(ADVANTAGE_ESTIMATORS)
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator on a fresh seed; the seed is printed, so pytest shows it on failure."""
-    seed = int(os.environ.get("GROUPFLOW_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed} (rerun with GROUPFLOW_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
 
 
 def random_groups(

@@ -8,7 +8,6 @@ update does to a token that appears in the same context in every response.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -23,14 +22,6 @@ from learner.losses import token_loss
 
 F64 = torch.float64
 VOCAB, DIM, GROUP_SIZE = 11, 6, 4
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator on a fresh seed; the seed is printed, so pytest shows it on failure."""
-    seed = int(os.environ.get("GROUPFLOW_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed} (rerun with GROUPFLOW_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
 
 
 class TinyLM:

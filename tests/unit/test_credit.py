@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -38,14 +37,6 @@ ALL_TRANSFORMS = {
     "lopti": {"enabled": True},
     "entropy_mask": {"enabled": True},
 }
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator on a fresh seed; the seed is printed, so pytest shows it on failure."""
-    seed = int(os.environ.get("GROUPFLOW_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed} (rerun with GROUPFLOW_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
 
 
 def algorithm(**keys) -> AlgorithmConfig:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import pytest
@@ -20,14 +19,6 @@ from learner.diagnostics import (
 )
 
 F64 = torch.float64
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator on a fresh seed; the seed is printed, so pytest shows it on failure."""
-    seed = int(os.environ.get("GROUPFLOW_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed} (rerun with GROUPFLOW_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
 
 
 # ----- property 7: ||d log p(y) / d logits||^2 = 1 - 2 p(y) + sum_j p_j^2 ---------------------

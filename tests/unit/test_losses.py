@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -12,14 +11,6 @@ from groupflow.config import AlgorithmConfig, build_config
 from learner.losses import KL_ESTIMATORS, POLICY_LOSSES, token_loss
 
 F64 = torch.float64
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A generator on a fresh seed; the seed is printed, so pytest shows it on failure."""
-    seed = int(os.environ.get("GROUPFLOW_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"seed={seed} (rerun with GROUPFLOW_TEST_SEED={seed})")
-    return torch.Generator().manual_seed(seed)
 
 
 def algorithm(**keys) -> AlgorithmConfig:
