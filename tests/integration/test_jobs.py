@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -40,9 +41,15 @@ def ray_head():
     temp_dir = Path(f"/tmp/gf-head-{os.getpid()}")
     dashboard = _free_port()
     # As a user with the venv activated: the job's `python` is the one with groupflow.
-    # Ray 2.60 enables token auth on clusters it starts; clients must then send the token.
+    # The head runs with Ray's token auth and a token of its own, as a shared cluster should;
+    # the client sends it (nothing depends on a token left in ~/.ray by earlier runs).
     venv_bin = str(Path(sys.executable).parent)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{venv_bin}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "PATH": f"{venv_bin}:{os.environ['PATH']}",
+    }
     ray = str(Path(venv_bin) / "ray")
     subprocess.run(
         [
