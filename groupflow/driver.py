@@ -63,9 +63,8 @@ class Rollout:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, exporter: PrometheusExporter | None = None):
+    def __init__(self, cfg: Config, exporter: PrometheusExporter | None = None):
         self.cfg = cfg
-        self.run_dir = run_dir
         self.exporter = exporter
         self.task = make_task(cfg.task.name, cfg.task.options)
         self.prompts: Iterator[Prompt] = self.task.train_prompts(cfg.trainer.seed)
@@ -76,7 +75,6 @@ class Trainer:
 
     # ----- lifecycle ---------------------------------------------------------------------------
     def start(self, model_path: str) -> None:
-        self.model_path = model_path
         self.engines = start_generators(self.cfg, model_path)
         self.rewards = RewardPool(self.cfg)
         self.learner = LearnerGroup(self.cfg, model_path)
@@ -235,16 +233,22 @@ class Trainer:
         return keep[: len(scored)] or scored
 
 
+def fresh_run_dir(run_dir: Path) -> Path:
+    """An empty run directory; an earlier run of the same name is kept, renamed by its time."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
+        kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
+        run_dir.rename(kept)
+        log.info("kept the earlier run %s as %s", run_dir, kept)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def run(cfg: Config) -> dict:
     """Run one training job; returns the summary also written to summary.json."""
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
     model_path = resolve_model_path(cfg)
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
+    run_dir = fresh_run_dir(Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
+    (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
     exporter = None
     if cfg.metrics.prometheus_port is not None:
         try:
@@ -259,7 +263,10 @@ def run(cfg: Config) -> dict:
         log.info(
             "Prometheus metrics on http://%s:%d/metrics", cfg.metrics.prometheus_addr, exporter.port
         )
-    trainer = Trainer(cfg, run_dir, exporter)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
+    trainer = Trainer(cfg, exporter)
     try:
         t0 = time.monotonic()
         trainer.start(model_path)
