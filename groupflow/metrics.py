@@ -76,6 +76,11 @@ def step_metrics(
         "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
         "staleness_max": max(staleness, default=0),
         "cancellation_residual": cancellation_residual(list(by_group.values())),
+        # only nodes every response of the group passes through: exactly 0 when the
+        # aggregation is exchangeable and nothing clips or masks by sign
+        "cancellation_residual_whole_group": cancellation_residual(
+            list(by_group.values()), whole_group=True
+        ),
     }
     record["clip_frac"] = record["clip_frac_low"] + record["clip_frac_high"]
     record.update(plan_mean)
