@@ -57,3 +57,7 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
         assert r["optimizer_updates"] == (4 if two_stage else 2)
+    if preset == "dfpo":
+        # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
+        # group get exactly cancelling gradients in the real DeepSpeed backward
+        assert all(r["cancellation_residual_whole_group"] < 1e-6 for r in records)
