@@ -61,3 +61,36 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward
         assert all(r["cancellation_residual_whole_group"] < 1e-6 for r in records)
+
+
+def test_kl_to_a_reference_and_an_entropy_bonus_train(ray_cluster, quickstart_model, tmp_path):
+    """kl.coef > 0 loads the frozen reference on every rank; the entropy bonus backpropagates."""
+    code = main(
+        [
+            "train",
+            "--set",
+            "algorithm.kl.coef=0.05",
+            "--set",
+            "algorithm.kl.estimator=k3",
+            "--set",
+            "algorithm.entropy_coef=0.01",
+            "--set",
+            "learner.optimizer.lr=1e-3",
+            "--set",
+            f"trainer.output_dir={tmp_path}",
+            "--set",
+            "trainer.run_name=kl",
+            "--set",
+            "trainer.steps=2",
+            "--set",
+            "task.eval_size=16",
+            "--set",
+            "rollout.prompts_per_step=16",
+        ]
+    )
+    assert code == 0
+    first, second = [
+        json.loads(x) for x in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert first["kl_ref"] == 0.0  # the policy is the reference until its first update
+    assert second["kl_ref"] > 0.0
