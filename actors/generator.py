@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import ray
 
+from groupflow.collective import open_weight_group
 from groupflow.config import Config
 from groupflow.records import Prompt, SampledGroup
+from learner.device import Device, device_for
 from rollout.engine import EngineSettings, RolloutEngine, SamplingSettings
 
 
 class Generator:
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, device: Device):
         self.engine = RolloutEngine(settings)
+        self.device = device
+        self.weight_group = None
 
     def sample(
         self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings
@@ -23,6 +27,13 @@ class Generator:
 
     def load_weights(self, named_tensors, version: int) -> int:
         self.engine.load_weights(named_tensors, version)
+        return version
+
+    def open_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self.weight_group = open_weight_group(host, port, rank, world_size, self.device.backend)
+
+    def receive_weights(self, manifest, version: int) -> int:
+        self.engine.receive_weights(self.weight_group, manifest, version, self.device.kind)
         return version
 
     def parameters_snapshot(self) -> dict:
@@ -54,4 +65,5 @@ def start_generators(cfg: Config, model_path: str) -> list:
         )
         for i in range(cfg.rollout.num_engines)
     ]
-    return [actor.remote(s) for s in settings]
+    device = device_for(res.num_gpus)
+    return [actor.remote(s, device) for s in settings]

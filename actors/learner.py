@@ -8,6 +8,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from groupflow.collective import open_weight_group
 from groupflow.config import Config
 from groupflow.records import TrainSequence
 from learner.batching import plan_step
@@ -39,6 +40,19 @@ class LearnerRankActor:
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
+
+    def open_weight_group(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the engines' weight group as its source; other ranks only gather."""
+        self.weight_group = None
+        if self.rank.setup.rank == 0:
+            backend = self.rank.setup.device.backend
+            self.weight_group = open_weight_group(host, port, 0, world_size, backend)
+
+    def weight_manifest(self) -> list:
+        return self.rank.weight_manifest()
+
+    def broadcast_weights(self) -> None:
+        self.rank.broadcast_weights(self.weight_group)
 
 
 class LearnerGroup:

@@ -71,8 +71,10 @@ class RolloutConfig(Section):
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = Field(256, ge=8)
-    weight_transport: Literal["object_store"] = Field(
-        "object_store", description="how new weights reach the engines (actors/transport.py)"
+    weight_transport: Literal["object_store", "collective"] = Field(
+        "object_store",
+        description="how new weights reach the engines: Ray's object store, or a broadcast "
+        "from learner rank 0 (NCCL on GPUs, gloo on CPUs)",
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from groupflow.collective import WeightGroup
 from groupflow.config import AlgorithmConfig, LearnerConfig
 from groupflow.records import TrainSequence
 from learner.credit import CreditPlan, MiniBatchTokens, plan_credit
@@ -298,6 +299,23 @@ class LearnerRank:
                 if self.setup.rank == 0:
                     out.append((name, param.detach().to("cpu", copy=True)))
         return out if self.setup.rank == 0 else None
+
+    def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, full shape, dtype) of every parameter, in broadcast order."""
+        return [
+            (name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
+            for name, p in self.engine.module.named_parameters()
+        ]
+
+    def broadcast_weights(self, group: WeightGroup | None) -> None:
+        """Gather each parameter from the ZeRO-3 shards (collective over ranks) and, on rank 0,
+        broadcast it to the engines in `group` one tensor at a time (never a full copy)."""
+        import deepspeed
+
+        for _, param in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if group is not None:
+                    group.broadcast(param.data.contiguous())
 
     def save_pretrained(self, path: str) -> None:
         """The current policy in Hugging Face format (written by rank 0). Collective."""

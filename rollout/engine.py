@@ -98,6 +98,17 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         self.policy_version = version
 
+    def receive_weights(self, group, manifest, version: int, device: str) -> None:
+        """Receive every tensor of `manifest` from the weight group's rank 0, then load them."""
+        import torch
+
+        named = []
+        for name, shape, dtype in manifest:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            group.broadcast(tensor)
+            named.append((name, tensor))
+        self.load_weights(named, version)
+
     def parameters_snapshot(self) -> dict:
         return self.llm.collective_rpc("named_parameters_snapshot")[0]
 

@@ -79,6 +79,10 @@ def test_weight_sync_is_exact_on_every_engine(stack):
     ObjectStoreTransport().sync(learner, engines, version=1)
     after = dict(ray.get(learner.publish_weights()))
     assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
+    _assert_engines_match(engines, after)
+
+
+def _assert_engines_match(engines, after: dict[str, torch.Tensor]) -> None:
     for engine in engines:
         snap = ray.get(engine.parameters_snapshot.remote())
         expected = _expected_vllm_params(after, snap)
@@ -144,3 +148,16 @@ def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
     )
     got = results[0].grad_norms[0]
     assert got == pytest.approx(expected.item(), rel=1e-4), (got, expected.item())
+
+
+def test_collective_transport_syncs_exactly_too(stack):
+    """The broadcast transport (gloo here, NCCL on GPUs) lands the same bits as the learner."""
+    from actors.transport import CollectiveTransport
+
+    cfg, engines, learner = stack
+    learner.train_step(_sample_sequences(engines, seed=3))
+    transport = CollectiveTransport()
+    transport.sync(learner, engines, version=10)
+    learner.train_step(_sample_sequences(engines, seed=4))
+    transport.sync(learner, engines, version=11)  # the group is reused
+    _assert_engines_match(engines, dict(ray.get(learner.publish_weights())))
