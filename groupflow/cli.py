@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(train)
+    evaluate = sub.add_parser(
+        "eval",
+        help="held-out greedy accuracy of a model on the config's task",
+        description="Greedy accuracy on task.eval_size held-out prompts of task.name, with one "
+        "vLLM engine in this process. Prints one JSON line.",
+    )
+    _add_config_args(evaluate)
+    evaluate.add_argument("--model", help="Hugging Face model directory (default: model.path)")
     show = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     _add_config_args(show)
     add_job_commands(sub)
@@ -72,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_job_command(args)
     from groupflow.config import ConfigError, load_config
 
+    overrides = list(args.overrides)
+    if getattr(args, "model", None):
+        overrides.append(f"model.path={args.model}")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as err:
         return _fail(str(err))
     if args.command == "config":
@@ -84,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from groupflow.driver import RunError, run
+    from groupflow.driver import RunError, resolve_model_path, run
 
     try:
+        if args.command == "eval":
+            from groupflow.evaluate import evaluate_model
+
+            print(json.dumps(evaluate_model(cfg, resolve_model_path(cfg))))
+            return 0
         summary = run(cfg)
     except (RunError, ValueError) as err:
         return _fail(str(err))

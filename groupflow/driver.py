@@ -24,6 +24,7 @@ from actors.learner import LearnerGroup
 from actors.reward import RewardPool
 from actors.transport import make_transport
 from groupflow.config import Config
+from groupflow.evaluate import greedy_accuracy
 from groupflow.metrics import MetricsWriter, ProgressReporter, step_metrics
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
@@ -130,12 +131,8 @@ class Trainer:
                 for e, s in zip(self.engines, shards, strict=True)
             ]
         )
-        rewards = [
-            self.task.verify(p, text).reward
-            for shard, texts in zip(shards, outs, strict=True)
-            for p, text in zip(shard, texts, strict=True)
-        ]
-        return sum(r >= 1.0 for r in rewards) / len(rewards)
+        prompts = [p for shard in shards for p in shard]
+        return greedy_accuracy(self.task, prompts, [t for texts in outs for t in texts])
 
     # ----- one step -----------------------------------------------------------------------------
     def _sequences(self, scored: list[ScoredGroup]) -> list[TrainSequence]:
