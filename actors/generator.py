@@ -8,7 +8,12 @@ from groupflow.collective import open_weight_group
 from groupflow.config import Config
 from groupflow.records import Prompt, SampledGroup
 from learner.device import Device, device_for
-from rollout.engine import EngineSettings, RolloutEngine, SamplingSettings
+from rollout.engine import (
+    EngineSettings,
+    RolloutEngine,
+    SamplingSettings,
+    engine_settings,
+)
 
 
 class Generator:
@@ -54,16 +59,8 @@ def start_generators(cfg: Config, model_path: str) -> list:
             }
         },
     )
-    settings = [
-        EngineSettings(
-            model_path=model_path,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            seed=cfg.trainer.seed + i,
-        )
+    device = device_for(res.num_gpus)
+    return [
+        actor.remote(engine_settings(cfg, model_path, seed=cfg.trainer.seed + i), device)
         for i in range(cfg.rollout.num_engines)
     ]
-    device = device_for(res.num_gpus)
-    return [actor.remote(s, device) for s in settings]

@@ -17,20 +17,11 @@ def greedy_accuracy(task: Task, prompts: list[Prompt], texts: list[str]) -> floa
 def evaluate_model(cfg: Config, model_path: str) -> dict:
     """One in-process vLLM engine, greedy decoding on the task's held-out prompts."""
     from reward_workers.tasks import make_task
-    from rollout.engine import EngineSettings, RolloutEngine
+    from rollout.engine import RolloutEngine, engine_settings
 
     task = make_task(cfg.task.name, cfg.task.options)
     prompts = task.eval_prompts(cfg.task.eval_size)
-    engine = RolloutEngine(
-        EngineSettings(
-            model_path=model_path,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            seed=cfg.trainer.seed,
-        )
-    )
+    engine = RolloutEngine(engine_settings(cfg, model_path, seed=cfg.trainer.seed))
     texts = engine.greedy(prompts, cfg.rollout.sampling.max_tokens)
     return {
         "model": model_path,

@@ -22,6 +22,18 @@ class EngineSettings:
     seed: int = 0
 
 
+def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
+    """The engine part of a job config (groupflow.config.Config)."""
+    return EngineSettings(
+        model_path=model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.rollout.max_model_len,
+        kv_cache_gib=cfg.rollout.kv_cache_gib,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        seed=seed,
+    )
+
+
 @dataclass
 class SamplingSettings:
     temperature: float = 1.0
