@@ -25,31 +25,26 @@ DIAGNOSTICS = {
 }
 
 
+def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
+    """`groupflow train` for 2 small steps with the given --set overrides; the step records."""
+    common = [
+        f"trainer.output_dir={tmp_path}",
+        f"trainer.run_name={run_name}",
+        "trainer.steps=2",
+        "task.eval_size=16",
+        "rollout.prompts_per_step=16",
+    ]
+    args = ["train"] + [x for o in [*overrides, *common] for x in ("--set", o)]
+    assert main(args) == 0
+    lines = (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path):
-    code = main(
-        [
-            "train",
-            "--set",
-            f"algorithm.preset={preset}",
-            "--set",
-            f"trainer.output_dir={tmp_path}",
-            "--set",
-            f"trainer.run_name={preset}",
-            "--set",
-            "trainer.steps=2",
-            "--set",
-            "task.eval_size=16",
-            "--set",
-            "rollout.prompts_per_step=16",
-            "--set",
-            "learner.mini_batches_per_step=2",
-        ]
+    records = _train_two_steps(
+        tmp_path, preset, f"algorithm.preset={preset}", "learner.mini_batches_per_step=2"
     )
-    assert code == 0
-    records = [
-        json.loads(x) for x in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()
-    ]
     assert len(records) == 2
     for r in records:
         assert DIAGNOSTICS <= r.keys(), DIAGNOSTICS - r.keys()
@@ -65,32 +60,13 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
 
 def test_kl_to_a_reference_and_an_entropy_bonus_train(ray_cluster, quickstart_model, tmp_path):
     """kl.coef > 0 loads the frozen reference on every rank; the entropy bonus backpropagates."""
-    code = main(
-        [
-            "train",
-            "--set",
-            "algorithm.kl.coef=0.05",
-            "--set",
-            "algorithm.kl.estimator=k3",
-            "--set",
-            "algorithm.entropy_coef=0.01",
-            "--set",
-            "learner.optimizer.lr=1e-3",
-            "--set",
-            f"trainer.output_dir={tmp_path}",
-            "--set",
-            "trainer.run_name=kl",
-            "--set",
-            "trainer.steps=2",
-            "--set",
-            "task.eval_size=16",
-            "--set",
-            "rollout.prompts_per_step=16",
-        ]
+    first, second = _train_two_steps(
+        tmp_path,
+        "kl",
+        "algorithm.kl.coef=0.05",
+        "algorithm.kl.estimator=k3",
+        "algorithm.entropy_coef=0.01",
+        "learner.optimizer.lr=1e-3",
     )
-    assert code == 0
-    first, second = [
-        json.loads(x) for x in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()
-    ]
     assert first["kl_ref"] == 0.0  # the policy is the reference until its first update
     assert second["kl_ref"] > 0.0
