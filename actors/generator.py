@@ -7,8 +7,8 @@ import ray
 from groupflow.collective import open_weight_group
 from groupflow.config import Config
 from groupflow.records import Prompt, SampledGroup
-from learner.device import Device, device_for
-from rollout.engine import (
+from groupflow.learner.device import Device, device_for
+from groupflow.rollout.engine import (
     EngineSettings,
     RolloutEngine,
     SamplingSettings,

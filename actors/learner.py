@@ -11,9 +11,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from groupflow.collective import open_weight_group
 from groupflow.config import Config
 from groupflow.records import TrainSequence
-from learner.batching import plan_step
-from learner.device import device_for
-from learner.trainer import LearnerRank, RankSetup, StepResult
+from groupflow.learner.batching import plan_step
+from groupflow.learner.device import device_for
+from groupflow.learner.rank import LearnerRank, RankSetup, StepResult
 
 
 class LearnerRankActor:

@@ -18,7 +18,7 @@ from ray.exceptions import RayActorError
 
 from groupflow.config import Config
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
-from reward_workers.scorer import Scorer
+from groupflow.reward_workers.scorer import Scorer
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import ray
 
 from groupflow.config import build_config
 from groupflow.driver import run
-from learner.presets import PRESETS
+from groupflow.presets import PRESETS
 
 
 def train_once(preset: str, seed: int, steps: int, out: Path) -> tuple[dict, list[dict]]:

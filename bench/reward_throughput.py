@@ -21,11 +21,11 @@ from pathlib import Path
 
 import ray
 
-from actors.reward import RewardPool
+from groupflow.actors.reward import RewardPool
 from groupflow.config import build_config
 from groupflow.driver import run
 from groupflow.records import Response, SampledGroup
-from reward_workers.tasks import make_task
+from groupflow.reward_workers.tasks import make_task
 
 GROUP = 8
 

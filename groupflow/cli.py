@@ -73,7 +73,7 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["score"]:
-        from reward_workers.score_cli import main as score_main
+        from groupflow.reward_workers.score_cli import main as score_main
 
         return score_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from learner.presets import PRESETS
+from groupflow.presets import PRESETS
 
 
 class ConfigError(ValueError):
@@ -106,68 +106,177 @@ class LearnerConfig(Section):
 
 
 class ClipConfig(Section):
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
-    dual_clip: float | None = Field(None, gt=1, description="c of dual clip (e.g. 3); unset = off")
+    eps_low: float = Field(
+        0.2,
+        ge=0,
+        description="PPO clip below: the ratio r = pi/pi_old is held at >= 1 - eps_low for A < 0 "
+        "(Schulman et al., PPO, arXiv 1707.06347)",
+    )
+    eps_high: float = Field(
+        0.28,
+        ge=0,
+        description="PPO clip above: r is held at <= 1 + eps_high for A > 0; 0.28 > eps_low is "
+        "DAPO's clip-higher, which keeps low-probability tokens able to rise (arXiv 2503.14476)",
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="dual clip c: for A < 0 the token loss is capped at -c A, so a huge ratio "
+        "cannot blow up a negative sample (Ye et al., arXiv 1912.09729); unset = off",
+    )
 
 
 class KLConfig(Section):
-    coef: float = Field(0.0, ge=0)
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    coef: float = Field(
+        0.0,
+        ge=0,
+        description="beta of a KL penalty to the frozen initial policy, added per token (GRPO, "
+        "arXiv 2402.03300); 0 = off and no reference model is loaded",
+    )
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="per-token KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, "
+        "k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman, 'Approximating KL Divergence', 2020)",
+    )
 
 
 class StapoConfig(Section):
-    enabled: bool = False
-    tau_p: float = Field(0.002, gt=0, le=1)
-    quantile: float = Field(0.75, ge=0, le=1)
-    prob_source: Literal["current", "old"] = "current"
+    enabled: bool = Field(
+        False,
+        description="STAPO: silence spurious tokens (low probability, low entropy, in positive "
+        "responses) and renormalise (arXiv 2602.15620); its would-be share is always measured",
+    )
+    tau_p: float = Field(
+        0.002,
+        gt=0,
+        le=1,
+        description="STAPO probability threshold: candidates have p < tau_p (arXiv 2602.15620)",
+    )
+    quantile: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="STAPO entropy quantile q: candidates with entropy below the q-quantile of "
+        "the candidates' entropies are silenced (arXiv 2602.15620)",
+    )
+    prob_source: Literal["current", "old"] = Field(
+        "current",
+        description="whose p and entropy select STAPO's tokens: the current policy inside the "
+        "mini-batch loop (the paper's choice) or the behaviour policy",
+    )
 
 
 class ARConfig(Section):
-    alpha: float = Field(0.0, ge=0, le=1, description="0 = off (plain advantages)")
+    alpha: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Advantage Reweighting: A <- (alpha p_old + 1 - alpha) A damps the "
+        "low-probability tokens that dominate updates (Yang et al., arXiv 2505.12929; 0.3 for "
+        "logic puzzles, 0.1 for math); 0 = off",
+    )
 
 
 class LoptiConfig(Section):
-    enabled: bool = False
+    enabled: bool = Field(
+        False,
+        description="Lopti: two optimizer passes per mini-batch, tokens with p_old < eta first, "
+        "then the rest (Yang et al., arXiv 2505.12929)",
+    )
     eta: float = Field(
-        0.5, ge=-1, le=1, description="probability threshold; < 0 reverses the order"
+        0.5,
+        ge=-1,
+        le=1,
+        description="Lopti probability threshold; eta < 0 updates the high-probability tokens "
+        "first (arXiv 2505.12929)",
     )
 
 
 class EntropyMaskConfig(Section):
-    enabled: bool = False
-    rho: float = Field(0.2, gt=0, le=1)
+    enabled: bool = Field(
+        False,
+        description="train only the highest-entropy tokens ('forking tokens'); the denominator "
+        "keeps every valid token (Wang et al., 'Beyond the 80/20 Rule', arXiv 2506.01939)",
+    )
+    rho: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="share of tokens kept, by entropy over the mini-batch (arXiv 2506.01939)",
+    )
 
 
 class DFPOConfig(Section):
-    weight_transform: Literal["min_replace", "adv_orthogonal"] = "min_replace"
+    weight_transform: Literal["min_replace", "adv_orthogonal"] = Field(
+        "min_replace",
+        description="how dfpo makes the sequence weights of a group exchangeable so shared tokens "
+        "cancel: the group's minimum weight, or the weights' component orthogonal to the "
+        "advantages (arXiv 2604.13088)",
+    )
 
 
 EXCHANGEABLE_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "constant")
 
 
 class AlgorithmConfig(Section):
-    preset: str = Field("grpo", description="named method; its keys are defaults for this section")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = "grpo"
-    std: Literal["unbiased", "biased", "none"] = "unbiased"
-    loss: Literal["ppo", "gspo", "linear", "dfpo"] = "ppo"
+    preset: str = Field(
+        "grpo",
+        description="named method (groupflow/presets.py): its keys are the defaults of this "
+        "section, and any key set here overrides them",
+    )
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = Field(
+        "grpo",
+        description="advantage estimator per group: grpo (R - mean) / std (DeepSeekMath, arXiv "
+        "2402.03300); dr_grpo R - mean (arXiv 2503.20783); rloo R - leave-one-out mean (Ahmadian "
+        "et al., arXiv 2402.14740); reinforce_baseline R - mean, whitened over the batch's tokens",
+    )
+    std: Literal["unbiased", "biased", "none"] = Field(
+        "unbiased", description="the group standard deviation that grpo divides by"
+    )
+    loss: Literal["ppo", "gspo", "linear", "dfpo"] = Field(
+        "ppo",
+        description="per-token policy loss: ppo clipped surrogate (arXiv 1707.06347); gspo "
+        "sequence-level ratio and clip (arXiv 2507.18071); linear clip-free -A logp (REINFORCE); "
+        "dfpo linear with exchangeable group weights (arXiv 2604.13088)",
+    )
     aggregation: Literal["token_mean", "seq_mean_token_sum", "constant", "seq_mean_token_mean"] = (
-        "token_mean"
+        Field(
+            "token_mean",
+            description="how token losses are summed into the step's loss; token_mean, "
+            "seq_mean_token_sum and constant (Dr. GRPO, arXiv 2503.20783) give every response "
+            "of a group the same coefficient, so tokens shared by good and bad responses cancel; "
+            "seq_mean_token_mean (original GRPO) breaks that with unequal lengths (arXiv "
+            "2604.13088)",
+        )
     )
     clip: ClipConfig = Field(default_factory=ClipConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
-    entropy_coef: float = 0.0
-    dynamic_sampling: bool = Field(False, description="drop zero-variance groups and draw more")
+    entropy_coef: float = Field(
+        0.0,
+        description="weight of an entropy bonus subtracted from the loss (Williams and Peng, "
+        "1991); 0 = off",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="drop groups whose rewards are all equal (they carry no gradient) and draw "
+        "more prompts (DAPO, arXiv 2503.14476)",
+    )
     stapo: StapoConfig = Field(default_factory=StapoConfig)
     ar: ARConfig = Field(default_factory=ARConfig)
     lopti: LoptiConfig = Field(default_factory=LoptiConfig)
     entropy_mask: EntropyMaskConfig = Field(default_factory=EntropyMaskConfig)
     dfpo: DFPOConfig = Field(default_factory=DFPOConfig)
     lowprob_eta: float = Field(
-        0.5, gt=0, le=1, description="p threshold of the low-prob diagnostics"
+        0.5,
+        gt=0,
+        le=1,
+        description="p threshold of the lowprob_frac and lowprob_grad_share diagnostics "
+        "(arXiv 2505.12929)",
     )
     cancellation_diagnostic: bool = Field(
-        True, description="collect dLoss/dlogp per token for cancellation_residual"
+        True,
+        description="measure cancellation_residual: how far the gradient on tokens shared "
+        "within a group fails to cancel (arXiv 2604.13088); costs a per-token gradient capture",
     )
 
     @model_validator(mode="after")

@@ -19,19 +19,19 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.generator import start_generators
-from actors.learner import LearnerGroup
-from actors.reward import RewardPool
-from actors.transport import make_transport
+from groupflow.actors.generator import start_generators
+from groupflow.actors.learner import LearnerGroup
+from groupflow.actors.reward import RewardPool
+from groupflow.actors.transport import make_transport
 from groupflow.config import Config
 from groupflow.evaluate import greedy_accuracy
 from groupflow.metrics import MetricsWriter, ProgressReporter, step_metrics
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.records import Prompt, ScoredGroup, TrainSequence
-from learner.advantages import compute_advantages
-from reward_workers.tasks import make_task
-from rollout.engine import SamplingSettings
+from groupflow.learner.advantages import compute_advantages
+from groupflow.reward_workers.tasks import make_task
+from groupflow.rollout.engine import SamplingSettings
 
 log = logging.getLogger(__name__)
 

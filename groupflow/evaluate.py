@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from groupflow.config import Config
 from groupflow.records import Prompt
-from reward_workers.tasks.base import Task
+from groupflow.reward_workers.tasks.base import Task
 
 
 def greedy_accuracy(task: Task, prompts: list[Prompt], texts: list[str]) -> float:
@@ -16,8 +16,8 @@ def greedy_accuracy(task: Task, prompts: list[Prompt], texts: list[str]) -> floa
 
 def evaluate_model(cfg: Config, model_path: str) -> dict:
     """One in-process vLLM engine, greedy decoding on the task's held-out prompts."""
-    from reward_workers.tasks import make_task
-    from rollout.engine import RolloutEngine, engine_settings
+    from groupflow.reward_workers.tasks import make_task
+    from groupflow.rollout.engine import RolloutEngine, engine_settings
 
     task = make_task(cfg.task.name, cfg.task.options)
     prompts = task.eval_prompts(cfg.task.eval_size)

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -43,8 +44,8 @@ JOB_COMMANDS = ("submit", "status", "logs", "stop")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "groupflow-job.yaml"
 ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
-# The top-level packages of this project (see pyproject.toml), shipped by --ship-code.
-SOURCE_PACKAGES = ("groupflow", "actors", "rollout", "learner", "reward_workers")
+# The design card's folders, installed as groupflow.<name> (see pyproject.toml).
+SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
 
 
@@ -106,19 +107,32 @@ def _client(address: str | None):
     return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
 
 
-def _package_dir(name: str) -> str:
+def _package_dir(name: str) -> Path:
     # find_spec locates a package without importing it (importing would pull in torch).
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"--ship-code: package {name!r} not found locally")
-    return spec.submodule_search_locations[0]
+    return Path(spec.submodule_search_locations[0])
 
 
-def job_runtime_env(config_dir: Path, ship_code: bool) -> dict:
-    """The runtime environment of a submitted job: the config directory as working_dir."""
+def stage_source(dest: Path) -> Path:
+    """One `groupflow` package directory as installed (the design card's folders inside it),
+    built from the local source: what --ship-code uploads."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    package = dest / "groupflow"
+    shutil.copytree(_package_dir("groupflow"), package, ignore=ignore)
+    for name in SUBPACKAGES:
+        source = _package_dir(f"groupflow.{name}")
+        shutil.copytree(source, package / name, ignore=ignore, dirs_exist_ok=True)
+    return package
+
+
+def job_runtime_env(config_dir: Path, code: Path | None = None) -> dict:
+    """The runtime environment of a submitted job: the config directory as working_dir, and
+    the staged source package when --ship-code."""
     env: dict = {"working_dir": str(config_dir)}
-    if ship_code:
-        env["py_modules"] = [_package_dir(name) for name in SOURCE_PACKAGES]
+    if code is not None:
+        env["py_modules"] = [str(code)]
     return env
 
 
@@ -137,12 +151,16 @@ def _submit(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     client = _client(args.address)
-    with tempfile.TemporaryDirectory(prefix="groupflow-job-") as config_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="groupflow-job-") as config_dir,
+        tempfile.TemporaryDirectory(prefix="groupflow-code-") as code_dir,
+    ):
         (Path(config_dir) / JOB_CONFIG_NAME).write_text(cfg.dump_yaml())
-        # submit_job uploads the working_dir before it returns, so the directory can go.
+        code = stage_source(Path(code_dir)) if args.ship_code else None
+        # submit_job uploads both directories before it returns, so they can go.
         job_id = client.submit_job(
             entrypoint=ENTRYPOINT,
-            runtime_env=job_runtime_env(Path(config_dir), args.ship_code),
+            runtime_env=job_runtime_env(Path(config_dir), code),
             metadata={"groupflow_run": cfg.trainer.run_name},
         )
     print(job_id, flush=True)

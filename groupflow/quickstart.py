@@ -118,7 +118,7 @@ def quickstart_model_path(
     task_name: str, task_options: dict, warm_start_steps: int, progress: bool = True
 ) -> Path:
     """Return the cached quickstart model directory, building it on first use."""
-    from reward_workers.tasks import make_task
+    from groupflow.reward_workers.tasks import make_task
 
     spec = dict(
         version=1,

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
-from learner.advantages import GroupIndex
-from learner.diagnostics import logit_grad_norm_sq
-from learner.losses import sequence_log_ratio
+from groupflow.learner.advantages import GroupIndex
+from groupflow.learner.diagnostics import logit_grad_norm_sq
+from groupflow.learner.losses import sequence_log_ratio
 
 
 @dataclass

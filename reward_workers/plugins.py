@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from reward_workers.deadline import DeadlineExceeded, call_with_deadline
-from reward_workers.log_once import LogOnce
+from groupflow.reward_workers.deadline import DeadlineExceeded, call_with_deadline
+from groupflow.reward_workers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)
 

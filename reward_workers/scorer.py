@@ -11,9 +11,9 @@ import logging
 from typing import Any
 
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, Verdict
-from reward_workers.log_once import LogOnce
-from reward_workers.plugins import load_plugin
-from reward_workers.tasks import make_task
+from groupflow.reward_workers.log_once import LogOnce
+from groupflow.reward_workers.plugins import load_plugin
+from groupflow.reward_workers.tasks import make_task
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ class RolloutEngine:
             enforce_eager=True,
             # Log-probs after temperature: the same distribution the learner recomputes.
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="rollout.weight_receiver.WeightReceiver",
+            worker_extension_cls="groupflow.rollout.weight_receiver.WeightReceiver",
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.policy_version = 0

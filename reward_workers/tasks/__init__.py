@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from reward_workers.tasks.arithmetic import ArithmeticTask
-from reward_workers.tasks.base import Task
-from reward_workers.tasks.code_problems import CodeTask
-from reward_workers.tasks.countdown import CountdownTask
-from reward_workers.tasks.knights import KnightsAndKnavesTask
-from reward_workers.tasks.math_problems import MathTask
+from groupflow.reward_workers.tasks.arithmetic import ArithmeticTask
+from groupflow.reward_workers.tasks.base import Task
+from groupflow.reward_workers.tasks.code_problems import CodeTask
+from groupflow.reward_workers.tasks.countdown import CountdownTask
+from groupflow.reward_workers.tasks.knights import KnightsAndKnavesTask
+from groupflow.reward_workers.tasks.math_problems import MathTask
 
 TASKS: dict[str, type] = {
     "arithmetic": ArithmeticTask,

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from reward_workers.tasks.base import GeneratedTask
+from groupflow.reward_workers.tasks.base import GeneratedTask
 
 _LEADING_INT = re.compile(r"\s*(-?\d{1,40})(?!\d)")
 

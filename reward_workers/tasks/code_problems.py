@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from reward_workers.format_reward import blend_format, check_format_weight
-from reward_workers.sandbox import default_platform
-from reward_workers.tasks.code_tests import extract_code, parse_spec, run_tests
-from reward_workers.tasks.prompt_pool import PooledTask
+from groupflow.reward_workers.format_reward import blend_format, check_format_weight
+from groupflow.reward_workers.sandbox import default_platform
+from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, run_tests
+from groupflow.reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Reply with the complete function in a ```python code block."
 

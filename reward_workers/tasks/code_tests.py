@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reward_workers.sandbox import Limits, run_python
+from groupflow.reward_workers.sandbox import Limits, run_python
 
 _HARNESS = (Path(__file__).parent / "code_harness_child.py").read_text()
 _FENCED = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)

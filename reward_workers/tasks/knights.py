@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
-from reward_workers.tasks.base import GeneratedTask
+from groupflow.reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
+from groupflow.reward_workers.tasks.base import GeneratedTask
 
 NAMES = (
     "Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia",

@@ -16,7 +16,7 @@ import re
 import sympy
 from math_verify import parse, verify
 
-from reward_workers.deadline import call_with_deadline
+from groupflow.reward_workers.deadline import call_with_deadline
 
 MAX_ANSWER_CHARS = 200
 MAX_NESTING = 16

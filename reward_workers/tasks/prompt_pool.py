@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from groupflow.records import Prompt
-from reward_workers.datasets import load_prompts
-from reward_workers.tasks.base import is_held_out
+from groupflow.reward_workers.datasets import load_prompts
+from groupflow.reward_workers.tasks.base import is_held_out
 
 logger = logging.getLogger(__name__)
 

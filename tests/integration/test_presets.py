@@ -7,7 +7,7 @@ import json
 import pytest
 
 from groupflow.cli import main
-from learner.presets import PRESETS
+from groupflow.presets import PRESETS
 
 pytestmark = pytest.mark.integration
 

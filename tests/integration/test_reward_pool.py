@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.reward import RewardPool
+from groupflow.actors.reward import RewardPool
 from groupflow.cli import main
 from groupflow.config import build_config
 from groupflow.records import Response, SampledGroup
-from reward_workers.tasks import make_task
+from groupflow.reward_workers.tasks import make_task
 
 pytestmark = pytest.mark.integration
 PLUGINS = Path(__file__).parent / "plugins" / "rewards.py"

@@ -6,13 +6,13 @@ import pytest
 import ray
 import torch
 
-from actors.generator import start_generators
-from actors.learner import LearnerGroup
-from actors.transport import ObjectStoreTransport
+from groupflow.actors.generator import start_generators
+from groupflow.actors.learner import LearnerGroup
+from groupflow.actors.transport import ObjectStoreTransport
 from groupflow.config import build_config
 from groupflow.records import TrainSequence
-from reward_workers.tasks import make_task
-from rollout.engine import SamplingSettings
+from groupflow.reward_workers.tasks import make_task
+from groupflow.rollout.engine import SamplingSettings
 
 pytestmark = pytest.mark.integration
 
@@ -111,9 +111,9 @@ def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
     """Same loss, same parameters: 2 ZeRO-3 ranks x 3 micro-batches vs one plain-torch batch."""
     from transformers import AutoModelForCausalLM
 
-    from learner.credit import LocalReducer, plan_credit
-    from learner.token_stats import token_stats
-    from learner.trainer import _pad_tokens
+    from groupflow.learner.credit import LocalReducer, plan_credit
+    from groupflow.learner.token_stats import token_stats
+    from groupflow.learner.rank import _pad_tokens
 
     cfg, engines, learner = stack
     seqs = _sample_sequences(engines, n_prompts=6, group_size=4, seed=2)
@@ -129,7 +129,7 @@ def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
         per_seq.append(token_stats(logits[pos], torch.tensor(s.input_ids)[pos + 1], 1.0))
     frozen = [type(t)(t.logp.detach(), t.entropy, t.sum_p2) for t in per_seq]
     plan = plan_credit(_pad_tokens(seqs, frozen, frozen, "cpu"), cfg.algorithm, LocalReducer())
-    from learner.losses import token_loss
+    from groupflow.learner.losses import token_loss
 
     logp = torch.nn.utils.rnn.pad_sequence([t.logp for t in per_seq], batch_first=True)
     old = torch.nn.utils.rnn.pad_sequence([t.logp for t in frozen], batch_first=True)
@@ -152,7 +152,7 @@ def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
 
 def test_collective_transport_syncs_exactly_too(stack):
     """The broadcast transport (gloo here, NCCL on GPUs) lands the same bits as the learner."""
-    from actors.transport import CollectiveTransport
+    from groupflow.actors.transport import CollectiveTransport
 
     cfg, engines, learner = stack
     learner.train_step(_sample_sequences(engines, seed=3))

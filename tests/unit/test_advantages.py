@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from learner.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from groupflow.learner.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 
 ESTIMATORS = sorted(ADVANTAGE_ESTIMATORS)
 

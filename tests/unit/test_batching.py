@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from learner.batching import plan_step
+from groupflow.learner.batching import plan_step
 
 
 def _random_step(rng):

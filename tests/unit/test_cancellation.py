@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from groupflow.config import build_config
-from learner.advantages import compute_advantages
-from learner.credit import LocalReducer, MiniBatchTokens, plan_credit
-from learner.diagnostics import cancellation_residual
-from learner.losses import token_loss
+from groupflow.learner.advantages import compute_advantages
+from groupflow.learner.credit import LocalReducer, MiniBatchTokens, plan_credit
+from groupflow.learner.diagnostics import cancellation_residual
+from groupflow.learner.losses import token_loss
 
 F64 = torch.float64
 VOCAB, DIM, GROUP_SIZE = 11, 6, 4

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from groupflow.records import Prompt
-from reward_workers.tasks.code_problems import CodeTask
-from reward_workers.tasks.code_tests import extract_code, parse_spec, same_value
+from groupflow.reward_workers.tasks.code_problems import CodeTask
+from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, same_value
 
 GCD_SPEC = {
     "entry_point": "gcd",

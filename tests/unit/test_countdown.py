@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 
 from groupflow.records import Prompt
-from reward_workers.tasks.countdown import (
+from groupflow.reward_workers.tasks.countdown import (
     BadExpression,
     CountdownTask,
     evaluate,

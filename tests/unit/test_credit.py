@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from groupflow.config import AlgorithmConfig, ConfigError, build_config
-from learner.advantages import compute_advantages
-from learner.credit import (
+from groupflow.learner.advantages import compute_advantages
+from groupflow.learner.credit import (
     CreditPlan,
     LocalReducer,
     MiniBatchTokens,
@@ -25,7 +25,7 @@ from learner.credit import (
     plan_credit,
     stapo_mask,
 )
-from learner.losses import token_loss
+from groupflow.learner.losses import token_loss
 
 F64 = torch.float64
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_baseline"]

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from reward_workers.datasets import load_prompts, resolve_fields
+from groupflow.reward_workers.datasets import load_prompts, resolve_fields
 
 
 def write_jsonl(path, lines):

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from reward_workers import deadline
-from reward_workers.deadline import DeadlineExceeded, call_with_deadline, straggler_count
+from groupflow.reward_workers import deadline
+from groupflow.reward_workers.deadline import DeadlineExceeded, call_with_deadline, straggler_count
 
 
 def test_returns_the_result_or_the_exception():

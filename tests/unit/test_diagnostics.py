@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from learner.diagnostics import (
+from groupflow.learner.diagnostics import (
     approx_kl,
     cancellation_residual,
     clip_fractions,

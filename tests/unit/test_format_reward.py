@@ -3,7 +3,7 @@
 import pytest
 
 from groupflow.records import Verdict
-from reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
+from groupflow.reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
 
 
 def test_last_tagged_block():

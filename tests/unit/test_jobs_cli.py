@@ -16,10 +16,11 @@ from groupflow.config import load_config
 from groupflow.jobs import (
     ENTRYPOINT,
     JOB_CONFIG_NAME,
-    SOURCE_PACKAGES,
+    SUBPACKAGES,
     add_job_commands,
     job_runtime_env,
     run_job_command,
+    stage_source,
 )
 
 
@@ -178,12 +179,20 @@ def test_submit_notes_a_relative_output_dir(fake_client, capsys):
     assert "trainer.output_dir 'runs' is relative" in capsys.readouterr().err
 
 
-def test_ship_code_uploads_the_source_packages(tmp_path):
-    env = job_runtime_env(tmp_path, ship_code=True)
-    assert env["working_dir"] == str(tmp_path)
-    dirs = [Path(d) for d in env["py_modules"]]
-    assert [d.name for d in dirs] == list(SOURCE_PACKAGES)
-    assert all((d / "__init__.py").is_file() for d in dirs)
+def test_ship_code_uploads_one_groupflow_package(tmp_path):
+    code = stage_source(tmp_path / "code")
+    env = job_runtime_env(tmp_path / "config", code)
+    assert env["working_dir"] == str(tmp_path / "config")
+    [shipped] = [Path(d) for d in env["py_modules"]]
+    assert shipped.name == "groupflow" and (shipped / "cli.py").is_file()
+    for name in SUBPACKAGES:
+        assert (shipped / name / "__init__.py").is_file()
+    assert (shipped / "reward_workers" / "tasks" / "__init__.py").is_file()
+    assert not list(shipped.rglob("__pycache__"))
+
+
+def test_without_ship_code_nothing_is_uploaded_but_the_config(tmp_path):
+    assert job_runtime_env(tmp_path) == {"working_dir": str(tmp_path)}
 
 
 def test_address_defaults_to_ray_address(fake_client, monkeypatch):

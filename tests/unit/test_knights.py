@@ -6,7 +6,7 @@ import random
 import pytest
 
 from groupflow.records import Prompt
-from reward_workers.tasks.knights import (
+from groupflow.reward_workers.tasks.knights import (
     KnightsAndKnavesTask,
     holds,
     make_puzzle,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from groupflow.config import AlgorithmConfig, build_config
-from learner.losses import KL_ESTIMATORS, POLICY_LOSSES, token_loss
+from groupflow.learner.losses import KL_ESTIMATORS, POLICY_LOSSES, token_loss
 
 F64 = torch.float64
 

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from groupflow.records import Prompt
-from reward_workers.tasks import math_answer
-from reward_workers.tasks.math_answer import extract_answer, last_boxed
-from reward_workers.tasks.math_problems import MathTask
+from groupflow.reward_workers.tasks import math_answer
+from groupflow.reward_workers.tasks.math_answer import extract_answer, last_boxed
+from groupflow.reward_workers.tasks.math_problems import MathTask
 
 
 @pytest.mark.parametrize(

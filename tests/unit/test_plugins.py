@@ -8,7 +8,7 @@ import time
 import pytest
 
 from groupflow.records import Prompt
-from reward_workers.plugins import load_plugin
+from groupflow.reward_workers.plugins import load_plugin
 
 PLUGIN_SOURCE = textwrap.dedent(
     """
@@ -140,7 +140,7 @@ def test_an_async_plugin_recovers_after_blocking_its_loop(plugin_file):
 
 def test_each_kind_of_failure_is_logged_once(plugin_file, caplog):
     plugin = load_plugin(f"{plugin_file}:raises")
-    with caplog.at_level(logging.WARNING, logger="reward_workers.plugins"):
+    with caplog.at_level(logging.WARNING, logger="groupflow.reward_workers.plugins"):
         for _ in range(3):
             plugin(PROMPT, "42")
         plugin.function = lambda *args: "not a number"

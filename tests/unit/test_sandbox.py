@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from reward_workers import sandbox
-from reward_workers.sandbox import Limits, default_platform, probe_platform, run_python
+from groupflow.reward_workers import sandbox
+from groupflow.reward_workers.sandbox import Limits, default_platform, probe_platform, run_python
 
 SMALL = Limits(wall_s=5.0, cpu_s=5, memory_mb=256, max_processes=6, disk_mb=1)
 IS_ROOT = os.geteuid() == 0

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from reward_workers.score_cli import main
+from groupflow.reward_workers.score_cli import main
 
 
 def write(path, rows):

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from groupflow.records import Prompt, Response, SampledGroup
-from reward_workers.scorer import Scorer
-from reward_workers.tasks import math_answer
+from groupflow.reward_workers.scorer import Scorer
+from groupflow.reward_workers.tasks import math_answer
 
 
 def group(prompt, *texts):

@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from groupflow.records import Prompt
-from reward_workers.tasks import TASKS, make_task
-from reward_workers.tasks.arithmetic import ArithmeticTask
+from groupflow.reward_workers.tasks import TASKS, make_task
+from groupflow.reward_workers.tasks.arithmetic import ArithmeticTask
 
 
 def test_train_prompts_are_reproducible_and_endless():

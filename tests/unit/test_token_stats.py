@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from learner.token_stats import token_stats
+from groupflow.learner.token_stats import token_stats
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1024])

@@ -14,10 +14,10 @@ import torch
 from groupflow.collective import WeightGroup
 from groupflow.config import AlgorithmConfig, LearnerConfig
 from groupflow.records import TrainSequence
-from learner.credit import CreditPlan, MiniBatchTokens, plan_credit
-from learner.device import Device
-from learner.losses import token_loss
-from learner.token_stats import TokenStats, token_stats
+from groupflow.learner.credit import CreditPlan, MiniBatchTokens, plan_credit
+from groupflow.learner.device import Device
+from groupflow.learner.losses import token_loss
+from groupflow.learner.token_stats import TokenStats, token_stats
 
 
 @dataclass
