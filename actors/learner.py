@@ -8,12 +8,14 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from groupflow.collective import open_weight_group
+from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
-from groupflow.records import TrainSequence
-from groupflow.learner.batching import plan_step
+from groupflow.learner.batching import layout_step
 from groupflow.learner.device import device_for
-from groupflow.learner.rank import LearnerRank, RankSetup, StepResult
+from groupflow.learner.figures import RankFigures
+from groupflow.learner.rank import LearnerRank
+from groupflow.learner.zero_engine import RankSetup
+from groupflow.records import TrainSequence
 
 
 class LearnerRankActor:
@@ -28,15 +30,14 @@ class LearnerRankActor:
         import torch
 
         torch.set_num_threads(cfg.learner.resources.torch_threads)
-        self.rank = LearnerRank(setup, cfg.learner, cfg.algorithm)
+        self.rank = LearnerRank(setup, cfg)
 
-    def train_step(self, minibatches: list[list[list[TrainSequence]]]) -> StepResult:
+    def train_step(self, minibatches: list[list[list[TrainSequence]]]) -> RankFigures:
         return self.rank.train_step(minibatches)
 
     def publish_weights(self) -> list | None:
-        weights = self.rank.gathered_weights()
-        # Wrapped in a list so that Ray hands the driver the reference, not the tensors.
-        return None if weights is None else [ray.put(weights)]
+        """Rank 0: the full parameters (the call's result object is what engines load)."""
+        return self.rank.gathered_weights()
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
@@ -93,9 +94,6 @@ class LearnerGroup:
                         master_addr=addr,
                         master_port=port,
                         device=device,
-                        dtype=cfg.model.dtype,
-                        temperature=cfg.rollout.sampling.temperature,
-                        seed=cfg.trainer.seed,
                     ),
                     cfg,
                 )
@@ -103,8 +101,14 @@ class LearnerGroup:
             ]
         )
 
-    def train_step(self, sequences: list[TrainSequence]) -> list[StepResult]:
-        plan = plan_step(
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def async_train_step(self, sequences: list[TrainSequence]) -> list[ray.ObjectRef]:
+        """Start one step on every rank, the sequences balanced by tokens; a reference per
+        rank's RankFigures."""
+        layout = layout_step(
             [len(s.input_ids) for s in sequences],
             [s.group_id for s in sequences],
             len(self.ranks),
@@ -112,16 +116,15 @@ class LearnerGroup:
             self.cfg.learner.micro_batch_tokens,
         )
         shares = [
-            [[[sequences[i] for i in micro] for micro in mini] for mini in rank_plan]
-            for rank_plan in plan
+            [[[sequences[i] for i in micro] for micro in mini] for mini in rank_layout]
+            for rank_layout in layout
         ]
-        return ray.get(
-            [r.train_step.remote(share) for r, share in zip(self.ranks, shares, strict=True)]
-        )
+        return [r.train_step.remote(share) for r, share in zip(self.ranks, shares, strict=True)]
 
-    def publish_weights(self):
-        """The object-store reference to the gathered parameters (collective over ranks)."""
-        return ray.get([r.publish_weights.remote() for r in self.ranks])[0][0]
+    def async_publish_weights(self) -> list[ray.ObjectRef]:
+        """Gather the full parameters (collective over ranks); rank 0's reference holds them
+        as (name, tensor) pairs, so they enter the object store once and never the driver."""
+        return [r.publish_weights.remote() for r in self.ranks]
 
     def save_pretrained(self, path: str) -> None:
         ray.get([r.save_pretrained.remote(path) for r in self.ranks])

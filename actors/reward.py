@@ -1,6 +1,8 @@
 """A pool of reward-worker actors, sized independently of the engines.
 
-Groups are scored in batches as they arrive (so scoring overlaps generation); a worker that
+Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
+each batch tagged with its rollout so that one rollout's scores can be collected while later
+rollouts are still being scored. A worker that
 dies is replaced and its batch retried up to `reward.max_retries` times; a batch that gets no
 answer within `reward.timeout_s` is retried the same way and finally scored 0, so the driver
 never waits forever.
@@ -38,6 +40,7 @@ class RewardWorker:
 
 @dataclass
 class _Batch:
+    rollout_id: int
     groups: list[SampledGroup]
     worker: int
     actor: ray.actor.ActorHandle
@@ -47,6 +50,8 @@ class _Batch:
 
 
 class RewardPool:
+    """The reward workers as one pool (groupflow.peers.Scoring)."""
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         res = cfg.reward.resources
@@ -67,16 +72,21 @@ class RewardPool:
         responses = sum(len(g.responses) for g in batch.groups)
         return self.cfg.reward.timeout_s * (responses + 1)
 
-    def submit(self, groups: list[SampledGroup]) -> None:
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def submit(self, groups: list[SampledGroup], rollout_id: int) -> None:
         """Queue groups for scoring on the least-loaded worker."""
         if groups:
-            self._pending.append(self._launch(groups, attempts=1))
+            self._pending.append(self._launch(rollout_id, groups, attempts=1))
 
-    def _launch(self, groups: list[SampledGroup], attempts: int) -> _Batch:
+    def _launch(self, rollout_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
         worker = min(range(len(self.workers)), key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
-        return _Batch(groups, worker, actor, actor.score.remote(groups), time.monotonic(), attempts)
+        ref = actor.score.remote(groups)
+        return _Batch(rollout_id, groups, worker, actor, ref, time.monotonic(), attempts)
 
     def _replace(self, batch: _Batch) -> None:
         """Replace the batch's worker, unless another failed batch already did."""
@@ -95,7 +105,7 @@ class RewardPool:
                 batch.worker,
                 batch.attempts + 1,
             )
-            self._pending.append(self._launch(batch.groups, batch.attempts + 1))
+            self._pending.append(self._launch(batch.rollout_id, batch.groups, batch.attempts + 1))
             return []
         log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
         self.timeouts += sum(len(g.responses) for g in batch.groups)
@@ -106,16 +116,17 @@ class RewardPool:
             for g in batch.groups
         ]
 
-    def drain(self) -> list[ScoredGroup]:
-        """Wait for every submitted group; returns them in completion order."""
+    def drain(self, rollout_id: int) -> list[ScoredGroup]:
+        """Wait for every group submitted for `rollout_id`; returns them in completion order.
+        Batches of other rollouts go on being scored."""
         done: list[ScoredGroup] = []
-        while self._pending:
-            refs = [b.ref for b in self._pending]
-            first_deadline = min(b.started + self._deadline_s(b) for b in self._pending)
+        while mine := [b for b in self._pending if b.rollout_id == rollout_id]:
+            refs = [b.ref for b in mine]
+            first_deadline = min(b.started + self._deadline_s(b) for b in mine)
             wait_s = max(0.0, first_deadline - time.monotonic())
             ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
             now = time.monotonic()
-            for batch in list(self._pending):
+            for batch in mine:
                 finished = batch.ref in ready
                 expired = not finished and now - batch.started >= self._deadline_s(batch)
                 if not (finished or expired):
@@ -143,3 +154,7 @@ class RewardPool:
 
     def pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)

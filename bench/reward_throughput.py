@@ -41,7 +41,7 @@ def groups_for(task_name: str, responses: int) -> list[SampledGroup]:
     task = make_task(task_name)
     prompts = list(islice(task.train_prompts(0), responses // GROUP))
     return [
-        SampledGroup(p, [0], [Response([0], response_for(task_name, p), [0.0], "stop")] * GROUP, 0)
+        SampledGroup(p, [0], [Response([0], response_for(task_name, p), [0.0])] * GROUP, 0)
         for p in prompts
     ]
 
@@ -53,8 +53,8 @@ def throughput(task_name: str, workers: int, responses: int) -> float:
     groups = groups_for(task_name, responses)
     start = time.monotonic()
     for i in range(0, len(groups), 2):
-        pool.submit(groups[i : i + 2])
-    scored = pool.drain()
+        pool.submit(groups[i : i + 2], rollout_id=0)
+    scored = pool.drain(rollout_id=0)
     elapsed = time.monotonic() - start
     assert sum(len(g.verdicts) for g in scored) == len(groups) * GROUP
     for w in pool.workers:

@@ -100,8 +100,32 @@ class LearnerConfig(Section):
     num_ranks: int = Field(2, ge=1)
     zero_stage: Literal[3] = 3
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    micro_batch_tokens: int = Field(4096, ge=1, description="token budget of one micro-batch")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=1,
+        description="positions of one micro-batch, padding included (rows x longest row); "
+        "activation memory grows with it. A longer sequence gets a micro-batch of its own",
+    )
     mini_batches_per_step: int = Field(1, ge=1, description="optimizer updates per step")
+    gradient_checkpointing: bool = Field(
+        True,
+        description="recompute each transformer layer's activations in backward instead of "
+        "keeping them: saves most activation memory, costs about one more forward per update",
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="ZeRO-3: keep the fp32 master weights, gradients and Adam moments in CPU "
+        "memory and take the optimizer step there; frees about 16 bytes per parameter (shared "
+        "among the ranks) of accelerator memory, costs moving gradients and weights over PCIe "
+        "and a CPU step per update. The step is the learner's torch AdamW (DeepSpeed's faster "
+        "CPU Adam needs its compiled op, which an install with DS_BUILD_OPS=0 lacks)",
+    )
+    offload_params: bool = Field(
+        False,
+        description="ZeRO-3: keep the parameter shards in CPU memory and fetch each layer's "
+        "weights to the accelerator in every forward and backward; frees the shards' memory, "
+        "costs that transfer on every pass",
+    )
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
 
 

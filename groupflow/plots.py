@@ -1,4 +1,5 @@
-"""PNG plots of a run's metrics.jsonl: reward, entropy and the token-credit diagnostics."""
+"""PNG plots of a run's metrics.jsonl: reward, entropy, the token-credit diagnostics and the
+stage times, one subplot per panel of the metric catalogue."""
 
 from __future__ import annotations
 
@@ -14,47 +15,47 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Panel:
-    title: str
-    keys: tuple[str, ...]  # record keys drawn as one line each
-    ylabel: str = ""
+from groupflow.catalogue import BY_KEY, METRICS  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Figure:
     filename: str
     title: str
-    panels: tuple[Panel, ...]
+    panels: tuple[str, ...]  # catalogue panels (groupflow/catalogue.py), one subplot each
 
 
 FIGURES = (
-    Figure(
-        "reward.png",
-        "Reward and accuracy",
-        (
-            Panel("reward", ("reward_mean",), "mean reward"),
-            Panel("accuracy", ("accuracy", "eval_accuracy"), "fraction correct"),
-        ),
-    ),
-    Figure(
-        "entropy.png",
-        "Token entropy",
-        (Panel("entropy", ("entropy_mean", "entropy_pos", "entropy_neg"), "nats per token"),),
-    ),
+    Figure("reward.png", "Reward and accuracy", ("Reward", "Accuracy")),
+    Figure("entropy.png", "Token entropy", ("Entropy",)),
     Figure(
         "token_credit.png",
         "Token-credit diagnostics",
         (
-            Panel("spurious tokens", ("spurious_frac",), "fraction of tokens"),
-            Panel("low-probability tokens", ("lowprob_frac", "lowprob_grad_share"), "fraction"),
-            Panel("gradient cancellation", ("cancellation_residual",), "residual"),
-            Panel("clipping", ("clip_frac_low", "clip_frac_high"), "fraction of tokens"),
-            Panel("approx. KL", ("approx_kl",), "nats"),
+            "Spurious and low-probability tokens",
+            "Cancellation residual",
+            "Clip fractions",
+            "Approx. KL",
         ),
     ),
+    Figure(
+        "throughput.png",
+        "Stage times and throughput",
+        ("Mean stage latency and step time", "Tokens per second by stage", "Staleness"),
+    ),
 )
+
+# Grafana draws this count as a rate; on a plot, its panel's tokens-per-second lines say it.
+_NOT_PLOTTED = {"tokens_generated"}
+
+
+def panel_keys(panel: str) -> tuple[str, ...]:
+    """The record keys a panel draws, in catalogue order."""
+    return tuple(m.key for m in METRICS if m.panel == panel and m.key not in _NOT_PLOTTED)
+
+
+def panel_unit(panel: str) -> str:
+    return BY_KEY[panel_keys(panel)[0]].unit if panel_keys(panel) else ""
 
 
 def read_records(metrics_jsonl: Path) -> list[dict]:
@@ -116,21 +117,21 @@ def _plot_series(ax, steps: list[float], values: list[float], key: str) -> None:
     ax.plot(steps, smooth, color=raw.get_color(), label=f"{key} (mean of {window})")
 
 
-def _draw_panel(ax, records: list[dict], panel: Panel) -> None:
-    for key in panel.keys:
+def _draw_panel(ax, records: list[dict], panel: str) -> None:
+    for key in panel_keys(panel):
         steps, values = _series(records, key)
         if values:
             _plot_series(ax, steps, values, key)
-    ax.set_title(panel.title)
+    ax.set_title(panel)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on short runs
-    ax.set_ylabel(panel.ylabel)
+    ax.set_ylabel(panel_unit(panel))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 
 
-def _has_data(records: list[dict], panel: Panel) -> bool:
-    return any(_series(records, key)[1] for key in panel.keys)
+def _has_data(records: list[dict], panel: str) -> bool:
+    return any(_series(records, key)[1] for key in panel_keys(panel))
 
 
 def _write_figure(records: list[dict], figure: Figure, out_dir: Path) -> Path | None:

@@ -1,16 +1,14 @@
 """The records that cross actor boundaries, defined once.
 
 prompt -> SampledGroup (rollout) -> ScoredGroup (reward workers) -> TrainSequence
-(driver, with advantages) -> learner; WeightBundle goes learner -> engines.
-Plain dataclasses of lists and tensors, so they pickle cheaply through Ray's object store.
+(driver, with advantages) -> learner. Weights go learner -> engines as (name, tensor) lists.
+Plain dataclasses of lists, so they pickle cheaply through Ray's object store.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 @dataclass
@@ -27,7 +25,6 @@ class Response:
     token_ids: list[int]
     text: str
     logprobs: list[float]  # vLLM's log-probs of the sampled tokens (kept for a mismatch metric)
-    finish_reason: str
 
 
 @dataclass
@@ -66,7 +63,6 @@ class TrainSequence:
     input_ids: list[int]
     prompt_len: int
     advantage: float
-    reward: float
     group_id: int  # index of its group within the step (cancellation diagnostics use it)
     policy_version: int
     vllm_logprobs: list[float]
@@ -74,11 +70,3 @@ class TrainSequence:
     @property
     def num_response_tokens(self) -> int:
         return len(self.input_ids) - self.prompt_len
-
-
-@dataclass
-class WeightBundle:
-    """Full (gathered) parameters of one policy version, in Hugging Face names."""
-
-    version: int
-    named_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)

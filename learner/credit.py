@@ -1,10 +1,11 @@
 """Token-credit transforms and aggregation for one mini-batch (ALGORITHMS.md sections 3-5).
 
 `plan_credit` turns one rank's share of a mini-batch into a `CreditPlan`: the per-token
-advantages A_it (after AR and the dfpo sequence weight) and, per optimizer stage, a detached
+advantages A_it (after AR and the dfpo sequence weight) and, per optimizer pass, a detached
 coefficient c_it that already holds the masks (STAPO, 20-Entropy, Lopti) and 1/denominator of
-the aggregation. The learner's loss for a micro-batch of a stage is then
-`(stage_coef * token_loss(...).loss).sum()`, summed over micro-batches and ranks.
+the aggregation. Lopti makes two passes (two optimizer updates) over a mini-batch, everything
+else one. The learner's loss for a micro-batch in a pass is then
+`(pass_coef * token_loss(...).loss).sum()`, summed over micro-batches and ranks.
 
 Denominators are global to the mini-batch (one optimizer update): a token count divided per
 micro-batch or per rank would give the responses of one group different weights and break the
@@ -30,20 +31,20 @@ from groupflow.learner.losses import sequence_log_ratio
 
 @dataclass
 class MiniBatchTokens:
-    """The sequences one rank holds in a mini-batch: padded [B, T] plus per-sequence [B].
+    """The sequences one rank holds in a mini-batch, padded; every group lies wholly on one rank.
 
-    cur_* come from the current policy, detached; on the first on-policy mini-batch they equal
-    old_*. Every group lies wholly on one rank.
+    old_* come from the behaviour policy, cur_* from the current one, all detached; on the
+    first mini-batch of a step they are equal.
     """
 
-    mask: Tensor
-    old_logp: Tensor
-    cur_logp: Tensor
-    old_entropy: Tensor
-    cur_entropy: Tensor
-    cur_sum_p2: Tensor
-    advantages: Tensor
-    group_ids: Tensor
+    mask: Tensor  # (B, T) 1.0 on response tokens, 0.0 on padding
+    old_logp: Tensor  # (B, T)
+    cur_logp: Tensor  # (B, T)
+    old_entropy: Tensor  # (B, T)
+    cur_entropy: Tensor  # (B, T)
+    cur_sum_p2: Tensor  # (B, T) sum_j p_j^2 of the current policy
+    advantages: Tensor  # (B,) A_i
+    group_ids: Tensor  # (B,) int64
 
     def __post_init__(self) -> None:
         shape = self.mask.shape
@@ -94,12 +95,38 @@ class LocalReducer:
 
 
 @dataclass
-class CreditPlan:
-    """token_adv: A_it [B, T]; stages: detached c_it [B, T], one per optimizer update, in order."""
+class CreditStats:
+    """A mini-batch's credit figures, global over ranks (every rank computes the same)."""
 
-    token_adv: Tensor
-    stages: list[Tensor]
-    stats: dict[str, float]
+    valid_tokens: float
+    num_sequences: float
+    trained_frac: float  # valid tokens left by STAPO and 20-Entropy
+    spurious_frac: float  # what STAPO silences, or would silence when it is off
+    stapo_silenced_frac: float
+    lowprob_frac: float  # p < lowprob_eta under the current policy
+    lowprob_grad_share: float  # share of the logit-gradient norm from those tokens
+    optimizer_passes: float  # 2 with Lopti (unless a side is empty), else 1
+
+
+@dataclass
+class CreditPlan:
+    """The credit of one rank's share of a mini-batch, rows in the order of its sequences."""
+
+    token_adv: Tensor  # (B, T) A_it
+    passes: list[Tensor]  # one (B, T) detached c_it per optimizer pass, in order
+    stats: CreditStats
+
+    def split(self, sizes: list[int]) -> list[CreditPlan]:
+        """The plans of consecutive blocks of `sizes` rows (the micro-batches), as views."""
+        if sum(sizes) != self.token_adv.shape[0]:
+            raise ValueError(
+                f"micro-batch sizes {sizes} do not add up to {self.token_adv.shape[0]} rows"
+            )
+        per_pass = [coef.split(sizes) for coef in self.passes]
+        return [
+            CreditPlan(adv, [rows[k] for rows in per_pass], self.stats)
+            for k, adv in enumerate(self.token_adv.split(sizes))
+        ]
 
 
 def ar_weight(old_logp: Tensor, alpha: float) -> Tensor:
@@ -131,13 +158,13 @@ def stapo_mask(
     candidate_entropy = _reducer(reducer).gather(entropy[candidates])
     if candidate_entropy.numel() == 0:
         return candidates
-    return candidates & (entropy < _quantile(candidate_entropy, quantile))
+    return candidates & _clearly_below(entropy, _quantile(candidate_entropy, quantile))
 
 
 def lopti_split(p_old: Tensor, mask: Tensor, eta: float) -> tuple[Tensor, Tensor]:
     """Lopti (arXiv 2505.12929): valid tokens split into (low, high) by p_old < |eta| (strict).
 
-    A token with p_old = |eta| is high. The sign of eta only sets the stage order (plan_credit).
+    A token with p_old = |eta| is high. The sign of eta only sets the pass order (plan_credit).
     """
     valid = mask > 0
     low = valid & (p_old < abs(eta))
@@ -155,7 +182,7 @@ def entropy_top_mask(
     all_entropy = _reducer(reducer).gather(entropy[valid])
     if all_entropy.numel() == 0:
         return valid
-    return valid & (entropy >= _quantile(all_entropy, 1.0 - rho))
+    return valid & ~_clearly_below(entropy, _quantile(all_entropy, 1.0 - rho))
 
 
 def sequence_weight(cur_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -190,6 +217,18 @@ DFPO_WEIGHT_TRANSFORMS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = 
     "min_replace": min_replace,
     "adv_orthogonal": adv_orthogonal,
 }
+
+
+# Tokens that share a context within a group (a shared prefix) have one entropy, so a quantile
+# often lands on a value several tokens hold. Batched differently (other micro-batches, other
+# ranks, another padded width), those copies differ in the last bits, and a strict comparison
+# would then let the layout decide which copies a mask keeps. Within this relative margin a
+# value counts as equal to the quantile.
+QUANTILE_TIE_REL = 1e-9
+
+
+def _clearly_below(values: Tensor, threshold: Tensor) -> Tensor:
+    return values < threshold - QUANTILE_TIE_REL * threshold.abs()
 
 
 def _quantile(values: Tensor, q: float) -> Tensor:
@@ -233,8 +272,8 @@ def _stapo_source(
     return _probs(tokens.cur_logp, valid), tokens.cur_entropy
 
 
-def _stage_masks(tokens: MiniBatchTokens, cfg: AlgorithmConfig, valid: Tensor) -> list[Tensor]:
-    """Which valid tokens each optimizer stage trains, in order, before other masks."""
+def _pass_masks(tokens: MiniBatchTokens, cfg: AlgorithmConfig, valid: Tensor) -> list[Tensor]:
+    """Which valid tokens each optimizer pass trains, in order, before other masks."""
     if not cfg.lopti.enabled:
         return [valid]
     low, high = lopti_split(_probs(tokens.old_logp, valid), tokens.mask, cfg.lopti.eta)
@@ -306,7 +345,7 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
         trained = trained & entropy_top_mask(
             tokens.cur_entropy, tokens.mask, cfg.entropy_mask.rho, reducer
         )
-    stage_masks = [stage & trained for stage in _stage_masks(tokens, cfg, valid)]
+    pass_masks = [tokens_of_pass & trained for tokens_of_pass in _pass_masks(tokens, cfg, valid)]
     row_weight = _row_weight(cfg.aggregation, unmasked)
 
     p_cur = _probs(tokens.cur_logp, valid)
@@ -328,7 +367,7 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
             "lowprob_tokens": lowprob.sum(),
             "lowprob_grad_norm": grad_norm[lowprob].sum(),
             "grad_norm": grad_norm.sum(),
-            **{f"stage{k}_tokens": stage.sum() for k, stage in enumerate(stage_masks)},
+            **{f"pass{k}_tokens": mask.sum() for k, mask in enumerate(pass_masks)},
         },
     )
     max_length = _max_length(reducer, valid) if cfg.aggregation == "constant" else 0.0
@@ -336,17 +375,17 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
     coef = (row_weight * _global_scale(cfg.aggregation, totals, max_length)).to(
         tokens.old_logp.dtype
     )
-    stages = [stage * coef for k, stage in enumerate(stage_masks) if totals[f"stage{k}_tokens"] > 0]
+    passes = [mask * coef for k, mask in enumerate(pass_masks) if totals[f"pass{k}_tokens"] > 0]
     valid_tokens = totals["valid_tokens"]
-    stats = {
-        "valid_tokens": valid_tokens,
-        "num_sequences": totals["sequences"],
-        "trained_frac": _fraction(totals["trained_tokens"], valid_tokens),
-        "spurious_frac": _fraction(totals["spurious_tokens"], valid_tokens),
-        "stapo_silenced_frac": _fraction(totals["silenced_tokens"], valid_tokens),
-        "lowprob_frac": _fraction(totals["lowprob_tokens"], valid_tokens),
-        "lowprob_grad_share": _fraction(totals["lowprob_grad_norm"], totals["grad_norm"]),
-        "num_stages": float(max(len(stages), 1)),
-    }
-    # At least one stage, so the learner's loop never has to special-case an empty plan.
-    return CreditPlan(token_adv, stages or [torch.zeros_like(tokens.old_logp)], stats)
+    stats = CreditStats(
+        valid_tokens=valid_tokens,
+        num_sequences=totals["sequences"],
+        trained_frac=_fraction(totals["trained_tokens"], valid_tokens),
+        spurious_frac=_fraction(totals["spurious_tokens"], valid_tokens),
+        stapo_silenced_frac=_fraction(totals["silenced_tokens"], valid_tokens),
+        lowprob_frac=_fraction(totals["lowprob_tokens"], valid_tokens),
+        lowprob_grad_share=_fraction(totals["lowprob_grad_norm"], totals["grad_norm"]),
+        optimizer_passes=float(max(len(passes), 1)),
+    )
+    # At least one pass, so the learner's loop never has to special-case an empty plan.
+    return CreditPlan(token_adv, passes or [torch.zeros_like(tokens.old_logp)], stats)

@@ -1,16 +1,13 @@
-"""Diagnostics that make the token-credit theory visible (ALGORITHMS.md section 5).
-
-Inputs are padded [B, T] tensors with a float mask (1.0 on valid response tokens). The helpers
-return rank-local Python floats; a mean over ranks is the learner's to weight by token counts.
+"""Diagnostics that make the token-credit theory visible (ALGORITHMS.md section 5): the
+logit-gradient norm behind STAPO and the low-probability shares, and the token gradient
+cancellation residual. The other per-step figures are sums kept in learner/figures.py.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 ResponseCoefficients = tuple[Sequence[int], Tensor]
@@ -53,14 +50,32 @@ def _trie_node_sums(group: Sequence[ResponseCoefficients]) -> list[tuple[int, fl
     return list(zip(counts, sums, abs_sums, strict=True))
 
 
+@dataclass
+class CancellationResidual:
+    """The residual's sums: it adds over groups, so ranks (which hold whole groups) add theirs."""
+
+    weighted_ratio: float = 0.0  # sum over shared nodes of (responses through it) |sum g| / sum |g|
+    weight: float = 0.0  # sum over the same nodes of the responses through them
+
+    @property
+    def value(self) -> float:
+        """Occurrence-weighted mean of |sum g| / sum |g|; 0.0 when no node is shared."""
+        return self.weighted_ratio / self.weight if self.weight else 0.0
+
+    def merge(self, other: CancellationResidual) -> CancellationResidual:
+        return CancellationResidual(
+            self.weighted_ratio + other.weighted_ratio, self.weight + other.weight
+        )
+
+
 def cancellation_residual(
     groups: Sequence[Sequence[ResponseCoefficients]], whole_group: bool = False
-) -> float:
+) -> CancellationResidual:
     """Occurrence-weighted |sum g| / sum |g| over prefix-trie nodes shared by >= 2 responses.
 
     groups: per group, one (response token ids, g) per response, g_t = dLoss/dlogp_t. A node
     with n responses through it contributes its ratio with weight n; nodes carrying no gradient
-    (sum |g| = 0) neither cancel nor fail to and are left out. 0.0 when nothing is shared.
+    (sum |g| = 0) neither cancel nor fail to and are left out.
 
     The ratio is exactly 0 for an exchangeable aggregation only on nodes shared by the WHOLE
     group (there sum_i A_i = 0); a node shared by a strict subset keeps that subset's net
@@ -74,47 +89,4 @@ def cancellation_residual(
             if count >= min_share and abs_total > 0:
                 weighted_ratio += count * abs(total) / abs_total
                 weight += count
-    return weighted_ratio / weight if weight else 0.0
-
-
-def masked_mean(values: Tensor, mask: Tensor) -> float:
-    """Mean of `values` over mask > 0; NaN when the mask is empty (no data, not zero)."""
-    selected = values.detach()[mask > 0]
-    return selected.mean().item() if selected.numel() else math.nan
-
-
-def entropy_mean_pos(entropy: Tensor, mask: Tensor, advantages: Tensor) -> float:
-    """Mean token entropy over responses with A > 0."""
-    return masked_mean(entropy, (mask > 0) & (advantages.unsqueeze(-1) > 0))
-
-
-def entropy_mean_neg(entropy: Tensor, mask: Tensor, advantages: Tensor) -> float:
-    """Mean token entropy over responses with A < 0."""
-    return masked_mean(entropy, (mask > 0) & (advantages.unsqueeze(-1) < 0))
-
-
-def clip_fractions(clipped_low: Tensor, clipped_high: Tensor, mask: Tensor) -> tuple[float, float]:
-    """(low, high) fractions of valid tokens whose clip was active (TokenLoss.clipped_*)."""
-    return masked_mean(clipped_low.to(torch.float64), mask), masked_mean(
-        clipped_high.to(torch.float64), mask
-    )
-
-
-def approx_kl(
-    logp: Tensor, old_logp: Tensor, mask: Tensor, estimator: Literal["k2", "k3"] = "k3"
-) -> float:
-    """Approximate KL(old || new) over valid tokens, on tokens sampled from the old policy.
-
-    k3 (default, unbiased, >= 0): r - 1 - log r with r = exp(logp - old_logp);
-    k2: 0.5 (logp - old_logp)^2 (biased, low variance). Schulman, "Approximating KL
-    Divergence", 2020.
-    """
-    log_ratio = (logp.detach() - old_logp.detach()).to(torch.float64)
-    log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))
-    if estimator == "k2":
-        per_token = 0.5 * log_ratio**2
-    elif estimator == "k3":
-        per_token = torch.expm1(log_ratio) - log_ratio
-    else:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose k2 or k3")
-    return masked_mean(per_token, mask)
+    return CancellationResidual(weighted_ratio, float(weight))

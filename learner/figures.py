@@ -1,61 +1,185 @@
-"""The learner's figures of one step, combined from the ranks' results."""
+"""A learner rank's figures of one step, and the step record's learner keys from all ranks.
+
+Everything a rank reports is a sum, a max or a figure that is already global over ranks, so
+the driver combines ranks with `RankFigures.merge` and nothing else: no per-token data crosses
+the wire.
+"""
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass, field, fields
+from functools import reduce
 
 import torch
 
-from groupflow.learner.diagnostics import cancellation_residual
+from groupflow.learner.credit import CreditStats
+from groupflow.learner.diagnostics import CancellationResidual
+from groupflow.learner.token_stats import TokenStats
+from groupflow.records import TrainSequence
+
+
+@dataclass
+class BehaviourFigures:
+    """Sums over a rank's response tokens under the behaviour policy, once per mini-batch."""
+
+    tokens: int = 0
+    entropy: float = 0.0
+    tokens_pos: int = 0  # tokens of responses with A > 0
+    entropy_pos: float = 0.0
+    tokens_neg: int = 0  # tokens of responses with A < 0
+    entropy_neg: float = 0.0
+    logp_mismatch: float = 0.0  # sum of |logp - vLLM's logp| where vLLM's numbers came along
+    logp_mismatch_max: float = 0.0
+
+    @classmethod
+    def of(cls, seqs: list[TrainSequence], stats: list[TokenStats]) -> BehaviourFigures:
+        """The figures of `seqs` under their behaviour statistics (one TokenStats each)."""
+        if not seqs:
+            return cls()
+        entropy = torch.nn.utils.rnn.pad_sequence([s.entropy for s in stats], batch_first=True)
+        lengths = torch.tensor([s.num_response_tokens for s in seqs], dtype=torch.float64)
+        per_seq_entropy = entropy.to(torch.float64).sum(-1).cpu()  # padding is 0
+        advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float64)
+        pos, neg = advantages > 0, advantages < 0
+        mismatch_sum, mismatch_max = _vllm_mismatch(seqs, stats)
+        return cls(
+            tokens=int(lengths.sum()),
+            entropy=per_seq_entropy.sum().item(),
+            tokens_pos=int(lengths[pos].sum()),
+            entropy_pos=per_seq_entropy[pos].sum().item(),
+            tokens_neg=int(lengths[neg].sum()),
+            entropy_neg=per_seq_entropy[neg].sum().item(),
+            logp_mismatch=mismatch_sum,
+            logp_mismatch_max=mismatch_max,
+        )
+
+    def merge(self, other: BehaviourFigures) -> BehaviourFigures:
+        """Every field adds except the max."""
+        merged = _add_fields(self, other)
+        merged.logp_mismatch_max = max(self.logp_mismatch_max, other.logp_mismatch_max)
+        return merged
+
+
+def _vllm_mismatch(seqs: list[TrainSequence], stats: list[TokenStats]) -> tuple[float, float]:
+    """(sum, max) of |learner logp - vLLM logp| over the sequences that carry vLLM's numbers."""
+    ours, theirs = [], []
+    for index, (seq, seq_stats) in enumerate(zip(seqs, stats, strict=True)):
+        if not seq.vllm_logprobs:
+            continue
+        if len(seq.vllm_logprobs) != seq.num_response_tokens:
+            raise ValueError(
+                f"sequence {index} (group {seq.group_id}): {len(seq.vllm_logprobs)} vLLM "
+                f"log-probs for {seq.num_response_tokens} response tokens"
+            )
+        ours.append(seq_stats.logp.detach().to("cpu", torch.float64))
+        theirs.append(torch.tensor(seq.vllm_logprobs, dtype=torch.float64))
+    if not ours:
+        return 0.0, 0.0
+    diff = (torch.cat(ours) - torch.cat(theirs)).abs()
+    return diff.sum().item(), diff.max().item()
+
+
+@dataclass
+class UpdateFigures:
+    """Sums over the tokens of each micro-batch as it is updated (every optimizer pass counts)."""
+
+    tokens: int = 0
+    clipped_low: int = 0
+    clipped_high: int = 0
+    approx_kl: float = 0.0  # k2 estimate of KL(old || current) per token, summed
+    kl_ref: float = 0.0  # the configured estimator against the reference policy, summed
+
+    def merge(self, other: UpdateFigures) -> UpdateFigures:
+        return _add_fields(self, other)
+
+
+@dataclass
+class RankFigures:
+    """One rank's figures of one step (or of the mini-batches it has trained so far)."""
+
+    behaviour: BehaviourFigures = field(default_factory=BehaviourFigures)
+    update: UpdateFigures = field(default_factory=UpdateFigures)
+    residual: CancellationResidual = field(
+        default_factory=CancellationResidual
+    )  # nodes shared by >= 2
+    residual_whole_group: CancellationResidual = field(default_factory=CancellationResidual)
+    # Global over ranks, so every rank holds the same values: one per mini-batch, one per update.
+    credit: list[CreditStats] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+    @property
+    def optimizer_updates(self) -> int:
+        return len(self.grad_norms)
+
+    def extend(self, later: RankFigures) -> RankFigures:
+        """This rank's figures followed by its own figures of later mini-batches."""
+        return RankFigures(
+            **self._merged_sums(later),
+            credit=self.credit + later.credit,
+            grad_norms=self.grad_norms + later.grad_norms,
+        )
+
+    def merge(self, other_rank: RankFigures) -> RankFigures:
+        """The figures of this rank and another rank of the same step."""
+        if len(self.credit) != len(other_rank.credit):
+            raise ValueError(
+                f"ranks trained {len(self.credit)} and {len(other_rank.credit)} mini-batches"
+            )
+        return RankFigures(
+            **self._merged_sums(other_rank), credit=self.credit, grad_norms=self.grad_norms
+        )
+
+    def _merged_sums(self, other: RankFigures) -> dict:
+        return {
+            "behaviour": self.behaviour.merge(other.behaviour),
+            "update": self.update.merge(other.update),
+            "residual": self.residual.merge(other.residual),
+            "residual_whole_group": self.residual_whole_group.merge(other.residual_whole_group),
+        }
+
+
+def _add_fields(a, b):
+    return type(a)(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
 
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
-def learner_record(results: list) -> dict[str, float]:
-    """The step record's learner keys from every rank's StepResult."""
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for res in results:
-        for key, value in res.sums.items():
-            sums[key] = (
-                max(sums.get(key, 0.0), value)
-                if key.endswith("_max")
-                else sums.get(key, 0.0) + value
-            )
-        for key, value in res.counts.items():
-            counts[key] = counts.get(key, 0.0) + value
-    # The planner's figures are already global over ranks: take rank 0's, averaged over mini-batches.
-    plan_stats = results[0].plan_stats if results else []
-    plan_mean = {
-        k: statistics.fmean(p[k] for p in plan_stats) for k in (plan_stats[0] if plan_stats else {})
-    }
-    by_group: dict[int, list] = {}
-    for res in results:
-        for gid, ids, grads in res.token_grads:
-            by_group.setdefault(gid, []).append((ids, torch.tensor(grads, dtype=torch.float64)))
-    grad_norms = [g for res in results[:1] for g in res.grad_norms if not math.isnan(g)]
+def _credit_mean(credit: list[CreditStats], name: str) -> float:
+    return statistics.fmean(getattr(c, name) for c in credit) if credit else 0.0
+
+
+def learner_record(results: list[RankFigures]) -> dict[str, float]:
+    """The step record's learner keys from every rank's figures of the step."""
+    total = reduce(RankFigures.merge, results) if results else RankFigures()
+    behaviour, update = total.behaviour, total.update
+    grad_norms = [g for g in total.grad_norms if not math.isnan(g)]
+    clip_low = _ratio(update.clipped_low, update.tokens)
+    clip_high = _ratio(update.clipped_high, update.tokens)
     record = {
-        "entropy_mean": _ratio(sums.get("entropy", 0.0), counts.get("tokens", 0.0)),
-        "entropy_pos": _ratio(sums.get("entropy_pos", 0.0), counts.get("tokens_pos", 0.0)),
-        "entropy_neg": _ratio(sums.get("entropy_neg", 0.0), counts.get("tokens_neg", 0.0)),
-        "clip_frac_low": _ratio(sums.get("clip_low", 0.0), counts.get("update_tokens", 0.0)),
-        "clip_frac_high": _ratio(sums.get("clip_high", 0.0), counts.get("update_tokens", 0.0)),
-        "approx_kl": _ratio(sums.get("approx_kl", 0.0), counts.get("update_tokens", 0.0)),
-        "kl_ref": _ratio(sums.get("kl_ref", 0.0), counts.get("update_tokens", 0.0)),
+        "entropy_mean": _ratio(behaviour.entropy, behaviour.tokens),
+        "entropy_pos": _ratio(behaviour.entropy_pos, behaviour.tokens_pos),
+        "entropy_neg": _ratio(behaviour.entropy_neg, behaviour.tokens_neg),
+        "clip_frac_low": clip_low,
+        "clip_frac_high": clip_high,
+        "clip_frac": clip_low + clip_high,
+        "approx_kl": _ratio(update.approx_kl, update.tokens),
+        "kl_ref": _ratio(update.kl_ref, update.tokens),
         "grad_norm": statistics.fmean(grad_norms) if grad_norms else 0.0,
-        "optimizer_updates": results[0].optimizer_updates if results else 0,
-        "logp_mismatch_mean": _ratio(sums.get("logp_mismatch", 0.0), counts.get("tokens", 0.0)),
-        "logp_mismatch_max": sums.get("logp_mismatch_max", 0.0),
-        "cancellation_residual": cancellation_residual(list(by_group.values())),
+        "optimizer_updates": total.optimizer_updates,
+        "logp_mismatch_mean": _ratio(behaviour.logp_mismatch, behaviour.tokens),
+        "logp_mismatch_max": behaviour.logp_mismatch_max,
+        "cancellation_residual": total.residual.value,
         # only nodes every response of the group passes through: exactly 0 when the
         # aggregation is exchangeable and nothing clips or masks by sign
-        "cancellation_residual_whole_group": cancellation_residual(
-            list(by_group.values()), whole_group=True
-        ),
+        "cancellation_residual_whole_group": total.residual_whole_group.value,
     }
-    record["clip_frac"] = record["clip_frac_low"] + record["clip_frac_high"]
-    record.update(plan_mean)
+    # The credit figures, averaged over the step's mini-batches. "num_stages" is the
+    # metrics.jsonl name of the optimizer passes per mini-batch.
+    credit_keys = {f.name: f.name for f in fields(CreditStats)} | {"optimizer_passes": "num_stages"}
+    for name, key in credit_keys.items():
+        record[key] = _credit_mean(total.credit, name)
     return record

@@ -1,5 +1,8 @@
-"""Per-token quantities from logits, chunked over tokens so that no more than one chunk's
-probabilities exist at a time (the vocabulary can be 150k wide)."""
+"""Per-token quantities of the tempered next-token distribution.
+
+`TokenStats` is what the learner keeps per response token. `token_stats` computes it from
+full logits (the reference path; learner/token_head.py computes the same from hidden states
+without ever holding a whole micro-batch's logits)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,21 @@ import torch
 
 @dataclass
 class TokenStats:
-    logp: torch.Tensor  # [N] log-prob of the target token at temperature T (keeps gradient)
-    entropy: torch.Tensor  # [N] entropy of the tempered distribution (detached unless asked)
-    sum_p2: torch.Tensor  # [N] sum_j p_j^2 (detached), for the logit-gradient norm
+    logp: torch.Tensor  # (N,) log-prob of the target token at temperature T (keeps gradient)
+    entropy: torch.Tensor  # (N,) entropy of the tempered distribution (detached unless asked)
+    sum_p2: torch.Tensor  # (N,) sum_j p_j^2 (detached), for the logit-gradient norm
+
+    def split(self, sizes: list[int]) -> list[TokenStats]:
+        """One TokenStats per sequence, `sizes` tokens each, in order."""
+        parts = zip(
+            self.logp.split(sizes), self.entropy.split(sizes), self.sum_p2.split(sizes), strict=True
+        )
+        return [TokenStats(*p) for p in parts]
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics are taken in at least float32 (bf16 logits lose the tail of the softmax)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def token_stats(
@@ -22,12 +37,14 @@ def token_stats(
     chunk_size: int = 1024,
     entropy_grad: bool = False,
 ) -> TokenStats:
-    """logits [N, V], targets [N] -> log-prob, entropy and sum of squared probabilities.
+    """logits (N, V), targets (N,) -> log-prob, entropy and sum of squared probabilities,
+    the softmax taken `chunk_size` tokens at a time.
 
     The entropy keeps its gradient only with `entropy_grad` (an entropy bonus needs it)."""
     logps, entropies, sum_p2s = [], [], []
     for start in range(0, logits.shape[0], chunk_size):
-        scaled = logits[start : start + chunk_size].float() / temperature
+        chunk = logits[start : start + chunk_size]
+        scaled = chunk.to(stats_dtype(chunk.dtype)) / temperature
         target = targets[start : start + chunk_size]
         lse = torch.logsumexp(scaled, dim=-1)
         logps.append(scaled.gather(-1, target[:, None]).squeeze(-1) - lse)
@@ -37,6 +54,6 @@ def token_stats(
             entropies.append(-(p * logp_all).sum(-1))
         sum_p2s.append((p.detach() ** 2).sum(-1))
     if not logps:
-        empty = logits.new_zeros(0)
+        empty = logits.new_zeros(0, dtype=stats_dtype(logits.dtype))
         return TokenStats(empty, empty, empty)
     return TokenStats(torch.cat(logps), torch.cat(entropies), torch.cat(sum_p2s))

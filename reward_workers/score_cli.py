@@ -14,7 +14,12 @@ import sys
 from typing import Any
 
 from groupflow.records import Prompt
-from groupflow.reward_workers.datasets import BadRow, prompt_from_record, read_records, resolve_fields
+from groupflow.reward_workers.datasets import (
+    BadRow,
+    prompt_from_record,
+    read_records,
+    resolve_fields,
+)
 from groupflow.reward_workers.scorer import Scorer
 
 EXIT_BAD_INPUT = 2

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from groupflow.records import Prompt, Response, SampledGroup
+
+if TYPE_CHECKING:
+    from groupflow.config import SamplingConfig
 
 
 @dataclass
@@ -34,13 +38,6 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
     )
 
 
-@dataclass
-class SamplingSettings:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-
-
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -62,7 +59,7 @@ class RolloutEngine:
         self.policy_version = 0
 
     def sample_groups(
-        self, prompts: list[Prompt], group_size: int, sampling: SamplingSettings
+        self, prompts: list[Prompt], group_size: int, sampling: SamplingConfig
     ) -> list[SampledGroup]:
         """G sampled responses for each prompt, with their token ids and log-probs."""
         from vllm import SamplingParams
@@ -97,7 +94,6 @@ class RolloutEngine:
                     token_ids=list(c.token_ids),
                     text=c.text,
                     logprobs=_sampled_logprobs(c),
-                    finish_reason=str(c.finish_reason),
                 )
                 for c in out.outputs
             ]

@@ -15,7 +15,11 @@ from fractions import Fraction
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from groupflow.reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
+from groupflow.reward_workers.format_reward import (
+    blend_format,
+    check_format_weight,
+    last_tagged_block,
+)
 from groupflow.reward_workers.tasks.base import GeneratedTask
 
 MAX_EXPRESSION_CHARS = 200

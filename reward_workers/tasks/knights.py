@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from groupflow.reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
+from groupflow.reward_workers.format_reward import (
+    blend_format,
+    check_format_weight,
+    last_tagged_block,
+)
 from groupflow.reward_workers.tasks.base import GeneratedTask
 
 NAMES = (

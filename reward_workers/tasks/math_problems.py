@@ -12,7 +12,12 @@ from typing import Any
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.deadline import DeadlineExceeded
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
-from groupflow.reward_workers.tasks.math_answer import AnswerTooCostly, equivalent, extract_answer, last_boxed
+from groupflow.reward_workers.tasks.math_answer import (
+    AnswerTooCostly,
+    equivalent,
+    extract_answer,
+    last_boxed,
+)
 from groupflow.reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."

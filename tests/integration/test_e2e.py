@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
 
 pytestmark = pytest.mark.integration
@@ -57,6 +58,8 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert STEP_KEYS <= r.keys(), STEP_KEYS - r.keys()
+        # every key the job writes is documented in the metric catalogue
+        assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
     # generation of step k+1 ran on version k-1 weights while step k trained: exactly one behind
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
     summary = json.loads((run / "summary.json").read_text())

@@ -28,10 +28,7 @@ def _groups(n: int, group_size: int = 4) -> list[SampledGroup]:
         SampledGroup(
             p,
             [1, 2],
-            [
-                Response([1], str(p.answer) if k % 2 == 0 else "x", [0.0], "stop")
-                for k in range(group_size)
-            ],
+            [Response([1], str(p.answer) if k % 2 == 0 else "x", [0.0]) for k in range(group_size)],
             0,
         )
         for p in prompts
@@ -43,18 +40,20 @@ def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     pool = RewardPool(cfg)
     victim = pool.pids()[0]  # asked first: an actor answers calls in order
     groups = _groups(16)
+    # 4 batches of 16 responses, about 0.8 s each, of two rollouts taking turns
     for i in range(0, 16, 4):
-        pool.submit(groups[i : i + 4])  # 4 batches of 16 responses, about 0.8 s each
+        pool.submit(groups[i : i + 4], rollout_id=i // 4 % 2)
     time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
-    scored = pool.drain()
+    first, second = pool.drain(rollout_id=0), pool.drain(rollout_id=1)
     assert pool.worker_restarts >= 1
-    assert sorted(s.group.prompt.uid for s in scored) == sorted(g.prompt.uid for g in groups)
-    for s in scored:
-        assert s.rewards == [1.0, 0.0, 1.0, 0.0], s.verdicts
-    assert pool.errors == pool.timeouts == 0
-    for w in pool.workers:
-        ray_cluster.kill(w)
+    for scored, rollout in ((first, 0), (second, 1)):
+        expected = [g for i in range(0, 16, 4) if i // 4 % 2 == rollout for g in groups[i : i + 4]]
+        assert sorted(s.group.prompt.uid for s in scored) == sorted(g.prompt.uid for g in expected)
+        for s in scored:
+            assert s.rewards == [1.0, 0.0, 1.0, 0.0], s.verdicts
+    assert pool.errors == pool.timeouts == 0 and pool.pending_groups() == 0
+    pool.shutdown()
 
 
 def test_a_plugin_that_hangs_scores_zero_and_the_step_completes(

@@ -6,13 +6,12 @@ import pytest
 import ray
 import torch
 
-from groupflow.actors.generator import start_generators
+from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import ObjectStoreTransport
-from groupflow.config import build_config
+from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
+from groupflow.config import SamplingConfig, build_config
 from groupflow.records import TrainSequence
 from groupflow.reward_workers.tasks import make_task
-from groupflow.rollout.engine import SamplingSettings
 
 pytestmark = pytest.mark.integration
 
@@ -20,20 +19,30 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def stack(ray_cluster, quickstart_model):
     cfg = build_config({}, ["rollout.num_engines=2", "learner.optimizer.lr=1e-3"])
-    engines = start_generators(cfg, quickstart_model)
+    pool = start_generator_pool(cfg, quickstart_model)
     learner = LearnerGroup(cfg, quickstart_model)
-    yield cfg, engines, learner
+    yield cfg, pool.engines, learner
     learner.shutdown()
-    for e in engines:
-        ray.kill(e)
+    pool.shutdown()
+
+
+def _train(learner, seqs):
+    """One blocking step: each rank's figures."""
+    return ray.get(learner.async_train_step(seqs))
+
+
+def _weights(learner) -> dict[str, torch.Tensor]:
+    return dict(ray.get(learner.async_publish_weights()[0]))
+
+
+def _sync(transport, version: int) -> None:
+    ray.get(transport.async_sync(version))
 
 
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
     task = make_task("arithmetic")
     prompts = [p for p, _ in zip(task.train_prompts(seed), range(n_prompts), strict=False)]
-    groups = ray.get(
-        engines[0].sample.remote(prompts, group_size, SamplingSettings(temperature=1.0))
-    )
+    groups = ray.get(engines[0].sample.remote(prompts, group_size, SamplingConfig(temperature=1.0)))
     seqs = []
     for gid, g in enumerate(groups):
         rewards = [task.verify(g.prompt, r.text).reward for r in g.responses]
@@ -44,7 +53,6 @@ def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
                     g.prompt_ids + resp.token_ids,
                     len(g.prompt_ids),
                     r - mean + 0.1,
-                    r,
                     gid,
                     g.policy_version,
                     resp.logprobs,
@@ -73,11 +81,11 @@ def _expected_vllm_params(hf: dict[str, torch.Tensor], vllm_names) -> dict[str, 
 
 def test_weight_sync_is_exact_on_every_engine(stack):
     cfg, engines, learner = stack
-    before = dict(ray.get(learner.publish_weights()))
-    results = learner.train_step(_sample_sequences(engines))
+    before = _weights(learner)
+    results = _train(learner, _sample_sequences(engines))
     assert all(r.optimizer_updates == 1 for r in results)
-    ObjectStoreTransport().sync(learner, engines, version=1)
-    after = dict(ray.get(learner.publish_weights()))
+    _sync(ObjectStoreTransport(learner, engines), version=1)
+    after = _weights(learner)
     assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
     _assert_engines_match(engines, after)
 
@@ -98,28 +106,27 @@ def _assert_engines_match(engines, after: dict[str, torch.Tensor]) -> None:
 
 def test_vllm_logprobs_match_the_learner(stack):
     cfg, engines, learner = stack
-    ObjectStoreTransport().sync(learner, engines, version=2)
+    _sync(ObjectStoreTransport(learner, engines), version=2)
     seqs = _sample_sequences(engines, seed=1)
     assert sum(len(s.vllm_logprobs) for s in seqs) > 20
-    results = learner.train_step(seqs)
-    worst = max(r.sums["logp_mismatch_max"] for r in results)
-    mean = sum(r.sums["logp_mismatch"] for r in results) / sum(r.counts["tokens"] for r in results)
+    results = _train(learner, seqs)
+    worst = max(r.behaviour.logp_mismatch_max for r in results)
+    mean = sum(r.behaviour.logp_mismatch for r in results) / sum(
+        r.behaviour.tokens for r in results
+    )
     assert worst < 1e-3, (worst, mean)
 
 
-def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
-    """Same loss, same parameters: 2 ZeRO-3 ranks x 3 micro-batches vs one plain-torch batch."""
+def _one_batch_grad_norm(cfg, model_path: str, weights, seqs) -> float:
+    """The gradient norm of the step's loss as one batch through a plain torch model."""
     from transformers import AutoModelForCausalLM
 
     from groupflow.learner.credit import LocalReducer, plan_credit
-    from groupflow.learner.token_stats import token_stats
-    from groupflow.learner.rank import _pad_tokens
+    from groupflow.learner.losses import token_loss
+    from groupflow.learner.step import mini_batch_tokens
+    from groupflow.learner.token_stats import TokenStats, token_stats
 
-    cfg, engines, learner = stack
-    seqs = _sample_sequences(engines, n_prompts=6, group_size=4, seed=2)
-    weights = dict(ray.get(learner.publish_weights()))
-
-    model = AutoModelForCausalLM.from_pretrained(learner.model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
     per_seq = []
@@ -127,37 +134,48 @@ def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack):
         logits = model(input_ids=torch.tensor([s.input_ids])).logits[0]
         pos = torch.arange(s.prompt_len - 1, len(s.input_ids) - 1)
         per_seq.append(token_stats(logits[pos], torch.tensor(s.input_ids)[pos + 1], 1.0))
-    frozen = [type(t)(t.logp.detach(), t.entropy, t.sum_p2) for t in per_seq]
-    plan = plan_credit(_pad_tokens(seqs, frozen, frozen, "cpu"), cfg.algorithm, LocalReducer())
-    from groupflow.learner.losses import token_loss
-
+    frozen = [TokenStats(t.logp.detach(), t.entropy, t.sum_p2) for t in per_seq]
+    tokens = mini_batch_tokens(seqs, frozen, frozen, torch.device("cpu"))
+    plan = plan_credit(tokens, cfg.algorithm, LocalReducer())
     logp = torch.nn.utils.rnn.pad_sequence([t.logp for t in per_seq], batch_first=True)
-    old = torch.nn.utils.rnn.pad_sequence([t.logp for t in frozen], batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence(
-        [torch.ones_like(t.logp) for t in per_seq], batch_first=True
-    )
-    loss = (plan.stages[0] * token_loss(logp, old, plan.token_adv, mask, cfg.algorithm).loss).sum()
-    loss.backward()
-    expected = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
+    out = token_loss(logp, tokens.old_logp, plan.token_adv, tokens.mask, cfg.algorithm)
+    (plan.passes[0] * out.loss).sum().backward()
+    return torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
 
-    # groups 0-2 on rank 0, groups 3-5 on rank 1; each rank's share in 3 uneven micro-batches
-    rank0, rank1 = seqs[:12], seqs[12:]
-    shares = [[[rank0[:2], rank0[2:9], rank0[9:]]], [[rank1[:5], rank1[5:6], rank1[6:]]]]
+
+# [rank][mini-batch][micro-batch]; groups 0-2 (rows 0-11) on rank 0, groups 3-5 on rank 1
+LAYOUTS = {
+    # several micro-batches: the plan's statistics from a separate behaviour forward
+    "uneven-micro-batches": lambda s: [[[s[:2], s[2:9], s[9:12]]], [[s[12:17], s[17:18], s[18:]]]],
+    # one micro-batch per rank: old_logp from the update's own forward
+    "one-micro-batch": lambda s: [[[s[:12]]], [[s[12:]]]],
+    # rank 1 holds nothing and runs ZeRO-3's empty micro-batch in its place
+    "one-rank-idle": lambda s: [[[s]], [[[]]]],
+}
+
+
+@pytest.mark.parametrize("cut", sorted(LAYOUTS))
+def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack, cut):
+    """Same loss, same parameters: 2 ZeRO-3 ranks, the step cut as `cut`, vs one plain-torch
+    batch."""
+    cfg, engines, learner = stack
+    seqs = _sample_sequences(engines, n_prompts=6, group_size=4, seed=2)
+    expected = _one_batch_grad_norm(cfg, learner.model_path, _weights(learner), seqs)
+    shares = LAYOUTS[cut](seqs)
     results = ray.get(
         [r.train_step.remote(sh) for r, sh in zip(learner.ranks, shares, strict=True)]
     )
     got = results[0].grad_norms[0]
     assert got == pytest.approx(expected.item(), rel=1e-4), (got, expected.item())
+    assert results[0].grad_norms == results[1].grad_norms  # a global figure
 
 
 def test_collective_transport_syncs_exactly_too(stack):
     """The broadcast transport (gloo here, NCCL on GPUs) lands the same bits as the learner."""
-    from groupflow.actors.transport import CollectiveTransport
-
     cfg, engines, learner = stack
-    learner.train_step(_sample_sequences(engines, seed=3))
-    transport = CollectiveTransport()
-    transport.sync(learner, engines, version=10)
-    learner.train_step(_sample_sequences(engines, seed=4))
-    transport.sync(learner, engines, version=11)  # the group is reused
-    _assert_engines_match(engines, dict(ray.get(learner.publish_weights())))
+    _train(learner, _sample_sequences(engines, seed=3))
+    transport = CollectiveTransport(learner, engines)
+    _sync(transport, version=10)
+    _train(learner, _sample_sequences(engines, seed=4))
+    _sync(transport, version=11)  # the group is reused
+    _assert_engines_match(engines, _weights(learner))

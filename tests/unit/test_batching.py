@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from groupflow.learner.batching import plan_step
+from groupflow.learner.batching import layout_step, padding_share
 
 
 def _random_step(rng):
@@ -10,33 +10,83 @@ def _random_step(rng):
     group_size = rng.randint(1, 6)
     lengths = [rng.randint(1, 50) for _ in range(groups * group_size)]
     group_ids = [i // group_size for i in range(len(lengths))]
+    rng.shuffle(group_ids)  # a group's members need not be adjacent
     return lengths, group_ids, groups
 
 
-@pytest.mark.parametrize("trial", range(20))
-def test_plan_covers_every_sequence_once_and_keeps_groups_whole(trial):
+def probe_mix(rng, groups=32, group_size=8, prompt=128, max_response=1024):
+    """The GPU probes' step: 32 groups x 8 responses, 128 prompt + 128..1024 response tokens."""
+    lengths = [
+        prompt + rng.randint(max_response // 8, max_response) for _ in range(groups * group_size)
+    ]
+    return lengths, [i // group_size for i in range(len(lengths))]
+
+
+@pytest.mark.parametrize("trial", range(30))
+def test_layout_keeps_the_rules(trial):
     rng = random.Random()
     lengths, group_ids, groups = _random_step(rng)
     ranks, minis, budget = rng.randint(1, 3), rng.randint(1, groups), rng.randint(10, 120)
-    plan = plan_step(lengths, group_ids, ranks, minis, budget)
-    seen = [i for rank in plan for mini in rank for micro in mini for i in micro]
+    layout = layout_step(lengths, group_ids, ranks, minis, budget)
+    seen = [i for rank in layout for mini in rank for micro in mini for i in micro]
     assert sorted(seen) == list(range(len(lengths)))
     for m in range(minis):
         # same micro-batch count on every rank (ZeRO-3 gathers are collective)
-        assert len({len(plan[r][m]) for r in range(ranks)}) == 1
+        assert len({len(layout[r][m]) for r in range(ranks)}) == 1
         owners = {}
+        loads = []
         for r in range(ranks):
-            for micro in plan[r][m]:
-                assert len(micro) <= 1 or sum(lengths[i] for i in micro) <= budget
+            for micro in layout[r][m]:
                 for i in micro:
                     owners.setdefault(group_ids[i], set()).add((r, m))
+            loads.append(sum(lengths[i] for micro in layout[r][m] for i in micro))
         assert all(len(o) == 1 for o in owners.values())
+        # ranks balanced: the gap is at most one group's tokens
+        group_tokens = {}
+        for i, g in enumerate(group_ids):
+            group_tokens[g] = group_tokens.get(g, 0) + lengths[i]
+        assert max(loads) - min(loads) <= max(group_tokens.values())
     mini_of = {
-        group_ids[i]: m for r in plan for m, mini in enumerate(r) for micro in mini for i in micro
+        group_ids[i]: m for r in layout for m, mini in enumerate(r) for micro in mini for i in micro
     }
     assert len(mini_of) == groups
 
 
+@pytest.mark.parametrize("trial", range(30))
+def test_micro_batches_fit_the_budget_in_padded_positions_and_are_full(trial):
+    rng = random.Random()
+    lengths, group_ids, groups = _random_step(rng)
+    ranks, minis, budget = rng.randint(1, 3), rng.randint(1, groups), rng.randint(10, 120)
+    layout = layout_step(lengths, group_ids, ranks, minis, budget)
+    for rank in layout:
+        for mini in rank:
+            filled = [micro for micro in mini if micro]
+            for k, micro in enumerate(filled):
+                width = max(lengths[i] for i in micro)
+                # padded positions within budget (a sequence longer than it goes alone)
+                assert len(micro) * width <= budget or len(micro) == 1
+                if k + 1 < len(filled):
+                    # closed only because the next (no longer) sequence did not fit
+                    assert (len(micro) + 1) * width > budget
+                    assert min(lengths[i] for i in micro) >= max(lengths[i] for i in filled[k + 1])
+
+
+@pytest.mark.parametrize("budget", [16384, 4096])
+@pytest.mark.parametrize("trial", range(5))
+def test_padding_is_under_a_tenth_on_the_probe_mix(budget, trial):
+    lengths, group_ids = probe_mix(random.Random())
+    assert padding_share(layout_step(lengths, group_ids, 1, 1, budget), lengths) < 0.10
+
+
+def test_padding_share_counts_rows_times_the_longest_row():
+    assert padding_share([[[[0, 1], [2]], [[]]]], [4, 2, 5]) == pytest.approx(1 - 11 / 13)
+
+
 def test_too_many_mini_batches_is_refused():
     with pytest.raises(ValueError, match="mini-batches"):
-        plan_step([3, 3], [0, 0], 1, 2, 10)
+        layout_step([3, 3], [0, 0], 1, 2, 10)
+
+
+def test_mismatched_inputs_are_named():
+    with pytest.raises(ValueError, match="2 lengths but 3 group ids"):
+        layout_step([3, 3], [0, 0, 1], 1, 1, 10)

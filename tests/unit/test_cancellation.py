@@ -101,7 +101,7 @@ def policy_update(
     )
     plan = plan_credit(tokens, cfg, LocalReducer())
     out = token_loss(logp, tokens.old_logp, plan.token_adv, tokens.mask, cfg)
-    sum((stage * out.loss).sum() for stage in plan.stages).backward()
+    sum((coef * out.loss).sum() for coef in plan.passes).backward()
     return logp.grad, lengths
 
 
@@ -116,7 +116,7 @@ def residual(groups: list[Group], grad: torch.Tensor, lengths: list[int]) -> flo
             ]
         )
         row += len(group.responses)
-    return cancellation_residual(per_group)
+    return cancellation_residual(per_group).value
 
 
 def run_case(gen: torch.Generator, loss: str, aggregation: str, equal_lengths: bool):

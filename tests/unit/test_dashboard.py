@@ -8,43 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.prometheus import EXPORTED_METRICS
+from groupflow.catalogue import EXPORTED_METRICS, LIVE_GAUGES, METRICS, PANEL_ROWS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "groupflow.json"
 METRIC = re.compile(r"groupflow_[a-z_]+")
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 
-# Row title -> metrics (as PromQL names them) that some panel of the row must query.
-ROWS = {
-    "Progress": {
-        "groupflow_reward_mean",
-        "groupflow_accuracy",
-        "groupflow_response_length_mean",
-    },
-    "Token credit": {
-        "groupflow_entropy_mean",
-        "groupflow_entropy_pos",
-        "groupflow_entropy_neg",
-        "groupflow_spurious_frac",
-        "groupflow_cancellation_residual",
-        "groupflow_clip_frac_low",
-        "groupflow_clip_frac_high",
-        "groupflow_approx_kl",
-    },
-    "Throughput": {
-        "groupflow_tokens_per_second",
-        "groupflow_stage_latency_seconds",
-        "groupflow_staleness_mean",
-        "groupflow_queue_depth",
-    },
-    "Cluster": {
-        "groupflow_engines",
-        "groupflow_reward_workers",
-        "groupflow_learner_ranks",
-        "groupflow_reward_errors_total",
-        "groupflow_reward_timeouts_total",
-    },
-}
+# A catalogue unit -> the Grafana unit of a panel drawing it (others: "short").
+GRAFANA_UNITS = {"fraction": "percentunit", "seconds": "s"}
+
+
+def catalogue_panels() -> dict[str, set[str]]:
+    """Catalogue panel -> the metrics (as PromQL names them) it must query."""
+    panels: dict[str, set[str]] = {}
+    for m in METRICS:
+        if m.series is not None and m.panel is not None:
+            panels.setdefault(m.panel, set()).add(m.series.promql_name)
+    for g in LIVE_GAUGES.values():
+        panels.setdefault(g.panel, set()).add(g.name)
+    return panels
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +80,32 @@ def test_every_exported_metric_is_on_the_dashboard(dashboard):
     assert EXPORTED_METRICS <= metric_names(expressions(flat_panels(dashboard)))
 
 
-@pytest.mark.parametrize("row", sorted(ROWS))
-def test_row_exists_with_its_metrics(dashboard, row):
+def panels_by_title(dashboard: dict) -> dict[str, dict]:
+    return {p["title"]: p for p in flat_panels(dashboard) if p["type"] != "row"}
+
+
+@pytest.mark.parametrize("panel", sorted(catalogue_panels()))
+def test_catalogue_panel_sits_in_its_row_and_queries_its_metrics(dashboard, panel):
+    row = PANEL_ROWS[panel]
     rows = panels_by_row(dashboard)
     assert row in rows, f"no row {row!r}; rows: {sorted(rows)}"
-    assert rows[row], f"row {row!r} has no panels"
-    missing = ROWS[row] - metric_names(expressions(rows[row]))
-    assert not missing, f"row {row!r} does not query {sorted(missing)}"
+    titles = {p["title"]: p for p in rows[row]}
+    assert panel in titles, f"row {row!r} has no panel {panel!r}; it has {sorted(titles)}"
+    missing = catalogue_panels()[panel] - metric_names(expressions([titles[panel]]))
+    assert not missing, f"panel {panel!r} does not query {sorted(missing)}"
+
+
+def test_every_catalogue_panel_has_a_row():
+    panels = {m.panel for m in METRICS if m.panel} | {g.panel for g in LIVE_GAUGES.values()}
+    assert panels <= PANEL_ROWS.keys(), sorted(panels - PANEL_ROWS.keys())
+
+
+def test_panel_units_follow_the_catalogue(dashboard):
+    by_title = panels_by_title(dashboard)
+    for m in METRICS:
+        if m.series is not None and m.panel is not None:
+            unit = by_title[m.panel]["fieldConfig"]["defaults"].get("unit", "short")
+            assert unit == GRAFANA_UNITS.get(m.unit, "short"), (m.key, m.panel, unit)
 
 
 def test_stage_latency_quantiles_come_from_the_buckets(dashboard):

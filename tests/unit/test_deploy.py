@@ -73,10 +73,8 @@ def test_dockerfile_installs_groupflow_with_the_cuda_extra():
     copied = set(re.findall(r"^COPY (?:--chown=\S+ )?(.+?) \S+$", text, re.M))
     copied = {name.rstrip("/") for line in copied for name in line.split()}
     pyproject = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
-    packages = {
-        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    }
-    assert packages | {"pyproject.toml", "README.md"} <= copied
+    source_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    assert source_dirs | {"pyproject.toml", "README.md"} <= copied
 
 
 # ----- Ray cluster launcher -----------------------------------------------------------------

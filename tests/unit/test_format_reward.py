@@ -3,7 +3,11 @@
 import pytest
 
 from groupflow.records import Verdict
-from groupflow.reward_workers.format_reward import blend_format, check_format_weight, last_tagged_block
+from groupflow.reward_workers.format_reward import (
+    blend_format,
+    check_format_weight,
+    last_tagged_block,
+)
 
 
 def test_last_tagged_block():

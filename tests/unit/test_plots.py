@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.plots import latest_run, moving_average, write_plots
+from groupflow.catalogue import PANEL_ROWS
+from groupflow.plots import FIGURES, latest_run, moving_average, panel_keys, write_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -29,6 +30,9 @@ def synthetic_record(step: int) -> dict:
         "clip_frac_low": 0.01,
         "clip_frac_high": 0.02,
         "approx_kl": 1e-3 * step,
+        "time_gen_s": 2.0 + 0.1 * math.sin(t),
+        "time_learn_s": 1.0,
+        "time_step_s": 3.2,
     }
 
 
@@ -44,13 +48,22 @@ def assert_pngs(paths: list[Path], names: set[str]) -> None:
         assert data.startswith(PNG_SIGNATURE) and len(data) > 5_000, path
 
 
+ALL_PLOTS = {"reward.png", "entropy.png", "token_credit.png", "throughput.png"}
+
+
+def test_every_plot_panel_is_a_catalogue_panel_with_keys():
+    for figure in FIGURES:
+        for panel in figure.panels:
+            assert panel in PANEL_ROWS and panel_keys(panel), (figure.filename, panel)
+
+
 @pytest.mark.parametrize("steps", [5, 60])  # markers on short runs; moving average on long ones
-def test_full_records_give_all_three_plots(tmp_path, steps):
+def test_full_records_give_every_plot(tmp_path, steps):
     metrics = write_jsonl(
         tmp_path / "metrics.jsonl", [synthetic_record(s) for s in range(1, steps + 1)]
     )
     paths = write_plots(metrics, tmp_path / "plots")
-    assert_pngs(paths, {"reward.png", "entropy.png", "token_credit.png"})
+    assert_pngs(paths, ALL_PLOTS)
     assert all(p.parent == tmp_path / "plots" for p in paths)
 
 
@@ -65,7 +78,7 @@ def test_missing_keys_skip_only_what_is_missing(tmp_path):
 def test_a_line_cut_short_by_a_crash_is_skipped(tmp_path):
     records = [synthetic_record(s) for s in range(1, 4)]
     metrics = write_jsonl(tmp_path / "m.jsonl", records, tail='{"step": 4, "reward_')
-    assert_pngs(write_plots(metrics, tmp_path), {"reward.png", "entropy.png", "token_credit.png"})
+    assert_pngs(write_plots(metrics, tmp_path), ALL_PLOTS)
 
 
 def test_no_records_no_plots(tmp_path):

@@ -10,9 +10,7 @@ from groupflow.reward_workers.tasks import math_answer
 
 
 def group(prompt, *texts):
-    responses = [
-        Response(token_ids=[1], text=t, logprobs=[-0.1], finish_reason="stop") for t in texts
-    ]
+    responses = [Response(token_ids=[1], text=t, logprobs=[-0.1]) for t in texts]
     return SampledGroup(prompt=prompt, prompt_ids=[0], responses=responses, policy_version=3)
 
 

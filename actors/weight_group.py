@@ -1,4 +1,5 @@
-"""A process group for broadcasting weights from learner rank 0 to the engines.
+"""The weight group: a process group for broadcasting weights from learner rank 0 to the
+engines (a Ray-layer concern: the actors open it; learner/ only sees a `Broadcaster`).
 
 It is built from a TCPStore and torch's backend classes directly, so it lives beside each
 process's own default group (DeepSpeed's on the learner, vLLM's in an engine) without

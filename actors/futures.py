@@ -1,0 +1,17 @@
+"""Ray as the job loop's `Futures` (groupflow.peers): handles are ObjectRefs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+
+class RayFutures:
+    def wait_any(self, handles: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        ready, _ = ray.wait(list(handles), num_returns=1)
+        return ready
+
+    def get(self, handles: Sequence[ray.ObjectRef]) -> list[Any]:
+        return ray.get(list(handles))

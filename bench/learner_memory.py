@@ -1,0 +1,259 @@
+"""Learner memory, padding and step time before and after the token head (issue 9, section 4).
+
+    .venv/bin/python bench/learner_memory.py [--layers 24] [--time-layers 2]
+
+For a Qwen2.5-0.5B shape (hidden 896, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936,
+tied head), in bf16, on the CPU:
+
+1. bytes saved for backward per response token, counted with saved_tensors_hooks (each
+   storage once; parameters excluded) over every micro-batch of the GPU probes' step (32
+   groups x 8 responses, 128 prompt + 128..1024 response tokens, drawn as the probes draw
+   them), split into the transformer layers (per layer), the lm head / log-prob part and the
+   rest (embedding, final norm). Counting needs shapes only, so the model runs on fake
+   tensors (torch's FakeTensorMode: CPU kernels' shape rules, no memory, no compute).
+   With activation checkpointing a layer saves only its inputs (torch's checkpoint saves
+   them through the same hooks).
+   before: today's learner: the model's logits at every position, then token_stats of the
+           response positions, micro-batches packed as learner/batching.py did.
+   after:  the token head (learner/token_head.py) on length-sorted micro-batches, with and
+           without checkpointing of the layers.
+2. the padded share of the micro-batches for that step, before and after;
+3. forward+backward time of a small step on the CPU in float32 (few layers, full vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from groupflow.learner.batching import layout_step, padding_share
+from groupflow.learner.token_head import install_token_head, response_positions
+from groupflow.learner.token_stats import TokenStats, token_stats
+
+SHAPE = dict(
+    hidden_size=896,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
+
+@dataclass
+class Step:
+    lengths: list[int]
+    prompt_lens: list[int]
+    group_ids: list[int]
+
+
+def probe_step(prompts=32, group_size=8, prompt_len=128, max_response=1024, seed=0) -> Step:
+    """The lengths of gpu_learner_probe.py's step: the same random draws in the same order."""
+    rng = random.Random(seed)
+    lengths, group_ids = [], []
+    for g in range(prompts):
+        [rng.randrange(100, 150000) for _ in range(prompt_len)]
+        [rng.random() for _ in range(group_size)]
+        for _ in range(group_size):
+            response = rng.randint(max_response // 8, max_response)
+            [rng.randrange(100, 150000) for _ in range(response)]
+            lengths.append(prompt_len + response)
+            group_ids.append(g)
+    return Step(lengths, [prompt_len] * len(lengths), group_ids)
+
+
+def consecutive_micro_batches(step: Step, budget: int) -> list[list[int]]:
+    """How learner/batching.py packed one rank's mini-batch before: sequences in group order,
+    a new micro-batch when the real (unpadded) tokens would pass the budget."""
+    batches: list[list[int]] = []
+    used = budget
+    for i in range(len(step.lengths)):
+        if used + step.lengths[i] > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(i)
+        used += step.lengths[i]
+    return batches
+
+
+def sorted_micro_batches(step: Step, budget: int) -> list[list[int]]:
+    return [mb for mb in layout_step(step.lengths, step.group_ids, 1, 1, budget)[0][0] if mb]
+
+
+def make_model(layers: int, dtype: torch.dtype, checkpointing: bool, head: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **SHAPE))
+    finally:
+        torch.set_default_dtype(previous)
+    model.config.use_cache = False
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if head:
+        install_token_head(model)
+    return model
+
+
+def batch(step: Step, rows: list[int], dtype: torch.dtype):
+    """Token ids (B, W), the 4D additive causal+padding mask transformers builds for sdpa
+    (given ready-made: on fake tensors its own check for "no padding" cannot run), positions."""
+    lengths = [step.lengths[i] for i in rows]
+    width = max(lengths)
+    ids = torch.randint(0, SHAPE["vocab_size"], (len(rows), width))
+    valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # (B, W)
+    allowed = torch.ones(width, width, dtype=torch.bool).tril()[None, None] & valid[:, None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = response_positions(ids, lengths, [step.prompt_lens[i] for i in rows])
+    return ids, mask, positions
+
+
+def stats_before(model, ids, mask, positions) -> TokenStats:
+    """learner/rank.py's forward as of this issue: full logits, then the response positions."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return token_stats(logits[positions.rows, positions.cols], positions.targets, 1.0)
+
+
+def stats_after(model, ids, mask, positions) -> TokenStats:
+    return TokenStats(*model(input_ids=ids, attention_mask=mask, response_positions=positions))
+
+
+class SavedBytes:
+    """Bytes of the storages saved for backward, by the part of the model that saved them:
+    "layers" from the embedding's output to the final norm (with checkpointing, what is saved
+    there is each layer's inputs), "head" after the base model, "other" the rest."""
+
+    def __init__(self, model):
+        self.parts: dict[str, int] = {"layers": 0, "head": 0, "other": 0}
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.seen = set(self.params)
+        self.part = "other"
+        base = model.model
+        self.handles = [
+            base.register_forward_pre_hook(lambda *_: self._set("other")),
+            base.embed_tokens.register_forward_hook(lambda *_: self._set("layers")),
+            base.norm.register_forward_pre_hook(lambda *_: self._set("other")),
+            base.register_forward_hook(lambda *_: self._set("head")),
+        ]
+
+    def _set(self, part: str) -> None:
+        self.part = part
+
+    def next_micro_batch(self) -> None:
+        """A storage freed with the last micro-batch's graph may come back at the same address."""
+        self.seen = set(self.params)
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in self.seen:
+            self.seen.add(storage._cdata)
+            self.parts[self.part] += storage.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def count_saved(step: Step, micro: list[list[int]], layers: int, path: str, ckpt: bool):
+    """Saved bytes per response token over all micro-batches, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tokens = 0
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = make_model(layers, torch.bfloat16, ckpt, head=path == "after")
+        forward = stats_after if path == "after" else stats_before
+        counter = SavedBytes(model)
+        for rows in micro:
+            ids, mask, positions = batch(step, rows, torch.bfloat16)
+            counter.next_micro_batch()
+            with counter.hooks():
+                forward(model, ids, mask, positions)
+            tokens += positions.rows.numel()
+        counter.close()
+    return {k: v / tokens for k, v in counter.parts.items()}
+
+
+def time_step(step: Step, micro: list[list[int]], layers: int, path: str, ckpt: bool) -> float:
+    torch.manual_seed(0)
+    model = make_model(layers, torch.float32, ckpt, head=path == "after")
+    forward = stats_after if path == "after" else stats_before
+    batches = [batch(step, rows, torch.float32) for rows in micro]
+    best = float("inf")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        for ids, mask, positions in batches:
+            forward(model, ids, mask, positions).logp.sum().backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=24, help="layers for the byte count")
+    parser.add_argument("--time-layers", type=int, default=2, help="layers for the timing")
+    args = parser.parse_args()
+
+    step = probe_step()
+    response = sum(n - p for n, p in zip(step.lengths, step.prompt_lens, strict=True))
+    print(
+        f"probe step: {len(step.lengths)} sequences, {sum(step.lengths)} tokens, {response} response"
+    )
+
+    print("\npadded share of the micro-batches (1 rank, 1 mini-batch)")
+    print(f"{'micro_batch_tokens':>18} {'before':>8} {'after':>8} {'micro-batches b/a':>18}")
+    for budget in (16384, 8192, 4096):
+        before = consecutive_micro_batches(step, budget)
+        after = sorted_micro_batches(step, budget)
+        print(
+            f"{budget:>18} {padding_share([[before]], step.lengths):>8.1%} "
+            f"{padding_share([[after]], step.lengths):>8.1%} {len(before):>9}/{len(after)}"
+        )
+
+    rows = {
+        "before (full logits)": ("before", False, consecutive_micro_batches),
+        "after (token head)": ("after", False, sorted_micro_batches),
+        "after (token head + checkpointing)": ("after", True, sorted_micro_batches),
+    }
+    for budget in (16384, 4096):
+        print(f"\nbytes saved for backward per response token, bf16, micro_batch_tokens {budget}")
+        print(f"{'setting':<34} {'per layer':>10} {'head+logp':>10} {'other':>8} {'total':>10}")
+        head_before = None
+        for name, (path, ckpt, layout) in rows.items():
+            per = count_saved(step, layout(step, budget), args.layers, path, ckpt)
+            total = per["layers"] + per["head"] + per["other"]
+            head_before = head_before or per["head"]
+            print(
+                f"{name:<34} {per['layers'] / args.layers:>10,.0f} {per['head']:>10,.0f} "
+                f"{per['other']:>8,.0f} {total:>10,.0f}   head: {per['head'] / head_before:.2%} "
+                "of before"
+            )
+
+    small = probe_step(prompts=2, group_size=4, prompt_len=8, max_response=64, seed=1)
+    small_budget = 256
+    print(
+        f"\nforward+backward of a small step on the CPU, float32, {args.time_layers} layers, "
+        f"{len(small.lengths)} sequences of 8 prompt + 8..64 response tokens, "
+        f"micro_batch_tokens {small_budget}"
+    )
+    for name, (path, ckpt, layout) in rows.items():
+        seconds = time_step(small, layout(small, small_budget), args.time_layers, path, ckpt)
+        print(f"{name:<34} {seconds:>8.2f} s")
+
+
+if __name__ == "__main__":
+    main()

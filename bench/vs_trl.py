@@ -1,0 +1,241 @@
+"""groupflow against TRL's GRPOTrainer on the same model, prompts, group size and lengths.
+
+    .venv/bin/pip install ".[bench]"        # TRL: a benchmark dependency only
+    .venv/bin/python bench/vs_trl.py [--steps 6] [--workload quickstart|random27m ...]
+
+Two workloads, each run by both systems one after the other in this process's lifetime:
+- quickstart: the built-in quickstart model (2.4M parameters), arithmetic prompts, responses of
+  a few tokens (the model answers and stops);
+- random27m: a random-init 27M-parameter Qwen2 with the quickstart tokenizer, responses of up
+  to 64 tokens (a random model rarely stops early).
+16 prompts x 8 responses a step, temperature 1, token-mean loss, clip [0.8, 1.28], no KL.
+Prints the median step time of each (steps after the first, which pays warm-up), the ratio,
+and groupflow's learn time against a plain single-process torch step on a batch of the same
+shape (a no-grad forward, a forward and backward, an AdamW step): the learner's overhead.
+groupflow runs through its CLI (`groupflow train`), as a user runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS_PER_STEP = 16
+GROUP_SIZE = 8
+RANDOM27M = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+WORKLOADS = {"quickstart": 16, "random27m": 64}  # name -> max response tokens
+
+
+def quickstart_model() -> Path:
+    from groupflow.config import Config
+    from groupflow.quickstart import quickstart_model_path
+
+    cfg = Config()
+    return quickstart_model_path(cfg.task.name, cfg.task.options, cfg.model.warm_start_steps)
+
+
+def random_model(root: Path) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from groupflow.quickstart import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **RANDOM27M,
+    )
+    model = Qwen2ForCausalLM(config)
+    path = root / "random27m"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def parameters(path: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+
+
+def run_groupflow(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
+    overrides = [
+        f"model.path={model}",
+        f"trainer.steps={steps}",
+        f"trainer.output_dir={out}",
+        "trainer.run_name=vs_trl",
+        f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
+        f"rollout.group_size={GROUP_SIZE}",
+        f"rollout.sampling.max_tokens={max_tokens}",
+        "task.eval_size=16",
+        "metrics.progress=false",
+        "algorithm.cancellation_diagnostic=false",
+    ]
+    command = [sys.executable, "-m", "groupflow.cli", "train"]
+    for o in overrides:
+        command += ["--set", o]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = [
+        json.loads(line) for line in (out / "vs_trl" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steady = records[1:] or records
+    return {
+        "step_s": statistics.median(r["time_step_s"] for r in steady),
+        "learn_s": statistics.median(r["time_learn_s"] for r in steady),
+        "gen_s": statistics.median(r["time_gen_s"] for r in steady),
+        "response_len": statistics.fmean(r["response_len_mean"] for r in steady),
+    }
+
+
+def run_trl(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from groupflow.reward_workers.tasks import make_task
+
+    task = make_task("arithmetic", {})
+    prompts = task.train_prompts(seed=0)
+    rows = [next(prompts) for _ in range(PROMPTS_PER_STEP * (steps + 1))]
+    by_text = {p.text: p for p in rows}
+    dataset = Dataset.from_list([{"prompt": p.text} for p in rows])
+
+    def reward(prompts, completions, **_):
+        return [
+            task.verify(by_text[p], c).reward for p, c in zip(prompts, completions, strict=True)
+        ]
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+            self.lengths: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.started)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    config = GRPOConfig(
+        output_dir=str(out),
+        num_generations=GROUP_SIZE,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+        gradient_accumulation_steps=1,
+        max_completion_length=max_tokens,
+        max_steps=steps,
+        learning_rate=1e-4,
+        temperature=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",  # token mean over the batch, as groupflow's token_mean
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        seed=0,
+    )
+    timer = StepTimes()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model),
+        processing_class=AutoTokenizer.from_pretrained(model),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[timer],
+    )
+    trainer.train()
+    steady = timer.times[1:] or timer.times
+    return {
+        "step_s": statistics.median(steady),
+        "response_len": statistics.fmean(timer.lengths) if timer.lengths else float("nan"),
+    }
+
+
+def plain_torch_step(model: Path, response_len: float, repeats: int = 3) -> float:
+    """Median time of a no-grad forward, a forward+backward and an AdamW step on one padded
+    batch of PROMPTS_PER_STEP x GROUP_SIZE sequences of the measured mean length."""
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
+    width = 6 + max(1, round(response_len))  # arithmetic prompts are about 6 characters
+    ids = torch.randint(3, net.config.vocab_size, (PROMPTS_PER_STEP * GROUP_SIZE, width))
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        with torch.no_grad():
+            net(input_ids=ids).logits.log_softmax(-1)
+        loss = net(input_ids=ids).logits.log_softmax(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workload", nargs="*", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    args = parser.parse_args()
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        sys.exit("bench/vs_trl.py: TRL is not installed; run `.venv/bin/pip install '.[bench]'`")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name in args.workload:
+            model = quickstart_model() if name == "quickstart" else random_model(root)
+            max_tokens = WORKLOADS[name]
+            ours = run_groupflow(model, max_tokens, args.steps, root / f"gf-{name}")
+            theirs = run_trl(model, max_tokens, args.steps, root / f"trl-{name}")
+            torch.set_num_threads(os.cpu_count() or 1)
+            plain = plain_torch_step(model, ours["response_len"])
+            rows[name] = dict(params=parameters(model), gf=ours, trl=theirs, plain=plain)
+    print(f"\nmedian step time of steps 2..{args.steps}, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE}")
+    print(
+        f"{'workload':>10} {'params':>7} {'resp gf/trl':>11} {'TRL s':>7} {'groupflow s':>11} "
+        f"{'gf/TRL':>7} {'learn s':>7} {'gen s':>6} {'plain s':>7} {'learn/plain':>11}"
+    )
+    for name, r in rows.items():
+        gf, theirs = r["gf"], r["trl"]
+        print(
+            f"{name:>10} {r['params'] / 1e6:6.1f}M {gf['response_len']:5.1f}/{theirs['response_len']:<5.1f} "
+            f"{theirs['step_s']:7.2f} {gf['step_s']:11.2f} {gf['step_s'] / theirs['step_s']:7.2f} "
+            f"{gf['learn_s']:7.2f} {gf['gen_s']:6.2f} {r['plain']:7.2f} "
+            f"{gf['learn_s'] / r['plain']:11.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""Every figure a job reports, defined once: its key in metrics.jsonl, what it means, its unit,
+the Grafana panel that draws it and how Prometheus exports it.
+
+metrics.jsonl's keys are this table's keys; groupflow/prometheus.py builds its series from it,
+groupflow/plots.py draws its panels from it, and tests/unit/test_dashboard.py checks
+deploy/grafana/groupflow.json against it. A key the job writes that is missing here fails the
+end-to-end test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# How a step-record value reaches Prometheus:
+#   gauge          set to the step's value
+#   counter        increased by the step's value (an amount per step)
+#   running_total  a counter following a total the job keeps (it only grows; a restart of the
+#                  source from zero is read as growth from zero)
+#   histogram      the step's value is one observation
+Kind = Literal["gauge", "counter", "running_total", "histogram"]
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str  # family name as registered (a counter's PromQL name adds _total)
+    kind: Kind
+    stage: str | None = None  # `stage` label, for a family that several keys share
+
+    @property
+    def promql_name(self) -> str:
+        return f"{self.name}_total" if self.kind in ("counter", "running_total") else self.name
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str  # the key in metrics.jsonl
+    help: str
+    unit: str  # "fraction" (0..1), "seconds", "nats", "tokens", ... ("" = a plain number)
+    panel: str | None = None  # the Grafana panel (and plot panel) that draws it
+    series: Series | None = None  # None: in metrics.jsonl only
+
+
+def _gauge(name: str) -> Series:
+    return Series(name, "gauge")
+
+
+def _stage_latency(stage: str) -> Series:
+    return Series(STAGE_LATENCY, "histogram", stage)
+
+
+def _tokens_per_second(stage: str) -> Series:
+    return Series(TOKENS_PER_SECOND, "gauge", stage)
+
+
+STAGE_LATENCY = "groupflow_stage_latency_seconds"
+TOKENS_PER_SECOND = "groupflow_tokens_per_second"
+
+# The help of a family several keys share (told apart by their `stage` label).
+FAMILY_HELP = {
+    STAGE_LATENCY: "time spent in each stage of a step",
+    TOKENS_PER_SECOND: "tokens per second of the last step, by stage",
+}
+
+# Grafana panel -> its dashboard row.
+PANEL_ROWS = {
+    "Reward": "Progress",
+    "Accuracy": "Progress",
+    "Response length": "Progress",
+    "Step and policy version": "Progress",
+    "Entropy": "Token credit",
+    "Spurious and low-probability tokens": "Token credit",
+    "Cancellation residual": "Token credit",
+    "Clip fractions": "Token credit",
+    "Approx. KL": "Token credit",
+    "Gradient norm and log-prob mismatch": "Token credit",
+    "Tokens per second by stage": "Throughput",
+    "Mean stage latency and step time": "Throughput",
+    "Staleness": "Throughput",
+    "Queue depths": "Throughput",
+    "Live actors": "Cluster",
+    "Reward errors and timeouts": "Cluster",
+}
+
+_STEP = "Step and policy version"
+_ENTROPY = "Entropy"
+_TOKENS = "Spurious and low-probability tokens"
+_CLIP = "Clip fractions"
+_GRAD = "Gradient norm and log-prob mismatch"
+_SPEED = "Tokens per second by stage"
+_TIMES = "Mean stage latency and step time"
+_ERRORS = "Reward errors and timeouts"
+
+METRICS: tuple[Metric, ...] = (
+    # the step
+    Metric("step", "last completed training step", "", _STEP, _gauge("groupflow_step")),
+    Metric(
+        "policy_version",
+        "policy version the engines sample from",
+        "",
+        _STEP,
+        _gauge("groupflow_policy_version"),
+    ),
+    # rollout figures (groupflow/rollout_figures.py)
+    Metric(
+        "reward_mean",
+        "mean sequence reward of the step's samples",
+        "reward",
+        "Reward",
+        _gauge("groupflow_reward_mean"),
+    ),
+    Metric(
+        "reward_std",
+        "standard deviation of the step's rewards",
+        "reward",
+        "Reward",
+        _gauge("groupflow_reward_std"),
+    ),
+    Metric(
+        "accuracy",
+        "fraction of the step's samples with full reward",
+        "fraction",
+        "Accuracy",
+        _gauge("groupflow_accuracy"),
+    ),
+    Metric(
+        "eval_accuracy",
+        "held-out greedy accuracy (when evaluated)",
+        "fraction",
+        "Accuracy",
+        _gauge("groupflow_eval_accuracy"),
+    ),
+    Metric(
+        "response_len_mean",
+        "mean response length in tokens",
+        "tokens",
+        "Response length",
+        _gauge("groupflow_response_length_mean"),
+    ),
+    Metric(
+        "tokens_generated",
+        "response tokens generated",
+        "tokens",
+        _SPEED,
+        Series("groupflow_tokens_generated", "counter"),
+    ),
+    Metric("num_groups", "groups trained on (after dynamic sampling)", ""),
+    Metric("num_sequences", "sequences trained on", ""),
+    Metric(
+        "staleness_mean",
+        "mean policy versions behind, trained samples",
+        "versions",
+        "Staleness",
+        _gauge("groupflow_staleness_mean"),
+    ),
+    Metric(
+        "staleness_max",
+        "largest policy lag among trained samples",
+        "versions",
+        "Staleness",
+        _gauge("groupflow_staleness_max"),
+    ),
+    Metric(
+        "gen_tokens_per_s",
+        "tokens generated per second of the step's generation",
+        "tokens/s",
+        _SPEED,
+        _tokens_per_second("generation"),
+    ),
+    Metric(
+        "learn_tokens_per_s",
+        "response tokens trained on per second of learning",
+        "tokens/s",
+        _SPEED,
+        _tokens_per_second("learning"),
+    ),
+    # stage times (groupflow/timing.py)
+    Metric(
+        "time_gen_s",
+        "from launching the step's prompts to their last chunk generated",
+        "seconds",
+        _TIMES,
+        _stage_latency("generation"),
+    ),
+    Metric(
+        "time_reward_s",
+        "waiting for scores once the step's generation had finished",
+        "seconds",
+        _TIMES,
+        _stage_latency("reward"),
+    ),
+    Metric(
+        "time_learn_s",
+        "the learner's update (later steps' chunks are scored meanwhile)",
+        "seconds",
+        _TIMES,
+        _stage_latency("learning"),
+    ),
+    Metric(
+        "time_wait_gen_s",
+        "after learning, waiting for the chunks generating ahead of the weight load",
+        "seconds",
+        _TIMES,
+    ),
+    Metric(
+        "time_sync_s",
+        "weight sync from the learner to every engine",
+        "seconds",
+        _TIMES,
+        _stage_latency("weight_sync"),
+    ),
+    Metric("time_metrics_s", "computing the step's figures", "seconds", _TIMES),
+    Metric(
+        "time_step_s",
+        "wall time of the step",
+        "seconds",
+        _TIMES,
+        _gauge("groupflow_step_duration_seconds"),
+    ),
+    # the reward pool
+    Metric(
+        "reward_errors",
+        "reward scoring errors so far (the verifier raised or returned garbage)",
+        "",
+        _ERRORS,
+        Series("groupflow_reward_errors", "running_total"),
+    ),
+    Metric(
+        "reward_timeouts",
+        "reward scoring timeouts so far",
+        "",
+        _ERRORS,
+        Series("groupflow_reward_timeouts", "running_total"),
+    ),
+    # learner figures (groupflow.learner.figures.learner_record)
+    Metric(
+        "entropy_mean",
+        "mean token entropy of the responses",
+        "nats",
+        _ENTROPY,
+        _gauge("groupflow_entropy_mean"),
+    ),
+    Metric(
+        "entropy_pos",
+        "mean token entropy, positive-advantage samples",
+        "nats",
+        _ENTROPY,
+        _gauge("groupflow_entropy_pos"),
+    ),
+    Metric(
+        "entropy_neg",
+        "mean token entropy, negative-advantage samples",
+        "nats",
+        _ENTROPY,
+        _gauge("groupflow_entropy_neg"),
+    ),
+    Metric(
+        "spurious_frac",
+        "fraction of tokens flagged spurious (STAPO)",
+        "fraction",
+        _TOKENS,
+        _gauge("groupflow_spurious_frac"),
+    ),
+    Metric(
+        "lowprob_frac",
+        "fraction of low-probability tokens",
+        "fraction",
+        _TOKENS,
+        _gauge("groupflow_lowprob_frac"),
+    ),
+    Metric(
+        "lowprob_grad_share",
+        "share of the gradient norm from low-probability tokens",
+        "fraction",
+        _TOKENS,
+        _gauge("groupflow_lowprob_grad_share"),
+    ),
+    Metric("stapo_silenced_frac", "fraction of tokens STAPO silenced", "fraction", _TOKENS),
+    Metric("trained_frac", "fraction of tokens that carry a gradient", "fraction"),
+    Metric("valid_tokens", "response tokens of the step, over all ranks", "tokens"),
+    Metric("num_stages", "optimizer passes per mini-batch (Lopti makes two)", ""),
+    Metric(
+        "cancellation_residual",
+        "residual of token-gradient cancellation within groups",
+        "",
+        "Cancellation residual",
+        _gauge("groupflow_cancellation_residual"),
+    ),
+    Metric(
+        "cancellation_residual_whole_group",
+        "the residual over prefixes every response of the group shares (0 when exchangeable)",
+        "",
+        "Cancellation residual",
+    ),
+    Metric(
+        "clip_frac_low",
+        "fraction of tokens clipped at 1 - eps_low",
+        "fraction",
+        _CLIP,
+        _gauge("groupflow_clip_frac_low"),
+    ),
+    Metric(
+        "clip_frac_high",
+        "fraction of tokens clipped at 1 + eps_high",
+        "fraction",
+        _CLIP,
+        _gauge("groupflow_clip_frac_high"),
+    ),
+    Metric("clip_frac", "clip_frac_low + clip_frac_high", "fraction"),
+    Metric(
+        "approx_kl",
+        "approximate KL between old and current policy",
+        "nats",
+        "Approx. KL",
+        _gauge("groupflow_approx_kl"),
+    ),
+    Metric("kl_ref", "KL to the reference policy (when algorithm.kl.coef > 0)", "nats"),
+    Metric("grad_norm", "gradient norm before clipping", "", _GRAD, _gauge("groupflow_grad_norm")),
+    Metric("optimizer_updates", "optimizer updates in the step", ""),
+    Metric(
+        "logp_mismatch_mean",
+        "mean |vLLM logprob - learner logprob| per token",
+        "nats",
+        _GRAD,
+        _gauge("groupflow_logp_mismatch_mean"),
+    ),
+    Metric("logp_mismatch_max", "largest |vLLM logprob - learner logprob|", "nats"),
+)
+
+
+@dataclass(frozen=True)
+class LiveGauge:
+    """A Prometheus gauge the job sets between steps, not from a step record."""
+
+    name: str
+    help: str
+    panel: str
+    label: str | None = None  # e.g. the queue's name
+
+
+LIVE_GAUGES: dict[str, LiveGauge] = {
+    "engines": LiveGauge("groupflow_engines", "live generator engines", "Live actors"),
+    "reward_workers": LiveGauge("groupflow_reward_workers", "live reward workers", "Live actors"),
+    "learner_ranks": LiveGauge("groupflow_learner_ranks", "live learner ranks", "Live actors"),
+    "queue_depth": LiveGauge(
+        "groupflow_queue_depth", "items waiting in a queue", "Queue depths", "queue"
+    ),
+}
+
+BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
+
+# Every metric name as a PromQL query spells it (counters with _total, histograms by their
+# base name), so the dashboard can be checked against what the exporter emits.
+EXPORTED_METRICS: frozenset[str] = frozenset(
+    [m.series.promql_name for m in METRICS if m.series is not None]
+    + [g.name for g in LIVE_GAUGES.values()]
+)

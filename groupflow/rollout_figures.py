@@ -1,0 +1,42 @@
+"""The step record's rollout figures: rewards, lengths, staleness, stage times, throughput.
+
+The learner's figures come from groupflow.learner.figures.learner_record; every key is
+described in groupflow/catalogue.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from groupflow.records import ScoredGroup
+from groupflow.timing import time_keys
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def rollout_record(
+    scored: list[ScoredGroup], staleness: list[int], times: dict[str, float]
+) -> dict[str, float]:
+    """Figures of the groups a step trained on; `staleness` holds one entry per sequence and
+    `times` the step's stage times so far (groupflow.timing)."""
+    rewards = [r for g in scored for r in g.rewards]
+    lengths = [len(resp.token_ids) for g in scored for resp in g.group.responses]
+    tokens = sum(lengths)
+    record = {
+        "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "accuracy": _ratio(sum(r >= 1.0 for r in rewards), len(rewards)),
+        "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "tokens_generated": tokens,
+        "num_groups": len(scored),
+        "num_sequences": len(lengths),
+        "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
+        "staleness_max": max(staleness, default=0),
+        # The learner trains on every response token of the step once.
+        "gen_tokens_per_s": _ratio(tokens, times.get("gen", 0.0)),
+        "learn_tokens_per_s": _ratio(tokens, times.get("learn", 0.0)),
+    }
+    record.update(time_keys(times))
+    return record

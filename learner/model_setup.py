@@ -1,0 +1,19 @@
+"""A freshly loaded Hugging Face causal LM made ready for a learner rank."""
+
+from __future__ import annotations
+
+import torch
+
+from groupflow.config import LearnerConfig
+from groupflow.learner.token_head import TokenHead, install_token_head
+
+
+def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, trainable: bool = True) -> TokenHead:
+    """Call before deepspeed.initialize: no KV cache, the token head (learner/token_head.py)
+    and, for a model that is trained, activation checkpointing of its transformer layers."""
+    model.config.use_cache = False
+    if trainable and cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing recomputes inside autograd, so ZeRO-3's hooks gather
+        # each layer's parameters again for the recomputation, and inputs need no grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return install_token_head(model)

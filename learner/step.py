@@ -1,0 +1,213 @@
+"""One rank's share of a learner step: behaviour statistics, then per mini-batch its credit
+plan and one optimizer update per pass of the plan (ALGORITHMS.md sections 3-5).
+
+`minibatches[m][k]` is this rank's k-th micro-batch of mini-batch m. Every rank runs the same
+number of micro-batches in a mini-batch (learner/batching.py), a rank with less work getting
+empty ones, so all ranks take the same branches below and make their collectives (ZeRO-3's
+parameter gathers, the credit plan's reductions) in the same order.
+
+The training engine is a `Policy`: DeepSpeed ZeRO-3 in production (learner/zero_engine.py), a
+plain torch model in the tests, where the micro-batching invariants are checked in float64.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from groupflow.config import AlgorithmConfig
+from groupflow.learner.credit import MiniBatchTokens, Reducer, plan_credit
+from groupflow.learner.diagnostics import cancellation_residual
+from groupflow.learner.figures import BehaviourFigures, RankFigures, UpdateFigures
+from groupflow.learner.micro_batch import MicroBatchForward, forward_micro_batch, micro_batch_loss
+from groupflow.learner.token_stats import TokenStats
+from groupflow.records import TrainSequence
+
+MicroBatches = list[list[TrainSequence]]  # [micro-batch] -> sequences
+MicroBatchStats = list[list[TokenStats]]  # [micro-batch] -> one TokenStats per sequence
+
+
+class Policy(Protocol):
+    """The model being trained, with the backward and the optimizer update of its engine."""
+
+    model: torch.nn.Module  # (input_ids, attention_mask) -> output with .logits
+    device: torch.device
+
+    def backward(self, loss: Tensor, last_micro_batch: bool) -> None:
+        """Accumulate the gradient of `loss`; the ranks' gradients must add up, not average."""
+        ...
+
+    def step(self) -> float:
+        """One optimizer update with the accumulated gradient; its global norm (NaN if unknown)."""
+        ...
+
+
+@dataclass
+class StepSettings:
+    algorithm: AlgorithmConfig
+    temperature: float  # the sampling temperature: log-probs are taken at logits / T
+    reducer: Reducer
+
+
+def no_grad_stats(
+    model, micro_batches: MicroBatches, settings: StepSettings, device: torch.device
+) -> MicroBatchStats:
+    """Statistics of every micro-batch under `model` without a graph: old_logp, ref_logp, or
+    the current policy's for a plan. Empty micro-batches still run (ZeRO-3's gathers)."""
+    with torch.no_grad():
+        return [
+            forward_micro_batch(model, mb, settings.temperature, device, entropy_grad=False).stats
+            for mb in micro_batches
+        ]
+
+
+def train_step(
+    policy: Policy, reference, minibatches: list[MicroBatches], settings: StepSettings
+) -> RankFigures:
+    """Train this rank's share of one step; `reference` is the frozen KL reference or None."""
+    # old_logp belongs to the weights at the start of the step, for every mini-batch and both
+    # Lopti passes, so it is taken now, before the first update moves the weights. The first
+    # mini-batch, when it is a single micro-batch, takes it from its own first forward instead
+    # (train_mini_batch), which runs at those same weights.
+    behaviour = [
+        None
+        if m == 0 and len(mini) == 1
+        else no_grad_stats(policy.model, mini, settings, policy.device)
+        for m, mini in enumerate(minibatches)
+    ]
+    figures = RankFigures()
+    for m, (mini, old) in enumerate(zip(minibatches, behaviour, strict=True)):
+        ref_logp = None
+        if reference is not None:
+            ref = no_grad_stats(reference, mini, settings, policy.device)
+            ref_logp = [[s.logp for s in mb] for mb in ref]
+        figures = figures.extend(
+            train_mini_batch(policy, mini, old, ref_logp, settings, at_behaviour_weights=m == 0)
+        )
+    return figures
+
+
+def train_mini_batch(
+    policy: Policy,
+    micro_batches: MicroBatches,
+    behaviour: MicroBatchStats | None,
+    ref_logp: list[list[Tensor]] | None,
+    settings: StepSettings,
+    at_behaviour_weights: bool,
+) -> RankFigures:
+    """Plan the credit of one mini-batch, then make one optimizer update per pass of the plan.
+
+    behaviour: the old policy's statistics per micro-batch, or None to take them from this
+    mini-batch's own forward: allowed only for a single micro-batch at the behaviour weights.
+    ref_logp: the reference policy's log-probs per micro-batch and sequence (KL on) or None.
+    """
+    algo = settings.algorithm
+    single = len(micro_batches) == 1
+    if behaviour is None and not (single and at_behaviour_weights):
+        raise ValueError(
+            "behaviour statistics can only come from the update's own forward for a single "
+            "micro-batch at the behaviour weights"
+        )
+    # The plan needs the current policy's statistics of the whole mini-batch before the first
+    # backward (its denominators and quantiles are global). A single micro-batch gets them from
+    # its first forward, whose graph then serves the first pass: no forward is spent on
+    # statistics alone. With several micro-batches that would keep every micro-batch's graph
+    # alive until the plan is made, k times the activations that micro_batch_tokens bounds, so
+    # they come from a no-grad forward instead, or are the behaviour's at the same weights.
+    first: MicroBatchForward | None = None
+    if single:
+        first = _forward(policy, micro_batches[0], settings)
+        current = [_detached(first.stats)]
+    elif at_behaviour_weights:
+        current = behaviour
+    else:
+        current = no_grad_stats(policy.model, micro_batches, settings, policy.device)
+    old = current if behaviour is None else behaviour
+
+    seqs = [s for mb in micro_batches for s in mb]
+    flat_old = [s for mb in old for s in mb]
+    tokens = mini_batch_tokens(seqs, flat_old, [s for mb in current for s in mb], policy.device)
+    plan = plan_credit(tokens, algo, settings.reducer)
+    # Each micro-batch carries its own rows of the plan, its behaviour and reference rows and
+    # its gradient accumulators: nothing is looked up by a running offset.
+    rows = plan.split([len(mb) for mb in micro_batches])
+    refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
+    diagnostic = algo.cancellation_diagnostic
+    grads = [
+        [torch.zeros(s.num_response_tokens, dtype=torch.float64) for s in mb] if diagnostic else []
+        for mb in micro_batches
+    ]
+    update, grad_norms = UpdateFigures(), []
+    for pass_index in range(len(plan.passes)):
+        for k, parts in enumerate(zip(micro_batches, rows, old, refs, grads, strict=True)):
+            mb, mb_plan, mb_old, mb_ref, mb_grads = parts
+            forward = first if first is not None else _forward(policy, mb, settings)
+            first = None  # later passes run after an update: they need a fresh forward
+            out = micro_batch_loss(forward, mb_old, mb_ref, mb_plan, pass_index, algo, diagnostic)
+            policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
+            update = update.merge(out.figures)
+            for acc, g in zip(mb_grads, out.token_grads, strict=True):
+                acc += g
+        grad_norms.append(policy.step())
+
+    figures = RankFigures(
+        behaviour=BehaviourFigures.of(seqs, flat_old),
+        update=update,
+        credit=[plan.stats],
+        grad_norms=grad_norms,
+    )
+    if diagnostic:
+        groups = _groups(seqs, [g for mb in grads for g in mb])
+        figures.residual = cancellation_residual(groups)
+        figures.residual_whole_group = cancellation_residual(groups, whole_group=True)
+    return figures
+
+
+def _forward(
+    policy: Policy, seqs: list[TrainSequence], settings: StepSettings
+) -> MicroBatchForward:
+    entropy_grad = settings.algorithm.entropy_coef != 0  # an entropy bonus backpropagates
+    return forward_micro_batch(
+        policy.model, seqs, settings.temperature, policy.device, entropy_grad
+    )
+
+
+def _detached(stats: list[TokenStats]) -> list[TokenStats]:
+    return [TokenStats(s.logp.detach(), s.entropy.detach(), s.sum_p2.detach()) for s in stats]
+
+
+def _groups(seqs: list[TrainSequence], grads: list[Tensor]) -> list[list[tuple[list[int], Tensor]]]:
+    """Per group, (response token ids, dLoss/dlogp summed over the passes) of each response."""
+    by_group: dict[int, list[tuple[list[int], Tensor]]] = defaultdict(list)
+    for seq, g in zip(seqs, grads, strict=True):
+        by_group[seq.group_id].append((seq.input_ids[seq.prompt_len :], g))
+    return list(by_group.values())
+
+
+def _pad(rows: list[Tensor], device: torch.device) -> Tensor:
+    if not rows:  # a rank may hold no sequence of a mini-batch; it still joins the plan
+        return torch.zeros(0, 0, device=device)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)
+
+
+def mini_batch_tokens(
+    seqs: list[TrainSequence],
+    old: list[TokenStats],
+    current: list[TokenStats],
+    device: torch.device,
+) -> MiniBatchTokens:
+    """The credit planner's view of a mini-batch: one row per sequence, padded."""
+    return MiniBatchTokens(
+        mask=_pad([torch.ones_like(s.logp) for s in old], device),
+        old_logp=_pad([s.logp for s in old], device),
+        cur_logp=_pad([s.logp for s in current], device),
+        old_entropy=_pad([s.entropy for s in old], device),
+        cur_entropy=_pad([s.entropy for s in current], device),
+        cur_sum_p2=_pad([s.sum_p2 for s in current], device),
+        advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float64, device=device),
+        group_ids=torch.tensor([s.group_id for s in seqs], dtype=torch.long, device=device),
+    )

@@ -1,0 +1,106 @@
+"""Building a rank's DeepSpeed ZeRO-3 engines: the process group, the policy (model loaded
+straight into shards, AdamW) and, when KL is on, the frozen reference.
+
+`ZeroPolicy` is the engine as learner/step.py's `Policy`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupflow.config import Config
+from groupflow.learner.device import Device
+from groupflow.learner.model_setup import prepare_model
+from groupflow.learner.zero_config import deepspeed_config
+
+
+@dataclass
+class RankSetup:
+    """Where a rank sits: what the actor layer knows and the job config does not."""
+
+    model_path: str  # a local Hugging Face directory (the built-in model once it is built)
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    device: Device
+
+
+@dataclass
+class ZeroPolicy:
+    """A DeepSpeed engine as the step's Policy."""
+
+    engine: object  # deepspeed.DeepSpeedEngine
+    world_size: int
+    device: torch.device
+
+    @property
+    def model(self):
+        return self.engine
+
+    def backward(self, loss: Tensor, last_micro_batch: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
+        # DeepSpeed averages gradients over ranks; the credit plan's coefficients already hold
+        # the global denominator, so undo the average to get the plain sum over ranks.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else math.nan
+
+
+@dataclass
+class ZeroEngines:
+    policy: ZeroPolicy
+    reference: object | None  # the frozen reference engine (KL on), else None
+    # transformers finds the ZeRO-3 settings through a weak reference to this: kept alive
+    # with the engines, as from_pretrained and save_pretrained consult it.
+    hf_ds_config: object
+
+
+def build_zero_engines(setup: RankSetup, cfg: Config) -> ZeroEngines:
+    """Join the ranks' process group and build this rank's engines. Collective."""
+    setup.device.prepare_process()
+    os.environ.update(
+        RANK=str(setup.rank),
+        LOCAL_RANK="0",
+        WORLD_SIZE=str(setup.world_size),
+        MASTER_ADDR=setup.master_addr,
+        MASTER_PORT=str(setup.master_port),
+    )
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend=setup.device.backend, verbose=False)
+    torch.manual_seed(cfg.trainer.seed)
+    ds_config = deepspeed_config(cfg.learner, cfg.model.dtype)
+    # Alive during from_pretrained, this makes transformers load straight into ZeRO-3 shards.
+    hf_ds_config = HfDeepSpeedConfig(ds_config)
+    model = _load_model(setup.model_path, cfg, trainable=True)
+    opt = cfg.learner.optimizer
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    # The frozen reference policy costs a second sharded copy: only when KL is on.
+    reference = None
+    if cfg.algorithm.kl.coef > 0:
+        reference_model = _load_model(setup.model_path, cfg, trainable=False)
+        reference, *_ = deepspeed.initialize(model=reference_model, config=ds_config)
+        reference.eval()
+    policy = ZeroPolicy(engine, setup.world_size, setup.device.torch_device())
+    return ZeroEngines(policy, reference, hf_ds_config)
+
+
+def _load_model(path: str, cfg: Config, trainable: bool):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
+    prepare_model(model, cfg.learner, trainable)
+    return model

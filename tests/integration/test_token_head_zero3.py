@@ -1,0 +1,170 @@
+"""The token head under real DeepSpeed ZeRO-3 (world size 1, gloo, CPU accelerator): where the
+head's weight is a partitioned parameter, gathered only around its module's forward and
+backward, the statistics and gradients equal a plain torch model's full-logits path."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def rank_process():
+    """One spawned process that plays a learner rank (DeepSpeed stays out of pytest's)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_rank() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _model(seed: int, tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=24,
+        tie_word_embeddings=tied,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.config.use_cache = False
+    return model
+
+
+def _batch(gen: torch.Generator):
+    from groupflow.learner.token_head import response_positions
+
+    lengths = [int(torch.randint(3, 14, (1,), generator=gen)) for _ in range(5)]
+    prompts = [int(torch.randint(1, n, (1,), generator=gen)) for n in lengths]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = torch.randint(0, VOCAB, (n,), generator=gen)
+        attention[r, :n] = 1
+    return ids, attention, response_positions(ids, lengths, prompts)
+
+
+def zero3_against_plain(seed: int, tied: bool, checkpointing: bool, path: str) -> dict:
+    """Two optimizer steps side by side: the ZeRO-3 engine with the token head (and layer
+    checkpointing), loaded the way a learner rank loads it, against a plain torch model with
+    full logits. Runs in the rank process."""
+    _init_rank()
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from groupflow.config import LearnerConfig
+    from groupflow.learner.model_setup import prepare_model
+    from groupflow.learner.token_head import response_positions, response_token_stats
+    from groupflow.learner.token_stats import token_stats
+    from groupflow.learner.zero_config import deepspeed_config
+
+    cfg = LearnerConfig(gradient_checkpointing=checkpointing)
+    plain = _model(seed, tied)
+    plain.save_pretrained(path)
+    ds_config = deepspeed_config(cfg, "float32")
+    # Alive during from_pretrained: the weights load straight into ZeRO-3 partitions.
+    hf_ds_config = HfDeepSpeedConfig(ds_config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prepare_model(model, cfg)
+    opt = cfg.optimizer
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01, betas=opt.betas),
+        config=ds_config,
+    )
+    engine.train()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01, betas=opt.betas)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict = {"stats": [], "grads": []}
+    for _ in range(2):
+        ids, attention, positions = _batch(gen)
+        w = torch.randn(2, positions.rows.numel(), generator=gen)
+        got = response_token_stats(engine, ids, attention, positions, 0.8, entropy_grad=True)
+        logits = plain(input_ids=ids, attention_mask=attention).logits
+        want = token_stats(
+            logits[positions.rows, positions.cols], positions.targets, 0.8, entropy_grad=True
+        )
+        out["stats"].append(
+            [(getattr(got, f).detach(), getattr(want, f).detach()) for f in ("logp", "entropy")]
+        )
+        engine.backward((w[0] * got.logp).sum() + (w[1] * got.entropy).sum())
+        plain_opt.zero_grad()
+        ((w[0] * want.logp).sum() + (w[1] * want.entropy).sum()).backward()
+        got_grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+        out["grads"].append(
+            [(n, got_grads[n], p.grad.clone()) for n, p in plain.named_parameters()]
+        )
+        engine.step()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.optimizer.max_grad_norm)
+        plain_opt.step()
+    # An empty micro-batch still runs (ZeRO-3 ranks gather together): a forward on one token
+    # and a zero loss whose backward reaches every parameter.
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    empty = response_token_stats(
+        engine, ids, torch.ones_like(ids), response_positions(ids, [], []), 1.0
+    )
+    engine.backward(empty.logp.sum() * 0.0)
+    out["empty_grads"] = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+    out["names"] = [n for n, _ in engine.module.named_parameters()]
+    out["plain_names"] = [n for n, _ in plain.named_parameters()]
+    engine.destroy()
+    del hf_ds_config
+    return out
+
+
+@pytest.mark.parametrize(("tied", "checkpointing"), [(True, True), (False, False)])
+def test_zero3_head_matches_plain_full_logits(rank_process, tmp_path, tied, checkpointing):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    job = rank_process.submit(zero3_against_plain, seed, tied, checkpointing, str(tmp_path))
+    out = job.result(timeout=300)
+    assert out["names"] == out["plain_names"]
+    for step in out["stats"]:
+        for got, want in step:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for name, grad in out["empty_grads"].items():
+        assert grad is not None and not grad.any(), name
+    for step in out["grads"]:  # the second step also checks the first update was the same
+        for name, got, want in step:
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale, msg=name)

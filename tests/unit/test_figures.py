@@ -1,0 +1,180 @@
+"""A rank's figures (learner/figures.py): built from tokens, merged over ranks, turned into the
+step record's learner keys."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from groupflow.learner.credit import CreditStats
+from groupflow.learner.diagnostics import CancellationResidual
+from groupflow.learner.figures import (
+    BehaviourFigures,
+    RankFigures,
+    UpdateFigures,
+    learner_record,
+)
+from groupflow.learner.token_stats import TokenStats
+from groupflow.records import TrainSequence
+
+F64 = torch.float64
+
+# metrics.jsonl's learner keys: the metric catalogue, the dashboard and users rely on them.
+LEARNER_KEYS = {
+    "entropy_mean",
+    "entropy_pos",
+    "entropy_neg",
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac",
+    "approx_kl",
+    "kl_ref",
+    "grad_norm",
+    "optimizer_updates",
+    "logp_mismatch_mean",
+    "logp_mismatch_max",
+    "cancellation_residual",
+    "cancellation_residual_whole_group",
+    "valid_tokens",
+    "num_sequences",
+    "trained_frac",
+    "spurious_frac",
+    "stapo_silenced_frac",
+    "lowprob_frac",
+    "lowprob_grad_share",
+    "num_stages",
+}
+
+
+def random_sequences(gen: torch.Generator, count: int = 7):
+    seqs, stats = [], []
+    for i in range(count):
+        prompt = int(torch.randint(1, 4, (), generator=gen))
+        n = int(torch.randint(1, 6, (), generator=gen))
+        logp = -3 * torch.rand(n, generator=gen, dtype=F64)
+        vllm = (
+            [] if i % 3 == 0 else (logp + 0.01 * torch.randn(n, generator=gen, dtype=F64)).tolist()
+        )
+        seqs.append(
+            TrainSequence(
+                input_ids=list(range(prompt + n)),
+                prompt_len=prompt,
+                advantage=[1.0, -0.5, 0.0][i % 3] * (i + 1),
+                group_id=i // 2,
+                policy_version=0,
+                vllm_logprobs=vllm,
+            )
+        )
+        entropy = 2 * torch.rand(n, generator=gen, dtype=F64)
+        stats.append(TokenStats(logp, entropy, torch.rand(n, generator=gen, dtype=F64)))
+    return seqs, stats
+
+
+def test_behaviour_figures_match_a_loop(gen):
+    seqs, stats = random_sequences(gen)
+    got = BehaviourFigures.of(seqs, stats)
+    want = BehaviourFigures()
+    worst = 0.0
+    for seq, s in zip(seqs, stats, strict=True):
+        for t in range(seq.num_response_tokens):
+            h = s.entropy[t].item()
+            want.tokens += 1
+            want.entropy += h
+            if seq.advantage > 0:
+                want.tokens_pos += 1
+                want.entropy_pos += h
+            if seq.advantage < 0:
+                want.tokens_neg += 1
+                want.entropy_neg += h
+            if seq.vllm_logprobs:
+                diff = abs(s.logp[t].item() - seq.vllm_logprobs[t])
+                want.logp_mismatch += diff
+                worst = max(worst, diff)
+    want.logp_mismatch_max = worst
+    assert got.tokens == want.tokens and got.tokens_pos == want.tokens_pos > 0
+    assert got.tokens_neg == want.tokens_neg > 0
+    for name in ("entropy", "entropy_pos", "entropy_neg", "logp_mismatch", "logp_mismatch_max"):
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12), name
+    assert BehaviourFigures.of([], []) == BehaviourFigures()
+
+
+def test_vllm_logprobs_of_the_wrong_length_are_refused(gen):
+    seqs, stats = random_sequences(gen, count=2)
+    seqs[1].vllm_logprobs = seqs[1].vllm_logprobs + [0.0]
+    with pytest.raises(ValueError, match="sequence 1 .* vLLM log-probs"):
+        BehaviourFigures.of(seqs, stats)
+
+
+def credit(valid: float, passes: float) -> CreditStats:
+    return CreditStats(valid, valid / 4, 0.9, 0.1, 0.05, 0.3, 0.2, passes)
+
+
+def rank_figures(seed: int, credits: list[CreditStats], grad_norms: list[float]) -> RankFigures:
+    gen = torch.Generator().manual_seed(seed)
+    seqs, stats = random_sequences(gen)
+    return RankFigures(
+        behaviour=BehaviourFigures.of(seqs, stats),
+        update=UpdateFigures(
+            tokens=40 + seed, clipped_low=3, clipped_high=seed, approx_kl=0.2, kl_ref=0.1
+        ),
+        residual=CancellationResidual(1.5 + seed, 4.0),
+        residual_whole_group=CancellationResidual(0.0, 2.0 * seed),
+        credit=credits,
+        grad_norms=grad_norms,
+    )
+
+
+def test_ranks_merge_by_adding_their_sums():
+    credits = [credit(100, 2), credit(60, 1)]
+    a, b = (
+        rank_figures(1, credits, [0.5, 0.7, math.nan]),
+        rank_figures(2, credits, [0.5, 0.7, math.nan]),
+    )
+    merged = a.merge(b)
+    assert merged.behaviour.tokens == a.behaviour.tokens + b.behaviour.tokens
+    assert merged.behaviour.logp_mismatch_max == max(
+        a.behaviour.logp_mismatch_max, b.behaviour.logp_mismatch_max
+    )
+    assert merged.update == UpdateFigures(83, 6, 3, pytest.approx(0.4), pytest.approx(0.2))
+    assert merged.residual == CancellationResidual(6.0, 8.0)
+    assert merged.credit == credits and merged.optimizer_updates == 3  # global: kept once
+    with pytest.raises(ValueError, match="mini-batches"):
+        a.merge(rank_figures(3, credits[:1], [0.5]))
+
+
+def test_a_rank_extends_its_figures_mini_batch_by_mini_batch():
+    first = rank_figures(1, [credit(100, 2)], [0.5, 0.7])
+    second = rank_figures(2, [credit(60, 1)], [0.9])
+    both = first.extend(second)
+    assert both.credit == first.credit + second.credit
+    assert both.grad_norms == [0.5, 0.7, 0.9]
+    assert both.update.tokens == 83
+
+
+def test_learner_record_keys_and_values():
+    credits = [credit(100, 2), credit(60, 1)]
+    ranks = [
+        rank_figures(1, credits, [0.5, 0.7, math.nan]),
+        rank_figures(2, credits, [0.5, 0.7, math.nan]),
+    ]
+    record = learner_record(ranks)
+    assert record.keys() == LEARNER_KEYS
+    total = ranks[0].merge(ranks[1])
+    assert record["entropy_mean"] == pytest.approx(total.behaviour.entropy / total.behaviour.tokens)
+    assert record["clip_frac_high"] == pytest.approx(3 / 83)
+    assert record["clip_frac"] == pytest.approx(6 / 83 + 3 / 83)
+    assert record["approx_kl"] == pytest.approx(0.4 / 83)
+    assert record["grad_norm"] == pytest.approx(0.6)  # NaN norms are left out
+    assert record["optimizer_updates"] == 3
+    assert record["cancellation_residual"] == pytest.approx(6.0 / 8.0)
+    assert record["cancellation_residual_whole_group"] == 0.0
+    assert record["valid_tokens"] == 80 and record["num_stages"] == 1.5
+    assert learner_record([]).keys() == LEARNER_KEYS
+
+
+def test_rank_figures_survive_pickling():
+    figures = rank_figures(4, [credit(10, 1)], [0.25])
+    assert pickle.loads(pickle.dumps(figures)) == figures
