@@ -24,25 +24,23 @@ tied head), in bf16, on the CPU:
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from dataclasses import dataclass
 
 import torch
+from gpu_learner_probe import SHAPES, VOCAB, groups
 
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.token_head import install_token_head, response_positions
 from groupflow.learner.token_stats import TokenStats, token_stats
 
 SHAPE = dict(
-    hidden_size=896,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
+    **SHAPES["0.5b"],
+    vocab_size=VOCAB,
     tie_word_embeddings=True,
     max_position_embeddings=4096,
 )
+SHAPE.pop("num_hidden_layers")  # set per measurement
 
 
 @dataclass
@@ -53,18 +51,11 @@ class Step:
 
 
 def probe_step(prompts=32, group_size=8, prompt_len=128, max_response=1024, seed=0) -> Step:
-    """The lengths of gpu_learner_probe.py's step: the same random draws in the same order."""
-    rng = random.Random(seed)
-    lengths, group_ids = [], []
-    for g in range(prompts):
-        [rng.randrange(100, 150000) for _ in range(prompt_len)]
-        [rng.random() for _ in range(group_size)]
-        for _ in range(group_size):
-            response = rng.randint(max_response // 8, max_response)
-            [rng.randrange(100, 150000) for _ in range(response)]
-            lengths.append(prompt_len + response)
-            group_ids.append(g)
-    return Step(lengths, [prompt_len] * len(lengths), group_ids)
+    """The lengths of gpu_learner_probe.py's step (its very sequences)."""
+    seqs = groups(prompts, group_size, prompt_len, max_response, seed)
+    return Step(
+        [len(s.input_ids) for s in seqs], [s.prompt_len for s in seqs], [s.group_id for s in seqs]
+    )
 
 
 def consecutive_micro_batches(step: Step, budget: int) -> list[list[int]]:
