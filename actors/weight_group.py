@@ -23,9 +23,10 @@ class WeightGroup:
     group: dist.ProcessGroup
     rank: int
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0 sends `tensor`; every other rank receives into it, in place."""
-        self.group.broadcast(tensor, 0).wait()
+    def start_broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        """Rank 0 sends `tensor`; every other rank receives into it, in place. Returns at once:
+        the caller overlaps the transfer with its next bucket and then waits on the result."""
+        return self.group.broadcast(tensor, 0)
 
 
 def open_weight_group(

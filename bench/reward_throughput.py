@@ -1,11 +1,15 @@
-"""Reward-pool throughput, and how long the driver waits on rewards when scoring overlaps
-generation.
+"""Reward scoring throughput, and how long the driver waits on rewards when scoring
+overlaps generation.
 
-    .venv/bin/python bench/reward_throughput.py [--responses 256]
+    .venv/bin/python bench/reward_throughput.py [--responses 256] [--skip-ray]
 
-1. Responses scored per second by a pool of 1, 2 and 4 reward workers on the code verifier
-   (each response runs in the sandbox) and the math verifier (math-verify equivalence).
-2. A short quickstart training run: per step, the time generation takes and the time the
+1. One scorer, no Ray: responses per second verified in the calling process (what a reward
+   worker did before its verifier calls moved into killable scorer processes) and through
+   1, 2 and 4 scorer processes, for the code verifier (each response runs in the sandbox),
+   the math verifier (math-verify equivalence) and arithmetic (the cheapest check: the
+   per-call overhead of a scorer process).
+2. Responses scored per second by a Ray pool of 1, 2 and 4 reward workers.
+3. A short quickstart training run: per step, the time generation takes and the time the
    driver then still waits for rewards (scoring runs on chunks as they finish generating).
 """
 
@@ -25,6 +29,7 @@ from groupflow.actors.reward import RewardPool
 from groupflow.config import build_config
 from groupflow.driver import run
 from groupflow.records import Response, SampledGroup
+from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task
 
 GROUP = 8
@@ -34,6 +39,8 @@ def response_for(task_name: str, prompt) -> str:
     if task_name == "code":
         entry = prompt.answer["entry_point"]
         return f"```python\ndef {entry}(*args):\n    return args[0] if args else None\n```"
+    if task_name == "arithmetic":
+        return str(prompt.answer)
     return f"Adding it up, the answer is \\boxed{{{prompt.answer}}}."
 
 
@@ -44,6 +51,27 @@ def groups_for(task_name: str, responses: int) -> list[SampledGroup]:
         SampledGroup(p, [0], [Response([0], response_for(task_name, p), [0.0])] * GROUP, 0)
         for p in prompts
     ]
+
+
+def in_process_rate(task_name: str, responses: int) -> float:
+    task = make_task(task_name)
+    items = [(g.prompt, r.text) for g in groups_for(task_name, responses) for r in g.responses]
+    start = time.monotonic()
+    rewards = [task.verify(prompt, text).reward for prompt, text in items]
+    elapsed = time.monotonic() - start
+    assert len(rewards) == len(items)
+    return len(items) / elapsed
+
+
+def scorer_rate(task_name: str, processes: int, responses: int) -> float:
+    scorer = Scorer(task_name, processes=processes)
+    groups = groups_for(task_name, responses)
+    start = time.monotonic()
+    scored = scorer.score_groups(groups)
+    elapsed = time.monotonic() - start
+    scorer.close()
+    assert sum(len(g.verdicts) for g in scored) == len(groups) * GROUP
+    return len(groups) * GROUP / elapsed
 
 
 def throughput(task_name: str, workers: int, responses: int) -> float:
@@ -88,9 +116,21 @@ def main() -> None:
     )
     parser.add_argument("--responses", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--skip-ray", action="store_true", help="only part 1")
     args = parser.parse_args()
+    print(f"one scorer: responses per second ({args.responses} responses, groups of {GROUP})")
+    print(f"{'verifier':>10} {'in-process':>10} {'1 proc':>8} {'2 procs':>8} {'4 procs':>8}")
+    for task_name in ("arithmetic", "math", "code"):
+        before = in_process_rate(task_name, args.responses)
+        after = [scorer_rate(task_name, n, args.responses) for n in (1, 2, 4)]
+        print(
+            f"{task_name:>10} {before:10.1f} {after[0]:8.1f} {after[1]:8.1f} {after[2]:8.1f}",
+            flush=True,
+        )
+    if args.skip_ray:
+        return
     ray.init(log_to_driver=False, include_dashboard=False, num_cpus=8)
-    print(f"responses scored per second ({args.responses} responses, groups of {GROUP})")
+    print(f"\nRay pool: responses scored per second ({args.responses} responses)")
     print(f"{'verifier':>9} {'1 worker':>9} {'2 workers':>10} {'4 workers':>10}")
     for task_name in ("code", "math"):
         rates = [throughput(task_name, n, args.responses) for n in (1, 2, 4)]

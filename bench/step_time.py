@@ -1,10 +1,15 @@
-"""Step time and its breakdown for max_staleness 0 and 1 on the same config.
+"""Step time, its breakdown and the stages' waits for each other, for trainer.max_staleness 0
+and 1 on the same config, with the engines and the learner sharing the cores and pinned apart.
 
-    .venv/bin/python bench/step_time.py [--steps 6] [--set key=value ...]
+    .venv/bin/python bench/step_time.py [--steps 6] [--set key=value ...] [--no-pinned]
 
-Prints, per setting, the mean over steps after the first (which pays warm-up) of the step
-time and of each stage, the tokens generated per second of step time, and the bound the
-overlap aims for: max(generation + reward, learning) + sync.
+Prints, per setting, the mean over steps after the first (which pays warm-up) of the step time
+and of each stage, the tokens generated per second of step time, and the bound the overlap aims
+for: max(generation + reward, learning) + sync. The waits: `learner waits` is the learner idle
+for want of samples (time_wait_rollout_s, plus time_wait_gen_s, the in-flight chunks a weight
+load waits for); `engines idle` is the step time during which no rollout was generating
+(step - generation). "pinned" runs the engines on core 0 and the learner ranks on core 1
+(rollout/learner.resources.cpu_cores); reward workers stay unpinned.
 """
 
 from __future__ import annotations
@@ -20,29 +25,35 @@ import ray
 from groupflow.config import build_config
 from groupflow.driver import run
 
-STAGES = ("time_gen_s", "time_reward_s", "time_learn_s", "time_sync_s", "time_step_s")
+STAGES = (
+    "time_gen_s",
+    "time_reward_s",
+    "time_learn_s",
+    "time_sync_s",
+    "time_step_s",
+    "time_wait_rollout_s",
+    "time_wait_gen_s",
+)
+PINNED = ["rollout.resources.cpu_cores=[0]", "learner.resources.cpu_cores=[1]"]
 
 
-def measure(staleness: int, steps: int, overrides: list[str], out: Path) -> dict:
+def measure(name: str, staleness: int, steps: int, overrides: list[str], out: Path) -> dict:
     cfg = build_config(
         {},
         [
             f"trainer.steps={steps}",
             f"trainer.max_staleness={staleness}",
             f"trainer.output_dir={out}",
-            f"trainer.run_name=staleness{staleness}",
+            f"trainer.run_name={name}",
             "task.eval_size=16",
             "metrics.progress=false",
             *overrides,
         ],
     )
     run(cfg)
-    records = [
-        json.loads(x)
-        for x in (out / f"staleness{staleness}" / "metrics.jsonl").read_text().splitlines()
-    ]
+    records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
     steady = records[1:] or records
-    row = {k: statistics.fmean(r[k] for r in steady) for k in STAGES}
+    row = {k: statistics.fmean(r.get(k, 0.0) for r in steady) for k in STAGES}
     row["tokens_per_s"] = statistics.fmean(r["tokens_generated"] / r["time_step_s"] for r in steady)
     return row
 
@@ -53,22 +64,34 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--no-pinned", dest="pinned", action="store_false")
     args = parser.parse_args()
+    placements = {"shared": []} | ({"pinned": PINNED} if args.pinned else {})
     ray.init(log_to_driver=False, include_dashboard=False, num_cpus=8)
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {s: measure(s, args.steps, args.overrides, Path(tmp)) for s in (0, 1)}
+        for placement, pins in placements.items():
+            for s in (0, 1):
+                name = f"{placement}_staleness{s}"
+                rows[placement, s] = measure(name, s, args.steps, args.overrides + pins, Path(tmp))
     ray.shutdown()
     print(f"\nstep time breakdown, mean of steps 2..{args.steps} (seconds)")
     print(
-        f"{'staleness':>9} {'gen':>7} {'reward':>7} {'learn':>7} {'sync':>7} {'step':>7} {'tok/s':>8} {'bound':>7}"
+        f"{'cores':>7} {'stale':>5} {'gen':>6} {'reward':>6} {'learn':>6} {'sync':>6} "
+        f"{'step':>6} {'tok/s':>6} {'bound':>6} {'learner waits':>13} {'engines idle':>12}"
     )
-    for s, r in rows.items():
+    for (placement, s), r in rows.items():
         bound = max(r["time_gen_s"] + r["time_reward_s"], r["time_learn_s"]) + r["time_sync_s"]
+        learner_waits = r["time_wait_rollout_s"] + r["time_wait_gen_s"]
+        engines_idle = max(0.0, r["time_step_s"] - r["time_gen_s"])
         print(
-            f"{s:>9} {r['time_gen_s']:7.2f} {r['time_reward_s']:7.2f} {r['time_learn_s']:7.2f} "
-            f"{r['time_sync_s']:7.2f} {r['time_step_s']:7.2f} {r['tokens_per_s']:8.0f} {bound:7.2f}"
+            f"{placement:>7} {s:>5} {r['time_gen_s']:6.2f} {r['time_reward_s']:6.2f} "
+            f"{r['time_learn_s']:6.2f} {r['time_sync_s']:6.2f} {r['time_step_s']:6.2f} "
+            f"{r['tokens_per_s']:6.0f} {bound:6.2f} {learner_waits:13.2f} {engines_idle:12.2f}"
         )
-    print(f"speed-up of overlap: {rows[0]['time_step_s'] / rows[1]['time_step_s']:.2f}x")
+    for placement in placements:
+        speed_up = rows[placement, 0]["time_step_s"] / rows[placement, 1]["time_step_s"]
+        print(f"{placement}: speed-up of overlap {speed_up:.2f}x")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ class Series:
     name: str  # family name as registered (a counter's PromQL name adds _total)
     kind: Kind
     stage: str | None = None  # `stage` label, for a family that several keys share
+    # A labelled family: the record's value is a mapping from this label's values to numbers
+    # (e.g. {"math": 0.4, "code": 0.2} under label "task"), one series each.
+    label: str | None = None
 
     @property
     def promql_name(self) -> str:
@@ -68,18 +71,22 @@ PANEL_ROWS = {
     "Accuracy": "Progress",
     "Response length": "Progress",
     "Step and policy version": "Progress",
+    "Learning rate": "Progress",
     "Entropy": "Token credit",
     "Spurious and low-probability tokens": "Token credit",
     "Cancellation residual": "Token credit",
     "Clip fractions": "Token credit",
     "Approx. KL": "Token credit",
     "Gradient norm and log-prob mismatch": "Token credit",
+    "Off-policy correction": "Token credit",
     "Tokens per second by stage": "Throughput",
     "Mean stage latency and step time": "Throughput",
     "Staleness": "Throughput",
     "Queue depths": "Throughput",
     "Live actors": "Cluster",
     "Reward errors and timeouts": "Cluster",
+    "Checkpoints": "Cluster",
+    "Restarts": "Cluster",
 }
 
 _STEP = "Step and policy version"
@@ -87,6 +94,7 @@ _ENTROPY = "Entropy"
 _TOKENS = "Spurious and low-probability tokens"
 _CLIP = "Clip fractions"
 _GRAD = "Gradient norm and log-prob mismatch"
+_OFF_POLICY = "Off-policy correction"
 _SPEED = "Tokens per second by stage"
 _TIMES = "Mean stage latency and step time"
 _ERRORS = "Reward errors and timeouts"
@@ -100,6 +108,13 @@ METRICS: tuple[Metric, ...] = (
         "",
         _STEP,
         _gauge("groupflow_policy_version"),
+    ),
+    Metric(
+        "lr",
+        "learning rate of the step's updates (learner.optimizer.lr_schedule)",
+        "",
+        "Learning rate",
+        _gauge("groupflow_learning_rate"),
     ),
     # rollout figures (groupflow/rollout_figures.py)
     Metric(
@@ -124,11 +139,60 @@ METRICS: tuple[Metric, ...] = (
         _gauge("groupflow_accuracy"),
     ),
     Metric(
+        "task_reward_mean",
+        "mean reward of the step's samples, per task (a job of several tasks)",
+        "",
+        "Reward",
+        Series("groupflow_task_reward_mean", "gauge", label="task"),
+    ),
+    Metric(
+        "task_accuracy",
+        "fraction of the step's samples with full reward, per task (a job of several tasks)",
+        "fraction",
+        "Accuracy",
+        Series("groupflow_task_accuracy", "gauge", label="task"),
+    ),
+    Metric(
         "eval_accuracy",
         "held-out greedy accuracy (when evaluated)",
         "fraction",
         "Accuracy",
         _gauge("groupflow_eval_accuracy"),
+    ),
+    Metric(
+        "eval_mean_at_n",
+        "held-out mean reward of trainer.eval_samples sampled answers per prompt (mean@n)",
+        "fraction",
+        "Accuracy",
+        _gauge("groupflow_eval_mean_at_n"),
+    ),
+    Metric(
+        "eval_pass_at_k",
+        "held-out pass@k (k = trainer.eval_pass_k) of the sampled answers, unbiased estimate",
+        "fraction",
+        "Accuracy",
+        _gauge("groupflow_eval_pass_at_k"),
+    ),
+    Metric(
+        "eval_set_accuracy",
+        "greedy accuracy on each of task.eval_sets, by name (when evaluated)",
+        "fraction",
+        "Accuracy",
+        Series("groupflow_eval_set_accuracy", "gauge", label="eval_set"),
+    ),
+    Metric(
+        "eval_set_mean_at_n",
+        "mean@n on each of task.eval_sets, by name (with trainer.eval_samples)",
+        "fraction",
+        "Accuracy",
+        Series("groupflow_eval_set_mean_at_n", "gauge", label="eval_set"),
+    ),
+    Metric(
+        "eval_set_pass_at_k",
+        "pass@k on each of task.eval_sets, by name (with trainer.eval_samples)",
+        "fraction",
+        "Accuracy",
+        Series("groupflow_eval_set_pass_at_k", "gauge", label="eval_set"),
     ),
     Metric(
         "response_len_mean",
@@ -197,6 +261,12 @@ METRICS: tuple[Metric, ...] = (
         _stage_latency("learning"),
     ),
     Metric(
+        "time_wait_rollout_s",
+        "before scoring, the learner waiting for the step's rollout to finish generating",
+        "seconds",
+        _TIMES,
+    ),
+    Metric(
         "time_wait_gen_s",
         "after learning, waiting for the chunks generating ahead of the weight load",
         "seconds",
@@ -231,6 +301,36 @@ METRICS: tuple[Metric, ...] = (
         "",
         _ERRORS,
         Series("groupflow_reward_timeouts", "running_total"),
+    ),
+    # recovery and checkpoints (groupflow/job.py; the checkpoint figures only with
+    # trainer.checkpoint_every)
+    Metric(
+        "engine_restarts",
+        "engines replaced after they died, so far",
+        "",
+        "Restarts",
+        Series("groupflow_engine_restarts", "running_total"),
+    ),
+    Metric(
+        "learner_restarts",
+        "learner groups rebuilt from a checkpoint after a rank died, so far",
+        "",
+        "Restarts",
+        Series("groupflow_learner_restarts", "running_total"),
+    ),
+    Metric(
+        "checkpoint_seconds",
+        "seconds the newest checkpoint took to save (absent before the first)",
+        "seconds",
+        "Checkpoints",
+        _gauge("groupflow_checkpoint_seconds"),
+    ),
+    Metric(
+        "seconds_since_checkpoint",
+        "seconds since the newest checkpoint was complete (or since the job started)",
+        "seconds",
+        "Checkpoints",
+        _gauge("groupflow_seconds_since_checkpoint"),
     ),
     # learner figures (groupflow.learner.figures.learner_record)
     Metric(
@@ -325,6 +425,42 @@ METRICS: tuple[Metric, ...] = (
         _gauge("groupflow_logp_mismatch_mean"),
     ),
     Metric("logp_mismatch_max", "largest |vLLM logprob - learner logprob|", "nats"),
+    # the off-policy correction (groupflow.learner.off_policy), over tokens with vLLM's log-probs
+    Metric(
+        "is_weight_mean",
+        "mean importance weight pi_proximal / pi_behaviour, before truncation or masking",
+        "",
+        _OFF_POLICY,
+        _gauge("groupflow_is_weight_mean"),
+    ),
+    Metric(
+        "is_weight_max",
+        "largest importance weight, before truncation or masking",
+        "",
+        _OFF_POLICY,
+        _gauge("groupflow_is_weight_max"),
+    ),
+    Metric(
+        "is_truncated_frac",
+        "fraction of tokens whose importance weight was truncated (off_policy.mode tis)",
+        "fraction",
+        _CLIP,
+        _gauge("groupflow_is_truncated_frac"),
+    ),
+    Metric(
+        "is_masked_frac",
+        "fraction of tokens whose importance weight was masked to 0 (off_policy.mode mis)",
+        "fraction",
+        _CLIP,
+        _gauge("groupflow_is_masked_frac"),
+    ),
+    Metric(
+        "kl_behaviour_proximal",
+        "k3 estimate of KL(behaviour || proximal): vLLM's sampler against the learner",
+        "nats",
+        _OFF_POLICY,
+        _gauge("groupflow_kl_behaviour_proximal"),
+    ),
 )
 
 

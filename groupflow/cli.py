@@ -14,6 +14,7 @@ EPILOG = """examples:
   groupflow train                                   the built-in quickstart job
   groupflow train job.yaml --set learner.optimizer.lr=1e-5 --set rollout.group_size=8
   groupflow train --set algorithm.preset=stapo --set trainer.steps=50
+  groupflow train job.yaml --resume                 go on from the run's newest checkpoint
 """
 
 
@@ -39,11 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="run a training job",
         description="Run a training job on a local Ray cluster or on cluster.address. "
-        "Writes runs/<trainer.run_name>/: config.resolved.yaml, metrics.jsonl, model/, summary.json.",
+        "Writes runs/<trainer.run_name>/: config.resolved.yaml, metrics.jsonl, model/, summary.json "
+        "(and checkpoints/ with trainer.checkpoint_every).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(train)
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+        help="continue from the run directory's newest checkpoint, or from the checkpoint "
+        "directory PATH (sets trainer.resume)",
+    )
     evaluate = sub.add_parser(
         "eval",
         help="held-out greedy accuracy of a model on the config's task",
@@ -82,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     from groupflow.config import ConfigError, load_config
 
     overrides = list(args.overrides)
+    if getattr(args, "resume", None):
+        overrides.append(f"trainer.resume={args.resume}")
     if getattr(args, "model", None):
         overrides.append(f"model.path={args.model}")
     try:

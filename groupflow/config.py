@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from groupflow.presets import PRESETS
 
@@ -30,6 +30,11 @@ class Resources(Section):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int = Field(1, ge=1, description="intra-op threads for torch in the actor")
+    cpu_cores: list[int] = Field(
+        default_factory=list,
+        description="cores the actor's threads are pinned to (os.sched_setaffinity; empty: "
+        "not pinned), e.g. to keep generation and learning off each other's cores",
+    )
     custom: dict[str, float] = Field(
         default_factory=dict,
         description="custom Ray resources, e.g. {groupflow_rollout: 1} to pin a worker group",
@@ -47,17 +52,86 @@ class ModelConfig(Section):
     )
 
 
+class EvalSetConfig(Section):
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]+$", description="its label in the metrics (eval_set_*)"
+    )
+    task: str = Field(description="a built-in task whose held-out prompts make the set")
+    options: dict[str, Any] = Field(default_factory=dict, description="that task's settings")
+    size: int = Field(256, ge=1, description="held-out prompts in the set")
+
+    @model_validator(mode="after")
+    def _known_task(self) -> EvalSetConfig:
+        from groupflow.reward_workers.tasks import TASKS
+
+        if self.task not in TASKS or self.task == "mixture":
+            raise ValueError(
+                f"unknown task {self.task!r}; choose one of {sorted(set(TASKS) - {'mixture'})}"
+            )
+        return self
+
+
 class TaskConfig(Section):
-    name: str = Field("arithmetic", description="a built-in task (see reward_workers.tasks)")
+    name: str = Field(
+        "arithmetic",
+        description="a built-in task (see reward_workers.tasks); a list of tasks under `task` "
+        "mixes several in one job, each with a weight",
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="task-specific settings")
     eval_size: int = Field(256, ge=1, description="held-out prompts for greedy accuracy")
+    chat_template: str = Field(
+        "auto",
+        min_length=1,
+        description="how prompts are rendered: 'auto' = the tokenizer's chat template when it "
+        "has one (with a generation prompt), 'none' = raw text, or a Jinja template file",
+    )
+    system_prompt: str | None = Field(
+        None, description="a system turn before every prompt (needs a chat template)"
+    )
     seed: int = 1234
+    eval_sets: list[EvalSetConfig] = Field(
+        default_factory=list,
+        description="more held-out sets, evaluated with the job's own (e.g. another task's "
+        "problems); each is reported under its name",
+    )
+
+    @model_validator(mode="after")
+    def _check_mixture(self) -> TaskConfig:
+        names = [s.name for s in self.eval_sets]
+        if len(set(names)) < len(names):
+            raise ValueError(f"eval_sets: names must differ (got {names})")
+        if self.name == "mixture":
+            from groupflow.reward_workers.tasks.mixture import mixture_entries
+
+            mixture_entries(self.options.get("tasks"))
+        return self
 
 
 class SamplingConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(16, ge=1)
+    top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="drop tokens below min_p x the likeliest token's probability"
+    )
+    max_tokens: int = Field(16, ge=1, description="response length limit (finish_reason 'length')")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="strings that end a response (kept in its text and token ids, so the "
+        "learner trains the tokens that were sampled)",
+    )
+    seed: int | None = Field(
+        None,
+        description="seeds each request from (seed, prompt, policy version): a step's samples "
+        "repeat across runs and restarts; unset = the engine's own random stream",
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
 
 
 class RolloutConfig(Section):
@@ -76,6 +150,22 @@ class RolloutConfig(Section):
         description="how new weights reach the engines: Ray's object store, or a broadcast "
         "from learner rank 0 (NCCL on GPUs, gloo on CPUs)",
     )
+    weight_bucket_mb: int = Field(
+        64,
+        ge=1,
+        description="size of a weight-sync bucket in MiB (whole transformer layers up to this "
+        "size; a larger layer is a bucket of its own): both transports send the model bucket by "
+        "bucket, so learner rank 0 holds at most two buckets, never a second copy of the model",
+    )
+
+
+class OverlongPenaltyConfig(Section):
+    buffer_tokens: int = Field(
+        ge=1,
+        description="the last buffer_tokens before rollout.sampling.max_tokens, over which the "
+        "penalty grows linearly from 0 to max_penalty (DAPO's L_cache)",
+    )
+    max_penalty: float = Field(1.0, gt=0, description="the penalty of a response cut at the limit")
 
 
 class RewardConfig(Section):
@@ -83,9 +173,39 @@ class RewardConfig(Section):
     verifier: str | None = Field(
         None, description="unset = the task's own verifier; or a plugin 'module:function' / file.py"
     )
-    timeout_s: float = Field(30.0, gt=0, description="per-batch scoring timeout")
-    max_retries: int = Field(2, ge=0)
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="seconds a batch of groups may take to score from its submission: "
+        "responses still unscored then get reward 0 (a timeout), so a stuck verifier never "
+        "stalls a step longer than this (docs/sandbox.md)",
+    )
+    plugin_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="seconds one call of a reward plugin may take; its scorer process is "
+        "killed and replaced past that (built-in tasks use their own timeout_s option)",
+    )
+    max_retries: int = Field(
+        2, ge=0, le=100, description="retries of a batch whose reward worker died"
+    )
+    scorer_processes: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="scorer processes per reward worker: verifier calls in flight at once, "
+        "each in a process killed and replaced at its deadline",
+    )
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.25))
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None,
+        description="DAPO's soft overlong punishment (arXiv 2503.14476), added to the "
+        "verifier's reward; unset = none",
+    )
 
 
 class OptimizerConfig(Section):
@@ -94,6 +214,14 @@ class OptimizerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="learning rate after the warmup: constant, or a linear or cosine decay "
+        "towards 0 at trainer.steps (transformers' schedules), per training step",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="training steps over which the rate rises linearly to lr"
+    )
 
 
 class LearnerConfig(Section):
@@ -239,6 +367,40 @@ class DFPOConfig(Section):
     )
 
 
+class OffPolicyConfig(Section):
+    mode: Literal["none", "tis", "mis"] = Field(
+        "none",
+        description="off-policy correction of decoupled PPO (Hilton et al., arXiv 2110.00641): "
+        "each token's policy loss is weighted by w = pi_proximal / pi_behaviour, the learner's "
+        "recomputed log-probs over vLLM's sampled ones. none: w = 1; tis: truncated, min(w, "
+        "cap) (Yao et al., 'Your Efficient RL Framework Secretly Brings You Off-Policy RL "
+        "Training', 2025); mis: masked, w inside the band and 0 outside (IcePop, arXiv "
+        "2510.18855). Unset = tis when trainer.max_staleness > 0, else none",
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: one w per token; sequence: one w per response, the product of its "
+        "tokens' ratios, truncated or masked as a whole",
+    )
+    cap: float = Field(
+        2.0,
+        ge=1,
+        description="tis: the largest weight (>= 1, so an on-policy weight of 1 stays 1)",
+    )
+    band: tuple[float, float] = Field(
+        (0.5, 2.0),
+        description="mis: [low, high] of the weights kept, low <= 1 <= high; a token (or "
+        "response) outside it gets weight 0 and stays in the aggregation's denominator",
+    )
+
+    @model_validator(mode="after")
+    def _check_band(self) -> OffPolicyConfig:
+        low, high = self.band
+        if not 0 <= low <= 1 <= high:
+            raise ValueError(f"band {list(self.band)}: must satisfy 0 <= low <= 1 <= high")
+        return self
+
+
 EXCHANGEABLE_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "constant")
 
 
@@ -290,12 +452,18 @@ class AlgorithmConfig(Section):
     lopti: LoptiConfig = Field(default_factory=LoptiConfig)
     entropy_mask: EntropyMaskConfig = Field(default_factory=EntropyMaskConfig)
     dfpo: DFPOConfig = Field(default_factory=DFPOConfig)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     lowprob_eta: float = Field(
         0.5,
         gt=0,
         le=1,
         description="p threshold of the lowprob_frac and lowprob_grad_share diagnostics "
         "(arXiv 2505.12929)",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="train nothing on responses cut at rollout.sampling.max_tokens (DAPO's "
+        "overlong filtering, arXiv 2503.14476): they still count in their group's baseline",
     )
     cancellation_diagnostic: bool = Field(
         True,
@@ -316,6 +484,25 @@ class AlgorithmConfig(Section):
 
 
 class TrainerConfig(Section):
+    eval_samples: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="sampled answers per held-out prompt (rollout.sampling) for mean@n and "
+        "pass@k besides greedy accuracy; 0 = greedy only",
+    )
+    eval_pass_k: int | None = Field(
+        None,
+        ge=1,
+        description="k of pass@k, the unbiased estimator of Chen et al. 2021 (arXiv "
+        "2107.03374); at most eval_samples; unset = eval_samples",
+    )
+    log_samples_every: int = Field(
+        0, ge=0, description="write runs/<name>/samples/step_<N>.jsonl every N steps; 0 = never"
+    )
+    log_samples_shown: int = Field(
+        4, ge=0, description="responses of a logged step shown as a table in the progress output"
+    )
     steps: int = Field(20, ge=1)
     seed: int = 0
     output_dir: str = "runs"
@@ -326,12 +513,63 @@ class TrainerConfig(Section):
     eval_every: int = Field(
         0, ge=0, description="greedy eval every N steps; 0 = start and end only"
     )
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="save a checkpoint (ZeRO-3 model and optimizer shards, the driver's state) "
+        "to <run>/checkpoints/step_<N>/ every N steps; 0 = none",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="the newest K checkpoints are kept")
+    save_hf_every: int = Field(
+        0,
+        ge=0,
+        description="also save the policy in Hugging Face format as step_<N>/hf every N steps "
+        "(a multiple of checkpoint_every); 0 = never",
+    )
+    resume: str | None = Field(
+        None,
+        description="never: a fresh run; auto: continue from the run's newest checkpoint if "
+        "there is one; latest: continue from it (there must be one); or a checkpoint directory. "
+        "Unset = never for `groupflow train`, auto for `groupflow submit`",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="a dead engine is replaced, and a dead learner rank's group rebuilt from "
+        "the newest checkpoint, at most this many times in a row (engines: without a step "
+        "between; learner: from the same checkpoint) before the job fails",
+    )
+
+    @model_validator(mode="after")
+    def _check_intervals(self) -> TrainerConfig:
+        if self.eval_pass_k is not None and self.eval_pass_k > self.eval_samples:
+            raise ValueError(
+                f"eval_pass_k ({self.eval_pass_k}) needs at least as many eval_samples "
+                f"({self.eval_samples})"
+            )
+        if self.save_hf_every and (
+            not self.checkpoint_every or self.save_hf_every % self.checkpoint_every
+        ):
+            raise ValueError(
+                f"save_hf_every ({self.save_hf_every}) must be a multiple of "
+                f"checkpoint_every ({self.checkpoint_every})"
+            )
+        return self
 
 
 class MetricsConfig(Section):
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="unset = no endpoint")
     prometheus_addr: str = Field("0.0.0.0", description="interface to serve metrics on")
     progress: bool = Field(True, description="progress bar on a terminal")
+    loggers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers that also get every step record (optional extras: "
+        "pip install 'groupflow[tensorboard]' or 'groupflow[wandb]')",
+    )
+    wandb_project: str = Field("groupflow", min_length=1, description="W&B project name")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="offline: W&B keeps the run under runs/<name>/wandb (wandb sync)"
+    )
 
 
 class ClusterConfig(Section):
@@ -365,6 +603,16 @@ class Config(Section):
                 f"rollout.sampling.max_tokens ({self.rollout.sampling.max_tokens}) must be below "
                 f"rollout.max_model_len ({self.rollout.max_model_len})"
             )
+        penalty = self.reward.overlong_penalty
+        if penalty is not None and penalty.buffer_tokens >= self.rollout.sampling.max_tokens:
+            raise ValueError(
+                f"reward.overlong_penalty.buffer_tokens ({penalty.buffer_tokens}) must be below "
+                f"rollout.sampling.max_tokens ({self.rollout.sampling.max_tokens})"
+            )
+        off_policy = self.algorithm.off_policy
+        if "mode" not in off_policy.model_fields_set and self.trainer.max_staleness > 0:
+            # Stale samples come from a policy the learner no longer holds: correct by default.
+            off_policy.mode = "tis"
         return self
 
     def dump_yaml(self) -> str:
@@ -422,12 +670,21 @@ def _format_error(err: ValidationError) -> str:
     return f"{key}: {msg}"
 
 
+def _task_list_as_mixture(tree: dict) -> dict:
+    """`task: [{name: math, weight: 3}, ...]` is short for the built-in task `mixture` with
+    that list as its options (several tasks in one job, reward_workers/tasks/mixture.py)."""
+    if isinstance(tree.get("task"), list):
+        tree["task"] = {"name": "mixture", "options": {"tasks": tree["task"]}}
+    return tree
+
+
 def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
     """Validate a raw dict plus `--set` overrides; the algorithm preset fills in defaults."""
-    tree = copy.deepcopy(raw or {})
+    tree = _task_list_as_mixture(copy.deepcopy(raw or {}))
     for text in overrides:
         path, value = parse_override(text)
         _set_path(tree, path, value)
+        _task_list_as_mixture(tree)  # `--set task=[...]` then `--set task.eval_size=...`
     algorithm = tree.get("algorithm", {})
     if isinstance(algorithm, dict):
         preset = algorithm.get("preset", AlgorithmConfig.model_fields["preset"].default)

@@ -12,6 +12,7 @@ import shutil
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -21,12 +22,25 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.reward import RewardPool
 from groupflow.actors.transport import make_transport
+from groupflow.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    DriverState,
+    read_checkpoint,
+    resume_target,
+    rewind_metrics,
+)
 from groupflow.config import Config
-from groupflow.job import TrainingJob
+from groupflow.evaluate import HeldOutSet
+from groupflow.job import Checkpointing, LearnerLost, TrainingJob
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.reward_workers.tasks import make_task
+from groupflow.rollout.engine import engine_settings
+from groupflow.rollout.prompt_render import PromptRenderer
+from groupflow.sample_log import SampleLog
+from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +77,38 @@ def fresh_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
+def copy_tokenizer(model_path: str, model_dir: Path) -> None:
+    """The base model's tokenizer beside a saved policy, so that the directory loads alone."""
+    for name in TOKENIZER_FILES:
+        if (Path(model_path) / name).is_file():
+            shutil.copy(Path(model_path) / name, model_dir / name)
+
+
+def _model_config_json(model_path: str) -> dict:
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from."""
+
+    checkpoint: Path
+    state: DriverState
+
+
+def find_resume(cfg: Config, run_dir: Path, model_path: str) -> Resume | None:
+    """The checkpoint `trainer.resume` names, checked against this job's model and ranks,
+    or None for a fresh run. Reads only: a refused checkpoint leaves the run as it was."""
+    try:
+        checkpoint = resume_target(cfg.trainer.resume, run_dir)
+        if checkpoint is None:
+            return None
+        state = read_checkpoint(checkpoint, _model_config_json(model_path), cfg.learner.num_ranks)
+    except CheckpointError as err:
+        raise RunError(str(err)) from None
+    return Resume(checkpoint, state)
+
+
 @dataclass
 class OpenRun:
     """What a run holds open while it trains."""
@@ -73,6 +119,7 @@ class OpenRun:
     exporter: PrometheusExporter | None
     started_ray: bool  # this process started a local cluster, so it stops it
     started: float
+    resume: Resume | None
 
     def close(self) -> None:
         if self.exporter is not None:
@@ -96,16 +143,37 @@ def _start_exporter(cfg: Config) -> PrometheusExporter | None:
     return exporter
 
 
+def _tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def check_prompt_rendering(cfg: Config, model_path: str) -> None:
+    """The chat settings against the model's tokenizer, before any actor starts."""
+    PromptRenderer(_tokenizer(model_path), engine_settings(cfg, model_path, 0).chat)
+
+
 def open_run(cfg: Config) -> OpenRun:
-    """Check the model, make the run directory, serve metrics and connect to Ray."""
+    """Check the model and the checkpoint to resume from, make (or rewind) the run
+    directory, serve metrics and connect to Ray."""
     model_path = resolve_model_path(cfg)
-    run_dir = fresh_run_dir(Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
-    (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
+    check_trackers(cfg)
+    check_prompt_rendering(cfg, model_path)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    resume = find_resume(cfg, run_dir, model_path)
     exporter = _start_exporter(cfg)
+    if resume is None:
+        run_dir = fresh_run_dir(run_dir)
+    else:
+        log.info("resuming after step %d from %s", resume.state.step, resume.checkpoint)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rewind_metrics(run_dir / "metrics.jsonl", resume.state.step)
+    (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
-    return OpenRun(cfg, model_path, run_dir, exporter, started_ray, time.monotonic())
+    return OpenRun(cfg, model_path, run_dir, exporter, started_ray, time.monotonic(), resume)
 
 
 def start_job(run: OpenRun) -> TrainingJob:
@@ -119,15 +187,31 @@ def start_job(run: OpenRun) -> TrainingJob:
         undo.callback(rewards.shutdown)
         learner = LearnerGroup(cfg, run.model_path)
         undo.callback(learner.shutdown)
+        held_out_sets = []
+        for eval_set in cfg.task.eval_sets:
+            held_out_sets.append(HeldOutSet(eval_set, cfg.reward.plugin_timeout_s))
+            undo.callback(held_out_sets[-1].close)
         job = TrainingJob(
             cfg,
             make_task(cfg.task.name, cfg.task.options),
             generators=generators,
             rewards=rewards,
             learner=learner,
-            transport=make_transport(cfg.rollout.weight_transport, learner, generators.engines),
+            transport=make_transport(
+                cfg.rollout.weight_transport,
+                learner,
+                generators.engines,
+                cfg.rollout.weight_bucket_mb,
+            ),
             futures=RayFutures(),
             exporter=run.exporter,
+            held_out_sets=held_out_sets,
+            sample_log=SampleLog(run.run_dir, cfg.trainer, _tokenizer(run.model_path).decode),
+            checkpointing=Checkpointing(
+                CheckpointStore(run.run_dir),
+                _model_config_json(run.model_path),
+                partial(copy_tokenizer, run.model_path),
+            ),
         )
         undo.pop_all()
     log.info("actors up in %.1fs", time.monotonic() - run.started)
@@ -135,29 +219,65 @@ def start_job(run: OpenRun) -> TrainingJob:
 
 
 def train(run: OpenRun, job: TrainingJob) -> None:
-    with (
-        MetricsWriter(run.run_dir / "metrics.jsonl") as writer,
-        ProgressReporter(run.cfg) as progress,
-    ):
-        job.train([writer, progress])
+    """Train to the last step. A dead learner rank takes the ranks down: they are rebuilt
+    from the newest checkpoint and the job goes on from there, metrics.jsonl rewound to it."""
+    metrics = run.run_dir / "metrics.jsonl"
+    store = CheckpointStore(run.run_dir)
+    in_a_row, last_rebuild = 0, None
+    trackers = open_trackers(run.cfg, run.run_dir)
+    while True:
+        try:
+            with MetricsWriter(metrics) as writer, ProgressReporter(run.cfg) as progress:
+                job.train([writer, progress, *trackers])
+            break
+        except LearnerLost as err:
+            lost_at = time.monotonic()
+            if run.cfg.rollout.weight_transport != "object_store":
+                raise RunError(
+                    f"{err}; rebuilding the learner needs rollout.weight_transport=object_store "
+                    "(the collective transport's process group cannot take new ranks)"
+                ) from err
+            checkpoint = store.newest()
+            if checkpoint is None:
+                raise RunError(
+                    f"{err}, and there is no checkpoint to rebuild the learner from "
+                    "(set trainer.checkpoint_every)"
+                ) from err
+            in_a_row = in_a_row + 1 if checkpoint == last_rebuild else 1
+            if in_a_row > run.cfg.trainer.max_restarts:
+                raise RunError(
+                    f"{err}; the learner was rebuilt from {checkpoint} {in_a_row - 1} times in "
+                    f"a row (trainer.max_restarts={run.cfg.trainer.max_restarts})"
+                ) from err
+            last_rebuild = checkpoint
+            log.warning("%s; rebuilding the learner from %s", err, checkpoint)
+            state = read_checkpoint(
+                checkpoint, _model_config_json(run.model_path), run.cfg.learner.num_ranks
+            )
+            job.recover_learner(checkpoint, state)
+            rewind_metrics(metrics, state.step)
+            log.info("learner back at step %d in %.1fs", state.step, time.monotonic() - lost_at)
+    for tracker in trackers:
+        tracker.close()
 
 
 def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
     """Plots, the final evaluation, the model and summary.json; returns the summary."""
     write_plots(run.run_dir / "metrics.jsonl", run.run_dir)
-    final = job.evaluate()
+    final_scores = job.evaluate()
+    final = final_scores["eval_accuracy"]
     log.info("held-out greedy accuracy after training: %.3f", final)
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
-    for name in TOKENIZER_FILES:
-        if (Path(run.model_path) / name).is_file():
-            shutil.copy(Path(run.model_path) / name, model_dir / name)
+    copy_tokenizer(run.model_path, model_dir)
     summary = {
         "steps": run.cfg.trainer.steps,
         "warm_start_accuracy": warm_accuracy,
         "final_accuracy": final,
+        "final_eval": final_scores,
         "policy_version": job.version,
-        "wall_time_s": time.monotonic() - run.started,
+        "resumed_from_step": run.resume.state.step if run.resume is not None else None,
+        "wall_time_s": time.monotonic() - run.started,  # of this process
         "model_dir": str(model_dir),
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -170,8 +290,12 @@ def run(cfg: Config) -> dict:
     job = None
     try:
         job = start_job(opened)
-        warm = job.evaluate()
-        log.info("held-out greedy accuracy before training: %.3f", warm)
+        if opened.resume is not None:
+            job.restore(opened.resume.checkpoint, opened.resume.state)
+            warm = job.warm_accuracy
+        else:
+            warm = job.warm_accuracy = job.evaluate()["eval_accuracy"]
+            log.info("held-out greedy accuracy before training: %.3f", warm)
         train(opened, job)
         return finish_run(opened, job, warm)
     finally:

@@ -1,31 +1,91 @@
-"""Held-out greedy accuracy of a model on a task: the number `summary.json` reports, for any
-model directory (`groupflow eval`)."""
+"""Held-out scores of a model on a task: greedy accuracy (the number `summary.json` reports),
+and mean@n and pass@k of n sampled answers; for a training job or any model directory
+(`groupflow eval`)."""
 
 from __future__ import annotations
 
-from groupflow.config import Config
-from groupflow.records import Prompt
-from groupflow.reward_workers.tasks.base import Task
+from groupflow.config import Config, EvalSetConfig
 
 
-def greedy_accuracy(task: Task, prompts: list[Prompt], texts: list[str]) -> float:
-    """Share of prompts whose greedy answer gets the full reward."""
-    rewards = [task.verify(p, text).reward for p, text in zip(prompts, texts, strict=True)]
-    return sum(r >= 1.0 for r in rewards) / len(rewards)
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which `correct` passed (Chen et al.
+    2021, arXiv 2107.03374): 1 - C(n-c, k) / C(n, k), as a product that cannot overflow."""
+    if not 0 < k <= n or not 0 <= correct <= n:
+        raise ValueError(f"pass@{k} needs 0 < k <= n and 0 <= correct <= n (n={n}, c={correct})")
+    if n - correct < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - correct + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def sampled_scores(rewards: list[list[float]], k: int) -> tuple[float, float]:
+    """(mean@n, pass@k) of n sampled answers per prompt: the mean reward over every sample,
+    and pass@k averaged over prompts; a sample passes with the full reward."""
+    n = len(rewards[0])
+    mean = sum(map(sum, rewards)) / (n * len(rewards))
+    passed = [pass_at_k(n, sum(r >= 1.0 for r in row), k) for row in rewards]
+    return mean, sum(passed) / len(passed)
+
+
+def greedy_share(rewards: list[list[float]]) -> float:
+    """Share of prompts whose (one, greedy) answer gets the full reward."""
+    return sum(row[0] >= 1.0 for row in rewards) / len(rewards)
 
 
 def evaluate_model(cfg: Config, model_path: str) -> dict:
-    """One in-process vLLM engine, greedy decoding on the task's held-out prompts."""
+    """One in-process vLLM engine on the task's held-out prompts; the answers are scored as
+    the reward workers score them, in scorer processes killed at their deadline."""
+    from groupflow.reward_workers.scorer import Scorer
     from groupflow.reward_workers.tasks import make_task
     from groupflow.rollout.engine import RolloutEngine, engine_settings
 
-    task = make_task(cfg.task.name, cfg.task.options)
-    prompts = task.eval_prompts(cfg.task.eval_size)
+    prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
     engine = RolloutEngine(engine_settings(cfg, model_path, seed=cfg.trainer.seed))
-    texts = engine.greedy(prompts, cfg.rollout.sampling.max_tokens)
-    return {
-        "model": model_path,
-        "task": cfg.task.name,
-        "prompts": len(prompts),
-        "accuracy": greedy_accuracy(task, prompts, texts),
-    }
+    reward = cfg.reward
+    scorer = Scorer(
+        cfg.task.name,
+        cfg.task.options,
+        plugin=reward.verifier,
+        timeout_s=reward.plugin_timeout_s,
+        processes=reward.scorer_processes,
+    )
+
+    def rewards(greedy: bool) -> list[list[float]]:
+        groups = engine.complete(prompts, cfg.trainer.eval_samples, cfg.rollout.sampling, greedy)
+        return [sg.rewards for sg in scorer.score_groups(groups)]
+
+    try:
+        result = {
+            "model": model_path,
+            "task": cfg.task.name,
+            "prompts": len(prompts),
+            "accuracy": greedy_share(rewards(greedy=True)),
+        }
+        n = cfg.trainer.eval_samples
+        if n:
+            k = cfg.trainer.eval_pass_k or n
+            result[f"mean@{n}"], result[f"pass@{k}"] = sampled_scores(rewards(greedy=False), k)
+        return result
+    finally:
+        scorer.pool.close()
+
+
+class HeldOutSet:
+    """An extra held-out set (`task.eval_sets`): its prompts, and a scorer of its own task in
+    scorer processes killed at their deadline (the reward workers know only the job's task)."""
+
+    def __init__(self, cfg: EvalSetConfig, plugin_timeout_s: float):
+        from groupflow.reward_workers.scorer import Scorer
+        from groupflow.reward_workers.tasks import make_task
+
+        self.name = cfg.name
+        self.prompts = make_task(cfg.task, cfg.options).eval_prompts(cfg.size)
+        self.scorer = Scorer(cfg.task, cfg.options, timeout_s=plugin_timeout_s)
+
+    def rewards(self, groups: list) -> list[list[float]]:
+        return [sg.rewards for sg in self.scorer.score_groups(groups)]
+
+    def close(self) -> None:
+        self.scorer.pool.close()

@@ -26,6 +26,10 @@ What the cluster needs.
   ~/.ray/auth_token, as Ray's own `ray job` commands do.
 - For the Prometheus endpoint, set `metrics.prometheus_port`; the exporter runs in the driver,
   which is on the head node.
+
+A submitted job has `trainer.resume: auto` unless its config sets it: submitted again under
+the same run name (by a person, or by RayJob's backoffLimit), it goes on from the run's newest
+checkpoint (`trainer.checkpoint_every`) instead of starting over.
 """
 
 from __future__ import annotations
@@ -143,6 +147,10 @@ def _submit(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return _fail(str(err), 2)
+    if cfg.trainer.resume is None:
+        # A resubmission under the same run name (a person's, or RayJob's backoffLimit)
+        # continues from the run's newest checkpoint instead of starting over.
+        cfg.trainer.resume = "auto"
     if not Path(cfg.trainer.output_dir).is_absolute():
         print(
             f"groupflow: note: trainer.output_dir {cfg.trainer.output_dir!r} is relative: on "

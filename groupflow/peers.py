@@ -11,9 +11,15 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from groupflow.config import SamplingConfig
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, TrainSequence
 
 Handle = Hashable
+
+
+class PeerDied(RuntimeError):
+    """The actor behind a handle died (killed, out of memory, its node lost): what `Futures`
+    raises instead of the runtime's own error, so the job loop can replace it."""
 
 
 class Futures(Protocol):
@@ -21,7 +27,8 @@ class Futures(Protocol):
         """Block until at least one of `handles` is ready; returns the ready ones."""
 
     def get(self, handles: Sequence[Handle]) -> list[Any]:
-        """The values of `handles` (blocking until ready; a remote error is raised here)."""
+        """The values of `handles` (blocking until ready; a remote error is raised here,
+        PeerDied where the actor died)."""
 
 
 @dataclass
@@ -36,6 +43,7 @@ class Generation(Protocol):
     """The engines (groupflow.actors.generator.GeneratorPool)."""
 
     num_engines: int
+    restarts: int  # engines replaced so far
 
     def submit(self, prompts: list[Prompt], rollout_id: int) -> list[Handle]:
         """Send the prompts in chunks to the engines; a handle per chunk."""
@@ -44,13 +52,35 @@ class Generation(Protocol):
         """Handles of the chunks submitted and not yet taken."""
 
     def take(self, ready: Sequence[Handle]) -> list[GeneratedChunk]:
-        """The finished chunks among `ready` (handles of other peers are ignored)."""
+        """The finished chunks among `ready` (handles of other peers are ignored). A chunk
+        whose engine died is not among them: the engine is replaced, the chunk kept."""
+
+    def lost(self) -> set[Handle]:
+        """Handles of chunks lost with a dead engine, to be generated again."""
+
+    def needs_weights(self) -> bool:
+        """A replaced engine waits for the current weights before it takes work."""
+
+    def weights_sent(self) -> dict[Handle, Handle]:
+        """After a weight load was sent to every engine: the lost chunks are sent again;
+        each lost handle's new handle."""
+
+    def resend_lost(self) -> dict[Handle, Handle]:
+        """The lost chunks sent again (every engine has the current weights)."""
+
+    def replace_dead(self) -> int:
+        """Replace the engines that died; how many."""
+
+    def drop_lost(self) -> None:
+        """Forget the lost chunks (their rollouts were abandoned)."""
 
     def queued_prompts(self) -> int:
         """Prompts sent to the engines and not yet taken."""
 
-    def greedy(self, prompts: list[Prompt], max_tokens: int) -> list[str]:
-        """One greedy completion per prompt, in order (blocking)."""
+    def complete(
+        self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
+    ) -> list[SampledGroup]:
+        """A group per prompt, in order (blocking): one greedy answer, or n sampled ones."""
 
     def shutdown(self) -> None: ...
 
@@ -79,10 +109,22 @@ class Learner(Protocol):
 
     num_ranks: int
 
-    def async_train_step(self, sequences: list[TrainSequence]) -> list[Handle]:
-        """Start one training step on every rank; a handle per rank's result."""
+    def async_train_step(
+        self, sequences: list[TrainSequence], lr: float | None = None
+    ) -> list[Handle]:
+        """Start one training step on every rank at learning rate `lr` (None: the current
+        one); a handle per rank's result."""
 
     def save_pretrained(self, path: str) -> None: ...
+
+    def restart(self) -> None:
+        """Replace every rank with a new one on the base model (blocking)."""
+
+    def async_save_checkpoint(self, directory: str) -> list[Handle]:
+        """Start writing every rank's model and optimizer shards under `directory`."""
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load what async_save_checkpoint wrote (blocking)."""
 
     def shutdown(self) -> None: ...
 

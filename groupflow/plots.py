@@ -26,7 +26,9 @@ class Figure:
 
 
 FIGURES = (
-    Figure("reward.png", "Reward and accuracy", ("Reward", "Accuracy")),
+    Figure(
+        "reward.png", "Reward, accuracy and learning rate", ("Reward", "Accuracy", "Learning rate")
+    ),
     Figure("entropy.png", "Token entropy", ("Entropy",)),
     Figure(
         "token_credit.png",
@@ -36,6 +38,7 @@ FIGURES = (
             "Cancellation residual",
             "Clip fractions",
             "Approx. KL",
+            "Off-policy correction",
         ),
     ),
     Figure(
@@ -82,15 +85,21 @@ def latest_run(records: list[dict]) -> list[dict]:
     return records[start:]
 
 
-def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of the records that hold a finite number under `key`."""
-    steps, values = [], []
+def _lines(records: list[dict], key: str) -> dict[str, tuple[list[float], list[float]]]:
+    """name -> (steps, values) of the records that hold a finite number under `key`; a key
+    whose values are per-label mappings (catalogue Series.label) gives a line per label."""
+    lines: dict[str, tuple[list[float], list[float]]] = {}
     for index, record in enumerate(records, start=1):
         value = record.get(key)
-        if isinstance(value, int | float) and math.isfinite(value):
-            steps.append(record.get("step", index))
-            values.append(value)
-    return steps, values
+        points = value.items() if isinstance(value, dict) else [(None, value)]
+        for label, number in points:
+            if isinstance(number, int | float) and math.isfinite(number):
+                steps, values = lines.setdefault(
+                    key if label is None else f"{key}[{label}]", ([], [])
+                )
+                steps.append(record.get("step", index))
+                values.append(number)
+    return lines
 
 
 # Up to this many points a line gets markers; beyond, it is drawn faintly under its moving
@@ -119,9 +128,8 @@ def _plot_series(ax, steps: list[float], values: list[float], key: str) -> None:
 
 def _draw_panel(ax, records: list[dict], panel: str) -> None:
     for key in panel_keys(panel):
-        steps, values = _series(records, key)
-        if values:
-            _plot_series(ax, steps, values, key)
+        for name, (steps, values) in _lines(records, key).items():
+            _plot_series(ax, steps, values, name)
     ax.set_title(panel)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on short runs
@@ -131,7 +139,7 @@ def _draw_panel(ax, records: list[dict], panel: str) -> None:
 
 
 def _has_data(records: list[dict], panel: str) -> bool:
-    return any(_series(records, key)[1] for key in panel_keys(panel))
+    return any(_lines(records, key) for key in panel_keys(panel))
 
 
 def _write_figure(records: list[dict], figure: Figure, out_dir: Path) -> Path | None:

@@ -70,7 +70,11 @@ class PrometheusExporter:
         self._server, self._thread = start_http_server(port, addr, registry=self.registry)
 
     def _family(self, series: Series, help_text: str):
-        labels = ["job"] if series.stage is None else ["job", "stage"]
+        labels = ["job"]
+        if series.stage is not None:
+            labels.append("stage")
+        if series.label is not None:
+            labels.append(series.label)
         extra = {"buckets": LATENCY_BUCKETS} if series.kind == "histogram" else {}
         return _METRIC_CLASSES[series.kind](
             series.name,
@@ -91,6 +95,10 @@ class PrometheusExporter:
         with self._lock:
             for key, series, family in self._series:
                 if key not in record:
+                    continue
+                if series.label is not None:  # one gauge per label value
+                    for label_value, value in record[key].items():
+                        family.labels(self.job, str(label_value)).set(float(value))
                     continue
                 # A series appears on its first value, not as a 0 before the job has one.
                 child = family.labels(self.job, *([series.stage] if series.stage else []))

@@ -16,8 +16,12 @@ class Prompt:
     """One task instance: the text the model sees and what the verifier checks against."""
 
     uid: str
-    text: str
+    text: str  # the raw (completion) prompt; "" for a dataset prompt given only as messages
     answer: Any
+    # The chat wording ({"role", "content"} dicts) that a chat template renders; None = `text`
+    # as one user turn.
+    messages: list[dict] | None = None
+    task: str | None = None  # its task's label in a job of several tasks (routes verification)
 
 
 @dataclass
@@ -25,6 +29,7 @@ class Response:
     token_ids: list[int]
     text: str
     logprobs: list[float]  # vLLM's log-probs of the sampled tokens (kept for a mismatch metric)
+    finish_reason: str = "stop"  # "stop": EOS or a stop string; "length": cut at max_tokens
 
 
 @dataclass
@@ -65,7 +70,16 @@ class TrainSequence:
     advantage: float
     group_id: int  # index of its group within the step (cancellation diagnostics use it)
     policy_version: int
+    # (num_response_tokens,) the behaviour policy's log-prob of each response token, as vLLM
+    # sampled it (learner/off_policy.py); [] = unknown, the learner's own stand in for it.
     vllm_logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        if self.vllm_logprobs and len(self.vllm_logprobs) != self.num_response_tokens:
+            raise ValueError(
+                f"sequence of group {self.group_id}: {len(self.vllm_logprobs)} vLLM log-probs "
+                f"for {self.num_response_tokens} response tokens"
+            )
 
     @property
     def num_response_tokens(self) -> int:

@@ -18,7 +18,7 @@ def _ratio(num: float, den: float) -> float:
 
 def rollout_record(
     scored: list[ScoredGroup], staleness: list[int], times: dict[str, float]
-) -> dict[str, float]:
+) -> dict[str, float | dict[str, float]]:
     """Figures of the groups a step trained on; `staleness` holds one entry per sequence and
     `times` the step's stage times so far (groupflow.timing)."""
     rewards = [r for g in scored for r in g.rewards]
@@ -38,5 +38,17 @@ def rollout_record(
         "gen_tokens_per_s": _ratio(tokens, times.get("gen", 0.0)),
         "learn_tokens_per_s": _ratio(tokens, times.get("learn", 0.0)),
     }
+    if any(g.group.prompt.task for g in scored):  # several tasks in one job
+        record.update(_per_task(scored))
     record.update(time_keys(times))
     return record
+
+
+def _per_task(scored: list[ScoredGroup]) -> dict[str, dict[str, float]]:
+    rewards: dict[str, list[float]] = {}
+    for g in scored:
+        rewards.setdefault(g.group.prompt.task or "", []).extend(g.rewards)
+    return {
+        "task_reward_mean": {t: statistics.fmean(r) for t, r in rewards.items()},
+        "task_accuracy": {t: _ratio(sum(x >= 1.0 for x in r), len(r)) for t, r in rewards.items()},
+    }

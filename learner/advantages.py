@@ -154,3 +154,12 @@ def compute_advantages(
     groups = GroupIndex.of(group_ids)
     advantages = ADVANTAGE_ESTIMATORS[estimator](rewards, groups, std, token_counts)
     return torch.where(groups.is_constant(rewards), torch.zeros_like(advantages), advantages)
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer_tokens: int, max_penalty: float):
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to the reward before
+    the advantage: 0 up to `max_tokens - buffer_tokens` response tokens, then falling linearly
+    to `-max_penalty` at `max_tokens`, so a response is told it runs long before it is cut."""
+    free = max_tokens - buffer_tokens
+    over = (lengths.to(torch.float64) - free).clamp(min=0.0, max=float(buffer_tokens))
+    return -max_penalty * (over / buffer_tokens)  # the ratio first: exactly -max_penalty at the cap

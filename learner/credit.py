@@ -17,7 +17,7 @@ of entropies only where a quantile is taken.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,14 +27,22 @@ from groupflow.config import AlgorithmConfig
 from groupflow.learner.advantages import GroupIndex
 from groupflow.learner.diagnostics import logit_grad_norm_sq
 from groupflow.learner.losses import sequence_log_ratio
+from groupflow.learner.off_policy import (
+    ImportanceWeights,
+    OffPolicyFigures,
+    importance_weights,
+)
 
 
 @dataclass
 class MiniBatchTokens:
     """The sequences one rank holds in a mini-batch, padded; every group lies wholly on one rank.
 
-    old_* come from the behaviour policy, cur_* from the current one, all detached; on the
-    first mini-batch of a step they are equal.
+    old_* come from the proximal policy (the learner's weights at the start of the step),
+    cur_* from the current one, all detached; on the first mini-batch of a step they are equal.
+    behaviour_logp is the sampler's (vLLM's) log-prob of each token, for the off-policy
+    correction (learner/off_policy.py); None, or a row whose behaviour_known is False, means
+    it did not come along, and the proximal policy stands in for it (weight 1).
     """
 
     mask: Tensor  # (B, T) 1.0 on response tokens, 0.0 on padding
@@ -45,19 +53,23 @@ class MiniBatchTokens:
     cur_sum_p2: Tensor  # (B, T) sum_j p_j^2 of the current policy
     advantages: Tensor  # (B,) A_i
     group_ids: Tensor  # (B,) int64
+    behaviour_logp: Tensor | None = None  # (B, T)
+    behaviour_known: Tensor | None = None  # (B,) bool
 
     def __post_init__(self) -> None:
+        if (self.behaviour_logp is None) != (self.behaviour_known is None):
+            raise ValueError("behaviour_logp and behaviour_known come together or not at all")
         shape = self.mask.shape
-        for name in ("old_logp", "cur_logp", "old_entropy", "cur_entropy", "cur_sum_p2"):
-            if getattr(self, name).shape != shape:
-                raise ValueError(
-                    f"{name}: shape {tuple(getattr(self, name).shape)} != mask {tuple(shape)}"
-                )
-        for name in ("advantages", "group_ids"):
-            if getattr(self, name).shape != shape[:1]:
-                raise ValueError(
-                    f"{name}: shape {tuple(getattr(self, name).shape)} != ({shape[0]},)"
-                )
+        per_token = ("old_logp", "cur_logp", "old_entropy", "cur_entropy", "cur_sum_p2")
+        per_row = ("advantages", "group_ids")
+        if self.behaviour_logp is not None:
+            per_token, per_row = (*per_token, "behaviour_logp"), (*per_row, "behaviour_known")
+        for names, want in ((per_token, shape), (per_row, shape[:1])):
+            for name in names:
+                if getattr(self, name).shape != want:
+                    raise ValueError(
+                        f"{name}: shape {tuple(getattr(self, name).shape)} != {tuple(want)}"
+                    )
 
 
 class Reducer(Protocol):
@@ -112,9 +124,11 @@ class CreditStats:
 class CreditPlan:
     """The credit of one rank's share of a mini-batch, rows in the order of its sequences."""
 
-    token_adv: Tensor  # (B, T) A_it
+    token_adv: Tensor  # (B, T) A_it, the importance weight of the off-policy correction included
     passes: list[Tensor]  # one (B, T) detached c_it per optimizer pass, in order
     stats: CreditStats
+    # Rank-local sums (unlike stats), over the whole mini-batch: a split keeps none.
+    off_policy: OffPolicyFigures = field(default_factory=OffPolicyFigures)
 
     def split(self, sizes: list[int]) -> list[CreditPlan]:
         """The plans of consecutive blocks of `sizes` rows (the micro-batches), as views."""
@@ -272,6 +286,21 @@ def _stapo_source(
     return _probs(tokens.cur_logp, valid), tokens.cur_entropy
 
 
+def _off_policy(tokens: MiniBatchTokens, cfg: AlgorithmConfig) -> ImportanceWeights:
+    """Decoupled PPO's importance weights, proximal (old_logp) over behaviour policy.
+
+    They multiply A_it, after AR and dfpo: the policy-gradient term is what they correct (the KL
+    and entropy terms are regularisers on every token). A weight is never negative, so it
+    keeps the sign every clip and mask reads; a masked token's weight is 0 and it stays in
+    the denominator, which is why the global token count does not depend on the correction.
+    """
+    behaviour, known = tokens.behaviour_logp, tokens.behaviour_known
+    if behaviour is None:
+        behaviour = tokens.old_logp
+        known = torch.zeros(tokens.mask.shape[0], dtype=torch.bool, device=tokens.mask.device)
+    return importance_weights(tokens.old_logp, behaviour, known, tokens.mask, cfg.off_policy)
+
+
 def _pass_masks(tokens: MiniBatchTokens, cfg: AlgorithmConfig, valid: Tensor) -> list[Tensor]:
     """Which valid tokens each optimizer pass trains, in order, before other masks."""
     if not cfg.lopti.enabled:
@@ -327,6 +356,9 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
     """
     valid = tokens.mask > 0
     token_adv = token_advantages(tokens, cfg)
+    correction = _off_policy(tokens, cfg)
+    if correction.weight is not None:
+        token_adv = token_adv * correction.weight.to(token_adv.dtype)
 
     stapo_p, stapo_entropy = _stapo_source(tokens, cfg, valid)
     spurious = stapo_mask(
@@ -388,4 +420,6 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
         optimizer_passes=float(max(len(passes), 1)),
     )
     # At least one pass, so the learner's loop never has to special-case an empty plan.
-    return CreditPlan(token_adv, passes or [torch.zeros_like(tokens.old_logp)], stats)
+    return CreditPlan(
+        token_adv, passes or [torch.zeros_like(tokens.old_logp)], stats, correction.figures
+    )

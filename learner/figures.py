@@ -16,6 +16,7 @@ import torch
 
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
+from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats
 from groupflow.records import TrainSequence
 
@@ -65,14 +66,9 @@ class BehaviourFigures:
 def _vllm_mismatch(seqs: list[TrainSequence], stats: list[TokenStats]) -> tuple[float, float]:
     """(sum, max) of |learner logp - vLLM logp| over the sequences that carry vLLM's numbers."""
     ours, theirs = [], []
-    for index, (seq, seq_stats) in enumerate(zip(seqs, stats, strict=True)):
+    for seq, seq_stats in zip(seqs, stats, strict=True):
         if not seq.vllm_logprobs:
             continue
-        if len(seq.vllm_logprobs) != seq.num_response_tokens:
-            raise ValueError(
-                f"sequence {index} (group {seq.group_id}): {len(seq.vllm_logprobs)} vLLM "
-                f"log-probs for {seq.num_response_tokens} response tokens"
-            )
         ours.append(seq_stats.logp.detach().to("cpu", torch.float64))
         theirs.append(torch.tensor(seq.vllm_logprobs, dtype=torch.float64))
     if not ours:
@@ -105,6 +101,7 @@ class RankFigures:
         default_factory=CancellationResidual
     )  # nodes shared by >= 2
     residual_whole_group: CancellationResidual = field(default_factory=CancellationResidual)
+    off_policy: OffPolicyFigures = field(default_factory=OffPolicyFigures)
     # Global over ranks, so every rank holds the same values: one per mini-batch, one per update.
     credit: list[CreditStats] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -137,6 +134,7 @@ class RankFigures:
             "update": self.update.merge(other.update),
             "residual": self.residual.merge(other.residual),
             "residual_whole_group": self.residual_whole_group.merge(other.residual_whole_group),
+            "off_policy": self.off_policy.merge(other.off_policy),
         }
 
 
@@ -155,7 +153,7 @@ def _credit_mean(credit: list[CreditStats], name: str) -> float:
 def learner_record(results: list[RankFigures]) -> dict[str, float]:
     """The step record's learner keys from every rank's figures of the step."""
     total = reduce(RankFigures.merge, results) if results else RankFigures()
-    behaviour, update = total.behaviour, total.update
+    behaviour, update, off_policy = total.behaviour, total.update, total.off_policy
     grad_norms = [g for g in total.grad_norms if not math.isnan(g)]
     clip_low = _ratio(update.clipped_low, update.tokens)
     clip_high = _ratio(update.clipped_high, update.tokens)
@@ -176,6 +174,12 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         # only nodes every response of the group passes through: exactly 0 when the
         # aggregation is exchangeable and nothing clips or masks by sign
         "cancellation_residual_whole_group": total.residual_whole_group.value,
+        # the off-policy correction, over the tokens that carry vLLM's log-probs (0 if none)
+        "is_weight_mean": _ratio(off_policy.weight, off_policy.tokens),
+        "is_weight_max": off_policy.weight_max,
+        "is_truncated_frac": _ratio(off_policy.truncated, off_policy.tokens),
+        "is_masked_frac": _ratio(off_policy.masked, off_policy.tokens),
+        "kl_behaviour_proximal": _ratio(off_policy.kl, off_policy.tokens),
     }
     # The credit figures, averaged over the step's mini-batches. "num_stages" is the
     # metrics.jsonl name of the optimizer passes per mini-batch.

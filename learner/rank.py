@@ -6,9 +6,12 @@ it together, each with its own share of the step (see learner/batching.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from groupflow.config import Config
+from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.step import MicroBatches, StepSettings
@@ -18,6 +21,7 @@ from groupflow.learner.weight_export import (
     broadcast_weights,
     gathered_weights,
     save_pretrained,
+    weight_buckets,
     weight_manifest,
 )
 from groupflow.learner.zero_engine import RankSetup, build_zero_engines
@@ -41,8 +45,12 @@ class LearnerRank:
     def _is_source(self) -> bool:
         return self.setup.rank == 0
 
-    def train_step(self, minibatches: list[MicroBatches]) -> RankFigures:
-        """minibatches[m][k] = this rank's k-th micro-batch of mini-batch m."""
+    def train_step(self, minibatches: list[MicroBatches], lr: float | None = None) -> RankFigures:
+        """minibatches[m][k] = this rank's k-th micro-batch of mini-batch m; `lr`, the step's
+        learning rate (learner/lr_schedule.py; None keeps the current one)."""
+        if lr is not None:
+            for group in self.engines.policy.engine.optimizer.param_groups:
+                group["lr"] = lr
         self.engines.policy.engine.train()
         return train_rank_step(
             self.engines.policy, self.engines.reference, minibatches, self.settings
@@ -52,12 +60,25 @@ class LearnerRank:
         """Full parameters in Hugging Face names on rank 0 (None elsewhere)."""
         return gathered_weights(self._module, self._is_source)
 
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full parameters a bucket at a time, as CPU copies on rank 0 (collective; the other
+        ranks yield nothing)."""
+        return weight_buckets(self._module, self._is_source, bucket_bytes)
+
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         return weight_manifest(self._module)
 
-    def broadcast_weights(self, group: Broadcaster | None) -> None:
+    def broadcast_weights(self, group: Broadcaster | None, bucket_bytes: int) -> None:
         """Rank 0 passes the engines' weight group, the other ranks None (they only gather)."""
-        broadcast_weights(self._module, group)
+        broadcast_weights(self._module, group, bucket_bytes)
 
     def save_pretrained(self, path: str) -> None:
         save_pretrained(self._module, self._is_source, path)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """The policy's ZeRO-3 model and optimizer shards (the frozen reference is rebuilt
+        from the model path on a resume, so it is not saved)."""
+        save_rank_checkpoint(self.engines.policy.engine, directory, self.setup.rank)
+
+    def load_checkpoint(self, directory: str) -> None:
+        load_rank_checkpoint(self.engines.policy.engine, directory, self.setup.rank)

@@ -6,6 +6,10 @@ number of micro-batches in a mini-batch (learner/batching.py), a rank with less 
 empty ones, so all ranks take the same branches below and make their collectives (ZeRO-3's
 parameter gathers, the credit plan's reductions) in the same order.
 
+"Behaviour statistics" here are the learner's own at the weights the step starts from: the
+proximal policy of the off-policy correction (learner/off_policy.py). The sampler's log-probs,
+the behaviour policy proper, come with the sequences (TrainSequence.vllm_logprobs).
+
 The training engine is a `Policy`: DeepSpeed ZeRO-3 in production (learner/zero_engine.py), a
 plain torch model in the tests, where the micro-batching invariants are checked in float64.
 """
@@ -69,10 +73,11 @@ def train_step(
     policy: Policy, reference, minibatches: list[MicroBatches], settings: StepSettings
 ) -> RankFigures:
     """Train this rank's share of one step; `reference` is the frozen KL reference or None."""
-    # old_logp belongs to the weights at the start of the step, for every mini-batch and both
-    # Lopti passes, so it is taken now, before the first update moves the weights. The first
-    # mini-batch, when it is a single micro-batch, takes it from its own first forward instead
-    # (train_mini_batch), which runs at those same weights.
+    # old_logp, the proximal policy of decoupled PPO (learner/off_policy.py), belongs to the
+    # weights at the start of the step, for every mini-batch and both Lopti passes, so it is
+    # taken now, before the first update moves the weights. The first mini-batch, when it is a
+    # single micro-batch, takes it from its own first forward instead (train_mini_batch),
+    # which runs at those same weights.
     behaviour = [
         None
         if m == 0 and len(mini) == 1
@@ -159,6 +164,7 @@ def train_mini_batch(
         update=update,
         credit=[plan.stats],
         grad_norms=grad_norms,
+        off_policy=plan.off_policy,
     )
     if diagnostic:
         groups = _groups(seqs, [g for mb in grads for g in mb])
@@ -200,7 +206,15 @@ def mini_batch_tokens(
     current: list[TokenStats],
     device: torch.device,
 ) -> MiniBatchTokens:
-    """The credit planner's view of a mini-batch: one row per sequence, padded."""
+    """The credit planner's view of a mini-batch: one row per sequence, padded.
+
+    A sequence without vLLM's log-probs takes its behaviour row from `old` (weight 1)."""
+    behaviour = [
+        torch.tensor(s.vllm_logprobs, dtype=o.logp.dtype, device=o.logp.device)
+        if s.vllm_logprobs
+        else o.logp
+        for s, o in zip(seqs, old, strict=True)
+    ]
     return MiniBatchTokens(
         mask=_pad([torch.ones_like(s.logp) for s in old], device),
         old_logp=_pad([s.logp for s in old], device),
@@ -210,4 +224,8 @@ def mini_batch_tokens(
         cur_sum_p2=_pad([s.sum_p2 for s in current], device),
         advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float64, device=device),
         group_ids=torch.tensor([s.group_id for s in seqs], dtype=torch.long, device=device),
+        behaviour_logp=_pad(behaviour, device),
+        behaviour_known=torch.tensor(
+            [bool(s.vllm_logprobs) for s in seqs], dtype=torch.bool, device=device
+        ),
     )

@@ -1,52 +1,126 @@
-"""Full parameters out of a ZeRO-3 engine, one parameter gathered at a time: to rank 0's
-memory, to a broadcast group of inference engines, or to a Hugging Face directory.
+"""Full parameters out of a ZeRO-3 engine, a bucket at a time: to a broadcast group of
+inference engines, to Ray's object store bucket by bucket (actors/transport.py), or to a
+Hugging Face directory.
 
-All functions are collective: every rank gathers each parameter together, in the order of
-`module.named_parameters()`, and only the source rank (rank 0) keeps or sends it.
+All functions are collective: every rank gathers each bucket together, in the order of
+`module.named_parameters()`, and only the source rank (rank 0) keeps or sends it. A bucket is
+whole transformer layers up to `bucket_bytes` (one layer larger than that is a bucket of its
+own): an engine then loads each bucket as it arrives, and vLLM, which fuses a layer's q/k/v and
+gate/up projections, always receives a layer complete. Broadcasting, rank 0 holds at most two
+buckets, the one in transfer and the next one being gathered, never a second copy of the model.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from itertools import groupby
 from typing import Protocol
 
 import torch
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+Manifest = list[tuple[str, tuple[int, ...], str]]  # (name, full shape, dtype) in send order
+
+
+class PendingTransfer(Protocol):
+    def wait(self) -> None: ...
 
 
 class Broadcaster(Protocol):
     """A process group in which this rank is the source of a broadcast."""
 
-    def broadcast(self, tensor: torch.Tensor) -> None: ...
+    def start_broadcast(self, tensor: torch.Tensor) -> PendingTransfer:
+        """Start sending `tensor` (it must stay untouched until the transfer is waited on)."""
+        ...
 
 
-def gathered_weights(module, is_source: bool) -> list[tuple[str, torch.Tensor]] | None:
-    """Full parameters in Hugging Face names on the source rank (None elsewhere)."""
-    import deepspeed
-
-    out = []
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if is_source:
-                out.append((name, param.detach().to("cpu", copy=True)))
-    return out if is_source else None
+_LAYER = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.up_proj.weight" -> "model.layers.3"
 
 
-def weight_manifest(module) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, full shape, dtype) of every parameter, in broadcast order. Local: no gather."""
+def layer_of(name: str) -> str:
+    """The unit a bucket never splits: a numbered layer, or else the parameter itself."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else name.rsplit(".", 1)[0]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def bucket_manifest(manifest: Manifest, bucket_bytes: int) -> list[Manifest]:
+    """`manifest` cut into buckets of whole layers, each up to `bucket_bytes` (or one layer).
+
+    A bucket travels as one flat tensor, so a change of dtype also starts a new one."""
+    buckets: list[Manifest] = []
+    size = 0
+    # A unit: consecutive entries of one layer in one dtype.
+    for _, entries in groupby(manifest, key=lambda e: (layer_of(e[0]), e[2])):
+        unit = list(entries)
+        nbytes = sum(_nbytes(shape, dtype) for _, shape, dtype in unit)
+        if not buckets or unit[0][2] != buckets[-1][0][2] or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].extend(unit)
+        size += nbytes
+    return buckets
+
+
+def weight_manifest(module) -> Manifest:
+    """(name, full shape, dtype) of every parameter, in send order. Local: no gather."""
     return [
         (name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
         for name, p in module.named_parameters()
     ]
 
 
-def broadcast_weights(module, group: Broadcaster | None) -> None:
-    """Gather each parameter and, where `group` is given (the source rank), broadcast it to
-    the engines one tensor at a time, never holding a full copy of the model."""
+def _parameter_buckets(module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    params = dict(module.named_parameters())
+    for bucket in bucket_manifest(weight_manifest(module), bucket_bytes):
+        yield [(name, params[name]) for name, _, _ in bucket]
+
+
+def weight_buckets(
+    module, is_source: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full parameters in Hugging Face names, one bucket at a time, as CPU copies on the source
+    rank; the other ranks yield nothing but must run the generator to the end (the gathers
+    are collective). The next bucket is gathered only when the consumer asks for it."""
     import deepspeed
 
-    for _, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if group is not None:
-                group.broadcast(param.data.contiguous())
+    for bucket in _parameter_buckets(module, bucket_bytes):
+        with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+            copies = [(n, p.detach().to("cpu", copy=True)) for n, p in bucket if is_source]
+        if is_source:
+            yield copies
+
+
+def broadcast_weights(
+    module, group: Broadcaster | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """Gather bucket after bucket; where `group` is given (the source rank), send each one as
+    a single flat tensor while the next one is gathered. The engines cut the same buckets from
+    the same manifest (bucket_manifest)."""
+    import deepspeed
+
+    in_flight: tuple[torch.Tensor, PendingTransfer] | None = None
+    for bucket in _parameter_buckets(module, bucket_bytes):
+        with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+            flat = None if group is None else torch.cat([p.detach().reshape(-1) for _, p in bucket])
+        if in_flight is not None:
+            in_flight[1].wait()
+        if group is not None:
+            in_flight = (flat, group.start_broadcast(flat))
+    if in_flight is not None:
+        in_flight[1].wait()
+
+
+def gathered_weights(module, is_source: bool) -> list[tuple[str, torch.Tensor]] | None:
+    """The whole model on the source rank (None elsewhere), gathered bucket by bucket: what
+    a Hugging Face export saves."""
+    weights = [pair for bucket in weight_buckets(module, is_source) for pair in bucket]
+    return weights if is_source else None
 
 
 def save_pretrained(module, is_source: bool, path: str) -> None:

@@ -2,6 +2,8 @@
 
 The mapping says which column holds each of our fields, e.g. {"prompt": "question",
 "answer": "solution"}; a dotted name reaches into nested objects ("reward_model.ground_truth").
+A prompt is text (`prompt`) or a conversation (`messages`: a list of {"role", "content"}
+objects, for chat models).
 A malformed row stops loading with a one-line ValueError naming file, line and field, or,
 with skip_bad=True, is skipped and counted.
 """
@@ -16,8 +18,10 @@ from typing import Any
 
 from groupflow.records import Prompt
 
-FIELDS = ("prompt", "answer", "uid")
-REQUIRED_FIELDS = ("prompt", "answer")
+FIELDS = ("prompt", "messages", "answer", "uid")
+REQUIRED_FIELDS = ("answer",)
+ROLES = ("system", "user", "assistant")
+MAX_UID_DIGITS = 100
 
 
 class BadRow(ValueError):
@@ -99,19 +103,47 @@ def prompt_from_record(
                 raise fail(field, "missing")
             continue
         values[field] = value
-    text = values["prompt"]
-    if not isinstance(text, str) or not text.strip():
-        raise fail("prompt", f"expected non-empty text, got {_describe(text)}")
+    messages = None
+    if "messages" in values:
+        messages = _messages(values["messages"], fail)
+        text = ""
+    elif "prompt" in values:
+        text = values["prompt"]
+        if not isinstance(text, str) or not text.strip():
+            raise fail("prompt", f"expected non-empty text, got {_describe(text)}")
+    else:
+        raise fail("prompt", "missing (a prompt or a list of messages is needed)")
     answer = values["answer"]
     if parse_answer is not None:
         try:
             answer = parse_answer(answer)
         except (ValueError, TypeError) as err:
-            raise fail("answer", str(err)) from None
+            raise fail("answer", _first_line(err)) from None
+        except RecursionError:
+            raise fail("answer", "nested too deeply") from None
     uid = values.get("uid", f"{Path(path).name}:{line}")
     if not isinstance(uid, str | int) or isinstance(uid, bool):
         raise fail("uid", f"expected text or an integer, got {_describe(uid)}")
-    return Prompt(uid=str(uid), text=text, answer=answer)
+    if isinstance(uid, int) and abs(uid) >= 10**MAX_UID_DIGITS:
+        raise fail("uid", f"integer longer than {MAX_UID_DIGITS} digits")
+    return Prompt(uid=str(uid), text=text, answer=answer, messages=messages)
+
+
+def _messages(value: Any, fail: Callable[[str, str], BadRow]) -> list[dict]:
+    """A conversation: {"role", "content"} objects with a known role, at least one user turn."""
+    if not isinstance(value, list) or not value:
+        raise fail("messages", f"expected a non-empty list of messages, got {_describe(value)}")
+    turns = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+            raise fail("messages", f"message {i}: expected a role of {'/'.join(ROLES)}")
+        content = turn.get("content")
+        if not isinstance(content, str):
+            raise fail("messages", f"message {i}: content must be text, got {_describe(content)}")
+        turns.append({"role": turn["role"], "content": content})
+    if not any(t["role"] == "user" for t in turns):
+        raise fail("messages", "no user message")
+    return turns
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
@@ -120,11 +152,16 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
             if not raw.strip():
                 continue
             try:
-                yield line, json.loads(raw.decode("utf-8"))
+                record = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                yield line, BadRow(f"{path}:{line}: not valid UTF-8")
+                record = BadRow(f"{path}:{line}: not valid UTF-8")
             except json.JSONDecodeError as err:
-                yield line, BadRow(f"{path}:{line}: not valid JSON ({err.msg})")
+                record = BadRow(f"{path}:{line}: not valid JSON ({err.msg})")
+            except RecursionError:
+                record = BadRow(f"{path}:{line}: JSON nested too deeply")
+            except ValueError as err:  # e.g. an integer past Python's int-str digit limit
+                record = BadRow(f"{path}:{line}: unreadable JSON ({_first_line(err)})")
+            yield line, record
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:
@@ -154,5 +191,15 @@ def _lookup(record: dict, column: str) -> tuple[bool, Any]:
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past the int-str digit limit
+        text = f"a {type(value).__name__} too large to show"
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).splitlines()
+    text = lines[0] if lines else type(err).__name__
+    return text if len(text) <= 120 else text[:117] + "..."

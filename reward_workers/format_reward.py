@@ -6,21 +6,30 @@ With weight 0 (every task's default) the verdict is unchanged.
 
 from __future__ import annotations
 
-import re
-
 from groupflow.records import Verdict
+from groupflow.reward_workers.tasks.options import check_number
+
+# Answers sit at the end of a response; extraction looks no further back than this.
+MAX_EXTRACTION_CHARS = 20_000
 
 
 def check_format_weight(task: str, weight: float) -> float:
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"{task}: format_weight must be in [0, 1] (got {weight})")
-    return float(weight)
+    return check_number(task, "format_weight", weight, 0.0, 1.0)
 
 
 def last_tagged_block(text: str, tag: str = "answer") -> str | None:
-    """The content of the last <tag>...</tag> block, or None when there is none."""
-    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL | re.IGNORECASE)
-    return blocks[-1] if blocks else None
+    """The content of the last <tag>...</tag> block in the response's last
+    MAX_EXTRACTION_CHARS, or None when there is none. Linear time: the last closing tag,
+    then the last opening tag before it."""
+    text = text[-MAX_EXTRACTION_CHARS:]
+    lowered = text.lower()
+    close = lowered.rfind(f"</{tag}>")
+    if close < 0:
+        return None
+    start = lowered.rfind(f"<{tag}>", 0, close)
+    if start < 0:
+        return None
+    return text[start + len(tag) + 2 : close]
 
 
 def blend_format(verdict: Verdict, well_formatted: bool, weight: float) -> Verdict:

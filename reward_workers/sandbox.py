@@ -1,21 +1,27 @@
 """Run untrusted Python (model-written code) in a contained child process.
 
+The kernel is the main wall; docs/sandbox.md says which platform gives which guarantees.
 Layers, outermost first (`SandboxPlatform.isolation` lists the ones active on this machine):
-- Namespaces via util-linux `unshare` when it works here: a network namespace (only a
-  loopback interface, left down: no network at all, not even localhost), a PID namespace (the program sees only its own
-  processes and cannot signal anything outside; when its first process dies the kernel kills
-  the rest) and a mount namespace where /tmp is a fresh size-capped noexec tmpfs holding the
-  work directory and the other world-writable directories are empty read-only mounts. We
-  prefer this to an in-process socket block because it holds for native code and for
-  subprocesses too; without `unshare` the audit hook's socket refusal is the only barrier.
-- When the worker is root: the program runs as a fresh unprivileged uid/gid (random per run),
-  so file permissions protect the machine, RLIMIT_NPROC applies (root ignores it) and
-  concurrent runs cannot signal each other.
+- Parent-death signal (util-linux `setpriv --pdeathsig`): a sandbox dies with the process that
+  started it, so a killed scorer leaves nothing running.
+- A memory cgroup per run where the host lets us create one: every page the program touches
+  (memfd, tmpfs, shared memory included, which RLIMIT_AS does not see) is charged to a cap,
+  and every process in it is killed at the end, wherever it went.
+- Namespaces via util-linux `unshare`: network (loopback only, down), PID (the program sees
+  only its own processes; when the namespace's first process dies the kernel kills the
+  rest), IPC (System V objects die with the run), UTS and mount. In the mount namespace the
+  program's root is a fresh read-only tmpfs holding only read-only, nosuid bind mounts of
+  the interpreter, its standard library (site-packages and ctypes masked) and the shared
+  library directories its extension modules link against, four /dev nodes, and a
+  size-capped noexec /tmp with the work directory. No /proc, no dataset, no package code.
+- An unprivileged uid without capabilities: as root, a fresh uid/gid per run; as a
+  non-root user, a non-zero uid in a nested user namespace (so the program cannot unmount).
 - rlimits set in preexec: CPU seconds, address space, processes, file size, open files, no
   core dumps; a wall-clock timeout; a new session whose process group is killed on exit.
 - A stripped environment (PATH, HOME, TMPDIR, LANG only) and `python -I -S -B`.
-- An audit hook inside the child (sandbox_child.py) refusing writes outside the work
-  directory, sockets, subprocesses (unless allowed), signals to other processes and ctypes.
+- An audit hook inside the child (sandbox_child.py), a second layer only: sockets,
+  subprocesses (unless allowed), signals to other processes, ctypes and memfd_create; where
+  the kernel layers are missing, also writes outside the work directory.
 
 Output is captured in unlinked temporary files, bounded by RLIMIT_FSIZE, and read back up to
 `Limits.output_bytes`.
@@ -24,43 +30,36 @@ Output is captured in unlinked temporary files, bounded by RLIMIT_FSIZE, and rea
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import random
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 _CHILD_SOURCE = (Path(__file__).parent / "sandbox_child.py").read_text()
 _NAMESPACE_WORKDIR = "/tmp/work"
-# The namespace's first process: mounts a private /tmp for the work directory and nowhere
-# else to write, then runs the bootstrap as its child, not with exec, so that the program is
-# not the namespace's init (which signals from inside cannot kill) and its death by a signal
-# comes back as an exit status of 128 + signal (unshare does not pass those on reliably).
-# $1 is the tmpfs size in KiB.
-_NAMESPACE_INIT = """set -e
-mount -t tmpfs -o size="$1"k,mode=755,noexec,nosuid,nodev tmpfs /tmp
-for d in /var/tmp /dev/shm /run/lock; do
-  if [ -d "$d" ]; then mount -t tmpfs -o ro,size=4k,mode=755 tmpfs "$d"; fi
-done
-shift
-set +e
-"$@"
-exit $?
-"""
+# Where the new root is assembled inside the private mount namespace (hidden from the host).
+_NEW_ROOT = "/tmp"
+# The uid the program runs as in a nested user namespace when the worker is not root.
+_INNER_ID = 1000
+_DEV_NODES = ("null", "zero", "urandom", "random")
 
 
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 10.0
     cpu_s: int = 10
-    memory_mb: int = 512  # RLIMIT_AS per process
+    memory_mb: int = 512  # RLIMIT_AS per process; the cgroup caps the whole run
     max_processes: int = 8  # RLIMIT_NPROC for the sandbox's uid (threads count too)
     disk_mb: int = 16  # RLIMIT_FSIZE, and the size of the private /tmp
     open_files: int = 64
@@ -82,20 +81,52 @@ class SandboxPlatform:
 
     python: str
     namespace_prefix: tuple[str, ...]  # the unshare command line, or () when unavailable
-    drop_privileges: bool
+    drop_privileges: bool  # the worker is root: run as a fresh uid
+    pdeathsig_prefix: tuple[str, ...] = ()
+    memory_cgroup: str | None = None  # a directory we may create per-run cgroups in
+    cgroup_v2: bool = False
+    visible: tuple[str, ...] = ()  # host paths bound read-only into the new root
+    masked: tuple[str, ...] = ()  # paths inside those hidden again (site-packages, ctypes)
+    links: tuple[tuple[str, str], ...] = ()  # symlinks to recreate in the new root
 
     @property
     def isolation(self) -> tuple[str, ...]:
         layers = ["rlimits", "session", "clean-env", "audit-hook"]
-        if self.drop_privileges:
+        if self.drop_privileges or self.namespace_prefix:
             layers.append("unprivileged-uid")
         if self.namespace_prefix:
-            layers += ["net-namespace", "pid-namespace", "mount-namespace"]
+            layers += [
+                "net-namespace",
+                "pid-namespace",
+                "ipc-namespace",
+                "mount-namespace",
+                "minimal-root",
+            ]
+        if self.pdeathsig_prefix:
+            layers.append("parent-death-signal")
+        if self.memory_cgroup:
+            layers.append("memory-cgroup")
         return tuple(layers)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Kernel layers docs/sandbox.md calls required for code rewards, absent here."""
+        wanted = ("minimal-root", "ipc-namespace", "parent-death-signal", "memory-cgroup")
+        return tuple(layer for layer in wanted if layer not in self.isolation)
 
 
 class SandboxUnavailable(RuntimeError):
     pass
+
+
+def require_strong(platform: SandboxPlatform, allow_weak: bool, who: str) -> None:
+    """Refuse (one line) to run model code where the kernel layers are missing, unless the
+    user opted out."""
+    if platform.missing and not allow_weak:
+        raise ValueError(
+            f"{who}: this machine's sandbox lacks {', '.join(platform.missing)} "
+            "(see docs/sandbox.md); set task option allow_weak_sandbox=true to run anyway"
+        )
 
 
 def run_python(
@@ -107,38 +138,41 @@ def run_python(
 ) -> SandboxResult:
     """Run `source` as a program in the sandbox and return what it printed and how it ended."""
     platform = platform or default_platform()
+    namespaces = bool(platform.namespace_prefix)
     uid, gid = _fresh_ids() if platform.drop_privileges else (None, None)
-    host_workdir = None if platform.namespace_prefix else tempfile.mkdtemp(prefix="gf-sandbox-")
+    host_workdir = None if namespaces else tempfile.mkdtemp(prefix="gf-sandbox-")
     workdir = host_workdir or _NAMESPACE_WORKDIR
     if host_workdir and uid is not None:
         os.chown(host_workdir, uid, gid)
     config = {
         "workdir": workdir,
-        "create_workdir": host_workdir is None,
+        "new_root": _NEW_ROOT if namespaces and uid is not None else None,
+        "create_workdir": namespaces,
         "uid": uid,
         "gid": gid,
         "allow_subprocess": allow_subprocess,
+        "kernel_confined": namespaces,
     }
     command = [platform.python, "-I", "-S", "-B", "-c", _CHILD_SOURCE, json.dumps(config)]
-    if platform.namespace_prefix:
-        size_kib = str(limits.disk_mb * 1024)
+    if namespaces:
         command = [
             *platform.namespace_prefix,
             "/bin/sh",
             "-c",
-            _NAMESPACE_INIT,
+            _namespace_init(platform, limits, nested_user=uid is None),
             "sh",
-            size_kib,
             *command,
         ]
+    command = with_parent_death(platform.pdeathsig_prefix, command)
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    cgroup = _make_cgroup(platform, limits)
     try:
         with (
             tempfile.TemporaryFile() as stdin,
             tempfile.TemporaryFile() as stdout,
             tempfile.TemporaryFile() as stderr,
         ):
-            stdin.write(source.encode())
+            stdin.write(source.encode("utf-8", errors="surrogatepass"))
             stdin.seek(0)
             proc = subprocess.Popen(
                 command,
@@ -148,13 +182,17 @@ def run_python(
                 cwd="/",
                 env=env,
                 start_new_session=True,
-                preexec_fn=functools.partial(_apply_limits, limits, _nproc_limit(limits, uid)),
+                preexec_fn=functools.partial(
+                    _enter_child, limits, _nproc_limit(limits, uid), cgroup
+                ),
             )
             timed_out = _wait(proc, limits.wall_s)
-            if host_workdir is not None and uid is not None:
+            if cgroup is not None:
+                _kill_cgroup(cgroup)
+            elif host_workdir is not None and uid is not None:
                 _kill_all_processes_of(uid, gid)  # no PID namespace to take them down
             returncode = proc.returncode
-            if platform.namespace_prefix and 128 < returncode < 128 + signal.NSIG:
+            if namespaces and 128 < returncode < 128 + signal.NSIG:
                 returncode = 128 - returncode  # the shell's report of death by a signal
             return SandboxResult(
                 returncode=returncode,
@@ -163,52 +201,336 @@ def run_python(
                 timed_out=timed_out,
             )
     finally:
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         if host_workdir is not None:
             _remove_tree(host_workdir)
 
 
-@functools.cache
+def _namespace_init(platform: SandboxPlatform, limits: Limits, nested_user: bool) -> str:
+    """The namespace's first process: builds the minimal root, then runs the bootstrap as its
+    child, not with exec, so that the program is not the namespace's init (which signals from
+    inside cannot kill) and its death by a signal comes back as an exit status of 128 +
+    signal (unshare does not pass those on reliably)."""
+    q = shlex.quote
+    root = _NEW_ROOT
+    lines = [
+        "set -e",
+        f"mount -t tmpfs -o size=1024k,mode=755 gf-root {root}",
+    ]
+    for path in platform.visible:
+        inside = q(root + path)
+        if os.path.isdir(path):
+            lines.append(f"mkdir -p {inside}")
+        else:
+            lines.append(f"mkdir -p {q(os.path.dirname(root + path))}; : > {inside}")
+        lines.append(f"mount --rbind {q(path)} {inside}")
+        lines.append(f"mount -o remount,bind,ro,nosuid,nodev {inside}")
+    for path in platform.masked:
+        inside = q(root + path)
+        if os.path.isdir(path):
+            lines.append(f"mount -t tmpfs -o ro,size=4k,mode=755 gf-mask {inside}")
+        else:
+            lines.append(f"mount --bind /dev/null {inside}")
+    for link, target in platform.links:
+        lines.append(f"[ -e {q(root + link)} ] || ln -s {q(target)} {q(root + link)}")
+    lines.append(f"mkdir -p {root}/dev {root}/tmp")
+    for node in _DEV_NODES:
+        lines.append(f": > {root}/dev/{node}; mount --bind /dev/{node} {root}/dev/{node}")
+    size_kib = limits.disk_mb * 1024
+    # Owned by this namespace's root, which is the nested namespace's uid 1000.
+    lines.append(
+        f"mount -t tmpfs -o size={size_kib}k,mode=755,noexec,nosuid,nodev gf-tmp {root}/tmp"
+    )
+    lines.append(f"mount -o remount,bind,ro,nosuid {root}")
+    if nested_user:
+        # Root of the outer user namespace could unmount all this; the program is not that
+        # root but uid 1000 of a namespace nested inside, with no capabilities over these mounts.
+        lines.append(
+            f'exec_prefix="unshare --user --map-user={_INNER_ID} --map-group={_INNER_ID} '
+            f'--root={root} --"'
+        )
+    else:
+        lines.append('exec_prefix=""')
+    lines += ["set +e", '$exec_prefix "$@"', "exit $?"]
+    return "\n".join(lines) + "\n"
+
+
+_platform: SandboxPlatform | None = None
+
+
 def default_platform() -> SandboxPlatform:
-    return probe_platform(namespaces=True)
+    """The strongest platform here, probed on first use."""
+    global _platform
+    if _platform is None:
+        _platform = probe_platform(namespaces=True)
+    return _platform
+
+
+def probed_platform() -> SandboxPlatform | None:
+    """The platform found so far in this process, if any (to hand to scorer processes)."""
+    return _platform
+
+
+def use_platform(platform: SandboxPlatform) -> None:
+    """Take a platform probed by the parent process instead of probing again."""
+    global _platform
+    _platform = platform
 
 
 def probe_platform(namespaces: bool = True) -> SandboxPlatform:
     """Find an interpreter and the strongest isolation that actually works here.
 
-    `namespaces=False` skips `unshare` (tests use it to exercise the fallback).
+    `namespaces=False` skips `unshare` and the cgroup (tests use it to exercise the fallback).
     """
     drop = os.geteuid() == 0
-    prefixes: list[tuple[str, ...]] = []
+    pdeathsig = parent_death_prefix()
     unshare = shutil.which("unshare")
-    if namespaces and unshare:
-        user_ns = () if drop else ("--map-root-user",)
-        prefixes.append(
-            (unshare, *user_ns, "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--")
-        )
-    prefixes.append(())
-    for prefix in prefixes:
-        for python in _python_candidates():
+    for python in _python_candidates():
+        if namespaces and unshare:
+            user_ns = () if drop else ("--user", "--map-root-user")
+            prefix = (
+                unshare,
+                *user_ns,
+                "--mount",
+                "--net",
+                "--pid",
+                "--ipc",
+                "--uts",
+                "--fork",
+                "--kill-child",
+                "--",
+            )
+            cgroup, v2 = _find_memory_cgroup()
+            visible, masked, links = _root_contents(python)
             candidate = SandboxPlatform(
-                python=python, namespace_prefix=prefix, drop_privileges=drop
+                python=python,
+                namespace_prefix=prefix,
+                drop_privileges=drop,
+                pdeathsig_prefix=pdeathsig,
+                memory_cgroup=cgroup,
+                cgroup_v2=v2,
+                visible=visible,
+                masked=masked,
+                links=links,
             )
             if _works(candidate):
                 return candidate
+    for python in _python_candidates():
+        candidate = SandboxPlatform(
+            python=python, namespace_prefix=(), drop_privileges=drop, pdeathsig_prefix=pdeathsig
+        )
+        if _works(candidate):
+            return candidate
     raise SandboxUnavailable(
         "sandbox: no Python interpreter runs here under the sandbox (as an unprivileged user "
         "it needs a world-readable standard library, e.g. /usr/bin/python3)"
     )
 
 
+def parent_death_prefix() -> tuple[str, ...]:
+    """A command prefix that makes the command die (SIGKILL) with the process starting it.
+
+    `setpriv --pdeathsig` arms the signal; the shell then checks that the parent is still
+    the one that forked it (`$0`, filled in at exec time by the caller), since a parent that
+    died between fork and that moment would never deliver it."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ()
+    check = '[ "$PPID" = "$0" ] || exit 137; exec "$@"'
+    return (setpriv, "--pdeathsig", "KILL", "--", "/bin/sh", "-c", check)
+
+
+def with_parent_death(prefix: tuple[str, ...], command: list[str]) -> list[str]:
+    """prefix + command, with our pid where the prefix's check expects the parent's."""
+    return [*prefix, str(os.getpid()), *command] if prefix else command
+
+
 def _python_candidates() -> list[str]:
     # The trainer's own interpreter may live in a directory only root can enter (such as
-    # /root/.pyenv); the system one is the usual fallback.
-    found = [sys.executable, getattr(sys, "_base_executable", sys.executable)]
+    # /root/.pyenv): the new root makes it reachable; without namespaces the system one is
+    # the usual fallback.
+    found = [getattr(sys, "_base_executable", sys.executable), sys.executable]
     found += ["/usr/bin/python3", "/usr/local/bin/python3"]
     unique = {}
     for path in found:
         if path and os.access(path, os.X_OK):
-            unique.setdefault(os.path.realpath(path), path)
+            unique.setdefault(os.path.realpath(path), os.path.realpath(path))
     return list(unique)
+
+
+_LAYOUT_QUERY = (
+    "import json, sys, sysconfig\n"
+    "print(json.dumps([sysconfig.get_path('stdlib'), sysconfig.get_path('platstdlib'),"
+    " sysconfig.get_path('purelib'), sysconfig.get_path('platlib')]))"
+)
+
+
+def _root_contents(
+    python: str,
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """What the new root shows: the interpreter, its standard library and the directories of
+    the shared libraries it and its extension modules load; minus site-packages and ctypes."""
+    try:
+        out = subprocess.run(
+            [python, "-I", "-S", "-c", _LAYOUT_QUERY], capture_output=True, text=True, timeout=30
+        ).stdout
+        stdlib, platstdlib, purelib, platlib = json.loads(out)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return (), (), ()
+    stdlibs = {os.path.realpath(p) for p in (stdlib, platstdlib)}
+    libraries = {python}
+    for directory in stdlibs:
+        libraries |= set(glob.glob(os.path.join(directory, "lib-dynload", "*.so")))
+    library_dirs = set()
+    for path in sorted(_linked_libraries(libraries)):
+        library_dirs.add(os.path.dirname(path))
+    visible = {python, *stdlibs}
+    links = []
+    for directory in library_dirs:
+        real = os.path.realpath(directory)
+        if any(s == real or s.startswith(real + "/") for s in stdlibs):
+            continue  # e.g. <prefix>/lib holding libpython, already loaded, and site-packages
+        visible.add(real)
+        links += _symlinks_on_the_way(directory)
+    masked = {os.path.realpath(p) for p in (purelib, platlib) if os.path.isdir(p)}
+    for directory in stdlibs:
+        masked |= set(glob.glob(os.path.join(directory, "lib-dynload", "_ctypes*.so")))
+        if os.path.isdir(os.path.join(directory, "ctypes")):
+            masked.add(os.path.join(directory, "ctypes"))
+    ordered_visible = tuple(sorted(visible, key=lambda p: (p.count("/"), p)))
+    shown = [m for m in masked if any(m.startswith(v + "/") for v in visible)]
+    return ordered_visible, tuple(sorted(shown)), tuple(dict.fromkeys(links))
+
+
+def _linked_libraries(binaries: set[str]) -> set[str]:
+    found = set()
+    for chunk_start in range(0, len(binaries), 64):
+        chunk = sorted(binaries)[chunk_start : chunk_start + 64]
+        try:
+            out = subprocess.run(["ldd", *chunk], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in out.splitlines():
+            words = line.split()
+            for word in words:
+                if word.startswith("/") and os.path.exists(word) and not word.endswith(":"):
+                    found.add(word)
+    return found
+
+
+def _symlinks_on_the_way(path: str) -> list[tuple[str, str]]:
+    """The symlinked ancestors of path (/lib -> usr/lib on merged-/usr systems)."""
+    links = []
+    current = ""
+    for part in Path(path).parts[1:]:
+        current += "/" + part
+        if os.path.islink(current):
+            links.append((current, os.readlink(current)))
+    return links
+
+
+def _find_memory_cgroup() -> tuple[str | None, bool]:
+    """A cgroup directory of ours where we may create children with a memory limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None, False
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            if _can_create_child(base, "memory.limit_in_bytes"):
+                return base, False
+    for hierarchy, _, path in entries:
+        if hierarchy == "0":
+            for mount in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+                base = f"{mount}{path}".rstrip("/")
+                try:
+                    with open(f"{base}/cgroup.subtree_control") as f:
+                        enabled = "memory" in f.read().split()
+                except OSError:
+                    continue
+                if enabled and _can_create_child(base, "memory.max"):
+                    return base, True
+    return None, False
+
+
+def _can_create_child(base: str, limit_file: str) -> bool:
+    probe = f"{base}/gf-probe-{os.getpid()}-{random.getrandbits(32):x}"
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    try:
+        return os.path.exists(f"{probe}/{limit_file}")
+    finally:
+        os.rmdir(probe)
+
+
+def _make_cgroup(platform: SandboxPlatform, limits: Limits) -> str | None:
+    if platform.memory_cgroup is None:
+        return None
+    _remove_orphaned_cgroups(platform.memory_cgroup)
+    path = f"{platform.memory_cgroup}/gf-sandbox-{os.getpid()}-{random.getrandbits(48):x}"
+    os.mkdir(path)
+    # The program's own memory, its tmpfs and the interpreter/shell overhead.
+    cap = (limits.memory_mb + limits.disk_mb + 64) * 1024 * 1024
+    settings = (
+        {"memory.max": cap, "memory.swap.max": 0}
+        if platform.cgroup_v2
+        else {"memory.limit_in_bytes": cap, "memory.memsw.limit_in_bytes": cap}
+    )
+    for name, value in settings.items():
+        try:
+            Path(path, name).write_text(str(value))
+        except OSError:
+            if "swap" not in name and "memsw" not in name:  # swap accounting may be off
+                os.rmdir(path)
+                raise
+    return path
+
+
+def _remove_orphaned_cgroups(base: str) -> None:
+    """Cgroups of scorers that were killed mid-run (their sandboxes died with them, by the
+    parent-death signal; the empty directories stay until someone removes them)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if name.startswith("gf-sandbox-") and len(parts) == 4 and parts[2].isdigit():
+            if not os.path.exists(f"/proc/{parts[2]}"):
+                _kill_cgroup(f"{base}/{name}")
+                _remove_cgroup(f"{base}/{name}")
+
+
+def _kill_cgroup(path: str) -> None:
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in Path(path, "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def _remove_cgroup(path: str) -> None:
+    for _ in range(100):  # the kernel frees a cgroup a moment after its last process exits
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
 
 
 def _works(platform: SandboxPlatform) -> bool:
@@ -265,9 +587,15 @@ def _nproc_limit(limits: Limits, uid: int | None) -> int:
     return existing + limits.max_processes
 
 
-def _apply_limits(limits: Limits, nproc: int) -> None:
+def _enter_child(limits: Limits, nproc: int, cgroup: str | None) -> None:
     # preexec_fn runs in the child between fork and exec, where a lock held by another
-    # thread of the worker at fork time could deadlock it; setrlimit calls take no locks.
+    # thread of the worker at fork time could deadlock it: only raw system calls here.
+    if cgroup is not None:
+        fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
     disk = limits.disk_mb * 1024 * 1024
     memory = limits.memory_mb * 1024 * 1024
     for kind, value in (

@@ -24,7 +24,7 @@ def _drop_privileges(uid: int, gid: int) -> None:
         raise SystemExit("sandbox: could not drop privileges")
 
 
-def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
+def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: bool) -> None:
     root = os.path.realpath(workdir)
     own_proc = f"/proc/{os.getpid()}/"
     other_proc = re.compile(r"/proc/\d+(/|$)")
@@ -60,8 +60,13 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
             "subprocess.Popen",
             "pty.spawn",
         }
-    # _posixsubprocess.fork_exec raises no audit event, and ctypes can do anything.
+    # _posixsubprocess.fork_exec raises no audit event, and ctypes can do anything. Any
+    # component of a dotted name counts: an extension module loads under any package name.
     refused_modules = {"ctypes", "_ctypes"} | (set() if allow_subprocess else {"_posixsubprocess"})
+    # memfd pages escape RLIMIT_AS (the memory cgroup is the wall where there is one).
+    for module in (os, sys.modules.get("posix")):
+        if module is not None and hasattr(module, "memfd_create"):
+            delattr(module, "memfd_create")
     # event -> (positions of paths that must stay inside the workdir, positions of dir_fd args)
     path_events = {
         "os.remove": ((0,), (1,)),
@@ -111,19 +116,34 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool) -> None:
 
     def hook(event: str, args: tuple) -> None:
         if event == "open":
-            check_open(*args[:3])
+            # With the kernel layers, the read-only root is the wall for writes; the hook's
+            # path checks would only refuse what the program may do (tempfile, unlink).
+            if not kernel_confined:
+                check_open(*args[:3])
         elif event in refused:
             raise PermissionError(f"sandbox: {event} is not allowed")
         elif event == "import":
-            if args[0].partition(".")[0] in refused_modules:
-                raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+            name = str(args[0])
+            filename = os.path.basename(str(args[1])) if len(args) > 1 and args[1] else ""
+            if set(name.split(".")) & refused_modules or filename.startswith("_ctypes"):
+                raise PermissionError(f"sandbox: importing {name} is not allowed")
         elif event == "os.kill":
             if args[0] != os.getpid():
                 raise PermissionError("sandbox: signalling other processes is not allowed")
-        elif event in path_events:
+        elif event in path_events and not kernel_confined:
             paths, dir_fds = path_events[event]
-            if any(i < len(args) and args[i] is not None for i in dir_fds):
-                raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
+            # Without a dir_fd CPython reports None or a negative default (-1): the paths are
+            # then relative to the current directory.
+            fds = [
+                args[i]
+                for i in dir_fds
+                if i < len(args) and not (args[i] is None or (type(args[i]) is int and args[i] < 0))
+            ]
+            if fds:  # shutil.rmtree works this way: a plain name in a directory inside
+                plain = all(os.sep not in os.fsdecode(args[i]) for i in paths)
+                if not plain or not all(inside(resolve(fd)) for fd in fds):
+                    raise PermissionError(f"sandbox: {event} with this dir_fd is not allowed")
+                return
             for i in paths:
                 if not inside(resolve(args[i])):
                     raise PermissionError(f"sandbox: {event} outside the work directory")
@@ -138,6 +158,9 @@ def _main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     workdir, uid, gid = config["workdir"], config["uid"], config["gid"]
+    if config["new_root"] is not None:  # the minimal root built by the namespace's init
+        os.chroot(config["new_root"])
+        os.chdir("/")
     if config["create_workdir"]:  # inside the private tmpfs of the mount namespace
         os.mkdir(workdir, 0o700)
         if uid is not None:
@@ -146,7 +169,7 @@ def _main() -> None:
     if uid is not None:
         _drop_privileges(uid, gid)
     code = compile(source, "<program>", "exec")
-    _install_audit_hook(workdir, config["allow_subprocess"])
+    _install_audit_hook(workdir, config["allow_subprocess"], config["kernel_confined"])
     sys.argv = ["<program>"]
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 

@@ -34,19 +34,32 @@ def main(argv: list[str]) -> int:
     try:
         options = dict(_parse_option(text) for text in args.option)
         scorer = Scorer(args.task, options, plugin=args.plugin, timeout_s=args.timeout)
+    except ValueError as err:
+        print(f"groupflow score: {_printable(str(err))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         items = _read_input(args.input, scorer)
     except ValueError as err:
-        print(f"groupflow score: {err}", file=sys.stderr)
+        print(f"groupflow score: {_printable(str(err))}", file=sys.stderr)
+        scorer.close()
         return EXIT_BAD_INPUT
 
     total = 0.0
-    for line, prompt, response in items:
-        verdict = scorer.score_response(prompt, response)
-        total += verdict.reward
-        out = {"line": line, "uid": prompt.uid, "reward": verdict.reward, "reason": verdict.reason}
-        if verdict.error is not None:
-            out["error"] = verdict.error
-        print(json.dumps(out, ensure_ascii=False), flush=True)
+    try:
+        verdicts = scorer.score_stream([(prompt, response) for _, prompt, response in items])
+        for (line, prompt, _), verdict in zip(items, verdicts, strict=True):
+            total += verdict.reward
+            out = {
+                "line": line,
+                "uid": _printable(prompt.uid),
+                "reward": verdict.reward,
+                "reason": _printable(verdict.reason),
+            }
+            if verdict.error is not None:
+                out["error"] = verdict.error
+            print(json.dumps(out, ensure_ascii=False), flush=True)
+    finally:
+        scorer.close()
     mean = total / len(items) if items else 0.0
     print(
         f"groupflow score: {len(items)} responses, mean reward {mean:.4f}, "
@@ -71,8 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--input", required=True, help="JSONL file: prompt fields plus 'response'")
     parser.add_argument("--plugin", help="reward plugin 'module:function' or 'file.py:function'")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per plugin call")
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds per plugin call (finite, > 0)"
+    )
     return parser
+
+
+def _printable(text: str) -> str:
+    """Lone surrogates (from JSON escapes such as "\\ud800") cannot be written as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -83,6 +103,8 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, json.loads(raw)
     except json.JSONDecodeError:
         return key, raw
+    except (ValueError, RecursionError):
+        raise ValueError(f"--option {key}: unreadable value") from None
 
 
 def _read_input(path: str, scorer: Scorer) -> list[tuple[int, Prompt, str]]:

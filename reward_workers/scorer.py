@@ -1,21 +1,29 @@
 """Scores sampled groups with a task's verifier or a reward plugin; used by each reward worker.
 
-Scoring never raises for a single response: a verifier that fails yields a zero-reward
-Verdict with error="error" or "timeout", and the worker reports the `errors` / `timeouts`
-counters.
+Every verifier and plugin call runs in a scorer process that is killed at its deadline
+(reward_workers/verifier_pool.py). Scoring never raises for a single response: a verifier
+that fails yields a zero-reward Verdict with error="error" or "timeout", and the worker
+reports the `errors` / `timeouts` counters.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, Verdict
+from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.log_once import LogOnce
-from groupflow.reward_workers.plugins import load_plugin
 from groupflow.reward_workers.tasks import make_task
+from groupflow.reward_workers.tasks.options import check_positive_seconds
+from groupflow.reward_workers.verifier_pool import VerifierPool, VerifierSpec
 
 logger = logging.getLogger(__name__)
+
+# Tasks without a timeout option of their own (arithmetic, countdown, knights_and_knaves)
+# are pure-Python checks of bounded input: this is generous.
+DEFAULT_VERIFY_TIMEOUT_S = 5.0
 
 
 class Scorer:
@@ -25,34 +33,51 @@ class Scorer:
         task_options: dict[str, Any] | None = None,
         plugin: str | None = None,
         timeout_s: float = 30.0,
+        processes: int = 1,
     ):
         """plugin: 'module:function' or 'file.py:function', used instead of the task's
-        verifier; timeout_s bounds each plugin call."""
+        verifier; timeout_s bounds each plugin call; processes: scorer processes (calls in
+        flight at once)."""
+        check_positive_seconds("reward", "timeout", timeout_s, maximum=86_400.0)
         self.task = make_task(task_name, task_options)
-        self.plugin = load_plugin(plugin, timeout_s) if plugin else None
+        call_timeout = (
+            timeout_s if plugin else getattr(self.task, "timeout_s", DEFAULT_VERIFY_TIMEOUT_S)
+        )
+        spec = VerifierSpec(task_name, task_options, plugin, sandbox.probed_platform())
+        self.pool = VerifierPool(spec, processes, call_timeout)
         self.errors = 0
         self.timeouts = 0
         self._log = LogOnce(logger)
 
     def score_group(self, group: SampledGroup) -> ScoredGroup:
-        verdicts = [self.score_response(group.prompt, r.text) for r in group.responses]
-        return ScoredGroup(group=group, verdicts=verdicts)
+        return self.score_groups([group])[0]
+
+    def score_groups(
+        self, groups: list[SampledGroup], budget_s: float | None = None
+    ) -> list[ScoredGroup]:
+        """All responses of all groups, within budget_s seconds (plus a margin) if given."""
+        items = [(g.prompt, r.text) for g in groups for r in g.responses]
+        verdicts = iter(self._count(self.pool.verify_all(items, budget_s)))
+        return [
+            ScoredGroup(group=g, verdicts=[next(verdicts) for _ in g.responses]) for g in groups
+        ]
 
     def score_response(self, prompt: Prompt, response: str) -> Verdict:
-        if self.plugin is not None:
-            verdict = self.plugin(prompt, response)
-        else:
-            verdict = self._verify(prompt, response)
-        if verdict.error == "timeout":
-            self.timeouts += 1
-        elif verdict.error is not None:
-            self.errors += 1
-        return verdict
+        return next(self._count(iter([self.pool.verify(prompt, response)])))
 
-    def _verify(self, prompt: Prompt, response: str) -> Verdict:
-        try:
-            return self.task.verify(prompt, response)
-        except Exception as err:  # a verifier bug must cost one sample, not the worker
-            reason = f"{self.task.name} verifier raised {type(err).__name__}: {err}"
-            self._log.warning(type(err).__name__, reason)
-            return Verdict(0.0, reason[:300], error="error")
+    def score_stream(self, items: list[tuple[Prompt, str]]) -> Iterator[Verdict]:
+        """Verdicts in input order as they come, several in flight at once."""
+        return self._count(self.pool.verify_all(items))
+
+    def _count(self, verdicts: Iterator[Verdict]) -> Iterator[Verdict]:
+        for verdict in verdicts:
+            if verdict.error == "timeout":
+                self.timeouts += 1
+            elif verdict.error is not None:
+                self.errors += 1
+            if verdict.error is not None:
+                self._log.warning(verdict.error, f"{self.task.name} scoring: {verdict.reason}")
+            yield verdict
+
+    def close(self) -> None:
+        self.pool.close()

@@ -7,10 +7,12 @@ No Ray in here; actors/generator.py wraps it. The engine lives in the caller's p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from groupflow.records import Prompt, Response, SampledGroup
+from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
 
 if TYPE_CHECKING:
     from groupflow.config import SamplingConfig
@@ -24,6 +26,7 @@ class EngineSettings:
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
     seed: int = 0
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
 
 def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
@@ -35,6 +38,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         kv_cache_gib=cfg.rollout.kv_cache_gib,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=seed,
+        chat=ChatSettings(cfg.task.chat_template, cfg.task.system_prompt),
     )
 
 
@@ -56,6 +60,7 @@ class RolloutEngine:
             worker_extension_cls="groupflow.rollout.weight_receiver.WeightReceiver",
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.renderer = PromptRenderer(self.tokenizer, settings.chat)
         self.policy_version = 0
 
     def sample_groups(
@@ -64,26 +69,35 @@ class RolloutEngine:
         """G sampled responses for each prompt, with their token ids and log-probs."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            logprobs=0,
-        )
-        return self._generate(prompts, params)
+        def params(prompt: Prompt) -> SamplingParams:
+            return SamplingParams(
+                n=group_size,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                max_tokens=sampling.max_tokens,
+                stop=sampling.stop,
+                include_stop_str_in_output=True,
+                seed=request_seed(sampling.seed, prompt.uid, self.policy_version),
+                logprobs=0,
+            )
 
-    def greedy(self, prompts: list[Prompt], max_tokens: int) -> list[str]:
-        """One greedy completion per prompt (held-out evaluation)."""
+        return self._generate(prompts, [params(p) for p in prompts])
+
+    def complete(
+        self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
+    ) -> list[SampledGroup]:
+        """Held-out evaluation: one greedy answer per prompt, or n sampled ones."""
         from vllm import SamplingParams
 
-        groups = self._generate(
-            prompts, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
-        )
-        return [g.responses[0].text for g in groups]
+        if greedy:
+            params = SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens)
+            return self._generate(prompts, params)
+        return self.sample_groups(prompts, n, sampling)
 
     def _generate(self, prompts: list[Prompt], params) -> list[SampledGroup]:
-        prompt_ids = [self.tokenizer.encode(p.text) for p in prompts]
+        prompt_ids = [self.renderer.ids(p) for p in prompts]
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
         )
@@ -94,6 +108,7 @@ class RolloutEngine:
                     token_ids=list(c.token_ids),
                     text=c.text,
                     logprobs=_sampled_logprobs(c),
+                    finish_reason=c.finish_reason,
                 )
                 for c in out.outputs
             ]
@@ -101,24 +116,48 @@ class RolloutEngine:
         return groups
 
     def load_weights(self, named_tensors, version: int) -> None:
+        """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they
+        arrive (the engine lives in this process, so the worker consumes it lazily)."""
         self.llm.collective_rpc("load_named_tensors", args=(named_tensors,))
         # Cached prefixes were computed by the old weights.
         self.llm.reset_prefix_cache()
         self.policy_version = version
 
-    def receive_weights(self, group, manifest, version: int, device: str) -> None:
-        """Receive every tensor of `manifest` from the weight group's rank 0, then load them."""
-        import torch
-
-        named = []
-        for name, shape, dtype in manifest:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            group.broadcast(tensor)
-            named.append((name, tensor))
-        self.load_weights(named, version)
+    def receive_weights(self, group, buckets, version: int, device: str) -> None:
+        """Receive the buckets (learner/weight_export.py's bucket_manifest) from the weight
+        group's rank 0 and load them in one pass: vLLM loads each layer once its tensors have
+        arrived, while the next bucket is in transfer."""
+        self.load_weights(_arriving(group, buckets, device), version)
 
     def parameters_snapshot(self) -> dict:
         return self.llm.collective_rpc("named_parameters_snapshot")[0]
+
+
+def _arriving(group, buckets, device: str):
+    """The (name, tensor) pairs of `buckets` as each bucket lands, the next one in transfer."""
+    import torch
+
+    def start(bucket):
+        numel = sum(torch.Size(shape).numel() for _, shape, _ in bucket)
+        flat = torch.empty(numel, dtype=getattr(torch, bucket[0][2]), device=device)
+        return flat, group.start_broadcast(flat)
+
+    pending = start(buckets[0]) if buckets else None
+    for k, bucket in enumerate(buckets):
+        flat, transfer = pending
+        transfer.wait()
+        pending = start(buckets[k + 1]) if k + 1 < len(buckets) else None
+        shapes = [torch.Size(shape) for _, shape, _ in bucket]
+        parts = flat.split([s.numel() for s in shapes])
+        yield from ((e[0], t.view(s)) for e, t, s in zip(bucket, parts, shapes, strict=True))
+
+
+def request_seed(seed: int | None, uid: str, version: int) -> int | None:
+    """A request's own seed: the same prompt at the same policy version samples the same
+    responses in any run, on any engine; a new version or another prompt gets fresh ones."""
+    if seed is None:
+        return None
+    return zlib.crc32(f"{seed}/{uid}/{version}".encode())
 
 
 def _sampled_logprobs(completion) -> list[float]:

@@ -2,25 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+
+from groupflow.learner.weight_export import layer_of
+
+# With tied embeddings vLLM's output projection shares the input embedding's weight.
+TIED_HEAD = {"model.embed_tokens": "lm_head"}
 
 
 class WeightReceiver:
     """Mixed into vLLM's worker class; reached with `llm.collective_rpc(name, args=...)`."""
 
-    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load (name, tensor) pairs in place, in one pass over `named_tensors`, which may be an
+        iterator that yields them as they arrive."""
         # reload_weights maps Hugging Face names onto vLLM's fused layers (qkv, gate_up),
-        # the same path as loading a checkpoint, so no name mapping lives here.
-        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
-        self._repack_kept_cpu_weights()
-        return len(named_tensors)
+        # the same path as loading a checkpoint, so no name mapping lives here. It processes
+        # a layer as soon as all its tensors are in, and the rest once at the end: one call
+        # per sync (a call per bucket would pay that whole-model pass per bucket).
+        layers: set[str] = set()
 
-    def _repack_kept_cpu_weights(self) -> None:
+        def noting_layers():
+            for name, tensor in named_tensors:
+                layers.add(layer_of(name))
+                yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=noting_layers())
+        self._repack_kept_cpu_weights(layers | {TIED_HEAD.get(x, x) for x in layers})
+        return len(layers)
+
+    def _repack_kept_cpu_weights(self, layers: set[str]) -> None:
         """On CPU, the output projection keeps its weight *and* a packed copy for the GEMM
         kernel; the in-place reload updates the weight but not the packed copy (vLLM 0.32),
-        so the engine would keep sampling from the old head. Repack it from the new weight."""
+        so the engine would keep sampling from the old head. Repack it from the new weight,
+        in the layers just loaded."""
         model = self.model_runner.get_model()
-        for module in model.modules():
+        for name, module in model.named_modules():
+            if not any(name == x or name.startswith(x + ".") for x in layers):
+                continue
             weight = getattr(module, "weight", None)
             if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0:
                 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm

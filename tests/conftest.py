@@ -31,3 +31,27 @@ def quickstart_model() -> str:
             cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, progress=False
         )
     )
+
+
+# A chat template in the quickstart tokenizer's alphabet: "S(...) U(...) A(" with a generation
+# prompt, so the quickstart model becomes a local chat model (no download).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] | upper }}({{ m['content'] }}) {% endfor %}"
+    "{% if add_generation_prompt %}A({% endif %}"
+)
+CHAT_SYSTEM_PROMPT = "answer with a number"
+
+
+@pytest.fixture(scope="session")
+def chat_model(quickstart_model, tmp_path_factory) -> str:
+    """The quickstart model with CHAT_TEMPLATE saved in its tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("chat_model")
+    shutil.copytree(quickstart_model, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(quickstart_model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)

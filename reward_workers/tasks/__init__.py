@@ -1,29 +1,31 @@
-"""Built-in tasks by name."""
+"""Built-in tasks by name, each imported only when used (a scorer process for arithmetic
+need not import sympy, which the math task does: half a second per process start)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from groupflow.reward_workers.tasks.arithmetic import ArithmeticTask
 from groupflow.reward_workers.tasks.base import Task
-from groupflow.reward_workers.tasks.code_problems import CodeTask
-from groupflow.reward_workers.tasks.countdown import CountdownTask
-from groupflow.reward_workers.tasks.knights import KnightsAndKnavesTask
-from groupflow.reward_workers.tasks.math_problems import MathTask
 
-TASKS: dict[str, type] = {
-    "arithmetic": ArithmeticTask,
-    "countdown": CountdownTask,
-    "knights_and_knaves": KnightsAndKnavesTask,
-    "math": MathTask,
-    "code": CodeTask,
+# name -> (module under groupflow.reward_workers.tasks, class)
+TASKS: dict[str, tuple[str, str]] = {
+    "arithmetic": ("arithmetic", "ArithmeticTask"),
+    "countdown": ("countdown", "CountdownTask"),
+    "knights_and_knaves": ("knights", "KnightsAndKnavesTask"),
+    "math": ("math_problems", "MathTask"),
+    "code": ("code_problems", "CodeTask"),
+    # several of the above in one job: groupflow/config.py builds it from a list under `task`
+    "mixture": ("mixture", "MixtureTask"),
 }
 
 
 def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
     if name not in TASKS:
         raise ValueError(f"task.name: unknown task {name!r}; choose one of {sorted(TASKS)}")
+    module, cls = TASKS[name]
+    task_class = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
     try:
-        return TASKS[name](**(options or {}))
+        return task_class(**(options or {}))
     except TypeError as err:
         raise ValueError(f"task.options: {err}") from None

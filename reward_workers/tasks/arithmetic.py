@@ -8,6 +8,7 @@ from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import GeneratedTask
+from groupflow.reward_workers.tasks.options import check_int
 
 _LEADING_INT = re.compile(r"\s*(-?\d{1,40})(?!\d)")
 
@@ -18,10 +19,10 @@ class ArithmeticTask(GeneratedTask):
     name = "arithmetic"
 
     def __init__(self, digits: int = 1, terms: int = 3, ops: str = "+-"):
-        if digits < 1 or terms < 2 or not ops or set(ops) - set("+-"):
-            raise ValueError(
-                f"arithmetic: need digits >= 1, terms >= 2, ops from '+-' (got {digits}, {terms}, {ops!r})"
-            )
+        check_int(self.name, "digits", digits, 1, 100)
+        check_int(self.name, "terms", terms, 2, 1000)
+        if not isinstance(ops, str) or not ops or set(ops) - set("+-"):
+            raise ValueError(f"arithmetic: ops must be made of '+-' (got {ops!r})")
         self.digits, self.terms, self.ops = digits, terms, ops
 
     def _make(self, rng: random.Random) -> Prompt:
@@ -32,7 +33,12 @@ class ArithmeticTask(GeneratedTask):
             op, value = rng.choice(self.ops), rng.randint(0, hi)
             answer += value if op == "+" else -value
             expr += f"{op}{value}"
-        return Prompt(uid=expr, text=f"{expr}=", answer=answer)
+        # The raw prompt is the quickstart's completion format; a chat model gets an instruction
+        # asking for what verify() reads: the integer, first.
+        ask = f"Compute {expr}. Reply with the resulting integer only."
+        return Prompt(
+            uid=expr, text=f"{expr}=", answer=answer, messages=[{"role": "user", "content": ask}]
+        )
 
     def parse_answer(self, raw: Any) -> int:
         if type(raw) is not int:

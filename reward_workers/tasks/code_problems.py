@@ -13,8 +13,9 @@ from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
-from groupflow.reward_workers.sandbox import default_platform
+from groupflow.reward_workers.sandbox import default_platform, require_strong
 from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, run_tests
+from groupflow.reward_workers.tasks.options import check_int, check_positive_seconds
 from groupflow.reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Reply with the complete function in a ```python code block."
@@ -151,7 +152,8 @@ BUILTIN_PROBLEMS: tuple[tuple[str, str, list[tuple[list, Any]], bool], ...] = (
 
 class CodeTask(PooledTask):
     """Each solution runs once in the sandbox: `timeout_s` for the whole run,
-    `case_timeout_s` per test case, `memory_mb` of address space."""
+    `case_timeout_s` per test case, `memory_mb` of address space. Refuses to start where the
+    sandbox lacks its kernel layers (docs/sandbox.md) unless `allow_weak_sandbox` is true."""
 
     name = "code"
 
@@ -167,16 +169,15 @@ class CodeTask(PooledTask):
         case_timeout_s: float = 2.0,
         memory_mb: int = 512,
         format_weight: float = 0.0,
+        allow_weak_sandbox: bool = False,
     ):
-        if timeout_s <= 0 or case_timeout_s <= 0 or memory_mb < 64:
-            raise ValueError(
-                f"code: need timeout_s > 0, case_timeout_s > 0, memory_mb >= 64 "
-                f"(got {timeout_s}, {case_timeout_s}, {memory_mb})"
-            )
-        self.timeout_s, self.case_timeout_s, self.memory_mb = timeout_s, case_timeout_s, memory_mb
+        self.timeout_s = check_positive_seconds(self.name, "timeout_s", timeout_s)
+        self.case_timeout_s = check_positive_seconds(self.name, "case_timeout_s", case_timeout_s)
+        self.memory_mb = check_int(self.name, "memory_mb", memory_mb, 64, 1 << 20)
         self.instruction = instruction
         self.format_weight = check_format_weight(self.name, format_weight)
-        default_platform()  # no usable sandbox on this machine: fail now, not mid-training
+        # No usable sandbox, or one without the kernel layers: fail now, not mid-training.
+        require_strong(default_platform(), allow_weak_sandbox is True, "code task")
         self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction)
 
     def _builtin_split(self) -> tuple[list[Prompt], list[Prompt]]:

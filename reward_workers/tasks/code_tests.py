@@ -36,6 +36,8 @@ def parse_spec(raw: Any) -> dict[str, Any]:
             raw = json.loads(raw)
         except json.JSONDecodeError as err:
             raise ValueError(f"tests are not valid JSON ({err.msg})") from None
+        except (ValueError, RecursionError) as err:  # 5,000-digit numbers, deep nesting
+            raise ValueError(f"tests are not readable JSON ({type(err).__name__})") from None
     if not isinstance(raw, dict) or set(raw) != {"entry_point", "tests"}:
         raise ValueError('expected {"entry_point": ..., "tests": [...]}')
     entry_point, tests = raw["entry_point"], raw["tests"]
@@ -78,7 +80,7 @@ def run_tests(
     for line in result.stdout.splitlines():
         try:
             report = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue  # a result line cut off at the output limit counts as missing
         if not isinstance(report, dict):
             continue
@@ -105,14 +107,18 @@ def run_tests(
 
 
 def same_value(got: Any, expected: Any) -> bool:
-    """JSON values equal, with floats compared to a relative/absolute tolerance of 1e-9
-    and booleans never equal to numbers."""
+    """JSON values equal: an expected integer exactly, an expected float to a
+    relative/absolute tolerance of 1e-9; booleans never equal to numbers."""
     if isinstance(got, bool) or isinstance(expected, bool):
         return type(got) is type(expected) and got == expected
     if isinstance(got, int | float) and isinstance(expected, int | float):
-        if isinstance(got, float) or isinstance(expected, float):
+        if isinstance(expected, int):
+            # Exact: a float near a large integer (1e20 for 10**20 + 1) is not that integer.
+            return got == expected
+        try:
             return math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9)
-        return got == expected
+        except OverflowError:  # an integer too large for a float is not near any float
+            return False
     if isinstance(got, list) and isinstance(expected, list):
         return len(got) == len(expected) and all(map(same_value, got, expected))
     if isinstance(got, dict) and isinstance(expected, dict):

@@ -21,6 +21,7 @@ from groupflow.reward_workers.format_reward import (
     last_tagged_block,
 )
 from groupflow.reward_workers.tasks.base import GeneratedTask
+from groupflow.reward_workers.tasks.options import check_int
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DEPTH = 24
@@ -107,11 +108,9 @@ class CountdownTask(GeneratedTask):
         max_target: int = 1000,
         format_weight: float = 0.0,
     ):
-        if not 2 <= count <= 6 or max_number < 2 or max_target < 1:
-            raise ValueError(
-                f"countdown: need 2 <= count <= 6, max_number >= 2, max_target >= 1 "
-                f"(got {count}, {max_number}, {max_target})"
-            )
+        check_int(self.name, "count", count, 2, 6)
+        check_int(self.name, "max_number", max_number, 2, 10**6)
+        check_int(self.name, "max_target", max_target, 1, 10**9)
         self.count, self.max_number, self.max_target = count, max_number, max_target
         self.format_weight = check_format_weight(self.name, format_weight)
 

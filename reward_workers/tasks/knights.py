@@ -18,11 +18,13 @@ from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import (
+    MAX_EXTRACTION_CHARS,
     blend_format,
     check_format_weight,
     last_tagged_block,
 )
 from groupflow.reward_workers.tasks.base import GeneratedTask
+from groupflow.reward_workers.tasks.options import check_int
 
 NAMES = (
     "Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia",
@@ -177,10 +179,8 @@ class KnightsAndKnavesTask(GeneratedTask):
     name = "knights_and_knaves"
 
     def __init__(self, people: int = 3, depth: int = 2, format_weight: float = 0.0):
-        if not 2 <= people <= 8 or not 2 <= depth <= 4:
-            raise ValueError(
-                f"knights_and_knaves: need 2 <= people <= 8 and 2 <= depth <= 4 (got {people}, {depth})"
-            )
+        check_int(self.name, "people", people, 2, 8)
+        check_int(self.name, "depth", depth, 2, 4)
         self.people, self.depth = people, depth
         self.format_weight = check_format_weight(self.name, format_weight)
 
@@ -199,6 +199,7 @@ class KnightsAndKnavesTask(GeneratedTask):
         return dict(raw)
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
+        response = response[-MAX_EXTRACTION_CHARS:]  # the claim patterns are not linear
         block = last_tagged_block(response)
         verdict = self._check(
             prompt.answer, response if block is None else block, strict=block is not None

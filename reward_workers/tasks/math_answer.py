@@ -1,10 +1,13 @@
 """Final-answer extraction from a math solution, and equivalence via the math-verify library.
 
 math-verify's own timeouts use signal.alarm, which works only in the main thread and cancels
-any alarm the host process set; a reward worker scores from whatever thread it is given. So
-its timeouts are off and the comparison runs under our deadline (a helper thread) instead.
-Because a thread cannot be stopped, answers that could make sympy run away (towers of
-powers, huge exponents or factorials, long or deeply nested input) are refused before that.
+any alarm the host process set. They are off: the check runs in a scorer process that is
+killed at its deadline (reward_workers/verifier_pool.py). Answers that could make sympy run
+away (towers of powers, huge exponents or factorials, long or deeply nested input) are still
+refused up front, so that they cost a refusal instead of a timeout and a process restart.
+
+Extraction looks only at the last MAX_EXTRACTION_CHARS of a response (where a final answer
+is) and runs in linear time: no regex or scan restarts at every candidate.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ import re
 import sympy
 from math_verify import parse, verify
 
-from groupflow.reward_workers.deadline import call_with_deadline
-
+MAX_EXTRACTION_CHARS = 20_000
 MAX_ANSWER_CHARS = 200
 MAX_NESTING = 16
 MAX_EXPONENT = 1000
@@ -25,6 +27,7 @@ MAX_FACTORIAL = 1000
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+_TOKEN = re.compile(r"[^\s$]+")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
 _FACTORIAL_LIKE = {"factorial", "factorial2", "subfactorial", "gamma", "binomial"}
 
@@ -46,24 +49,36 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 def last_boxed(text: str) -> str | None:
     """Content of the last well-formed \\boxed{...} (nested braces allowed) or \\boxed 5."""
+    text = text[-MAX_EXTRACTION_CHARS:]
+    closing = _matching_braces(text)
     for match in reversed(list(_BOXED.finditer(text))):
         start = match.end()
         if text.startswith("{", start):
-            depth = 0
-            for i in range(start, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[i], 0)
-                if depth == 0:
-                    return text[start + 1 : i].strip()
+            end = closing.get(start)
+            if end is not None:
+                return text[start + 1 : end].strip()
         else:
-            token = re.match(r"[^\s$]+", text[start:])
+            token = _TOKEN.match(text, start)
             if token:
                 return token.group(0)
     return None
 
 
+def _matching_braces(text: str) -> dict[int, int]:
+    """Position of each '{' -> position of its '}', in one pass (unclosed ones are absent)."""
+    pairs, open_at = {}, []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            open_at.append(i)
+        elif ch == "}" and open_at:
+            pairs[open_at.pop()] = i
+    return pairs
+
+
 def extract_answer(response: str) -> tuple[str, str] | None:
     """(answer text, how it was found): the last \\boxed{}, else 'the answer is ...', else
-    the last number in the response."""
+    the last number in the response (its last MAX_EXTRACTION_CHARS)."""
+    response = response[-MAX_EXTRACTION_CHARS:]
     boxed = last_boxed(response)
     if boxed:
         return boxed, "boxed"
@@ -78,12 +93,12 @@ def extract_answer(response: str) -> tuple[str, str] | None:
     return None
 
 
-def equivalent(gold: str, candidate: str, timeout_s: float) -> bool:
+def equivalent(gold: str, candidate: str) -> bool:
     """Whether the candidate answer equals the gold one, per math-verify.
 
-    Raises AnswerTooCostly for answers refused up front, DeadlineExceeded on timeout."""
+    Raises AnswerTooCostly for answers refused up front."""
     _check_shape(candidate)
-    return call_with_deadline(lambda: _compare(gold, candidate), timeout_s)
+    return _compare(gold, candidate)
 
 
 def _check_shape(candidate: str) -> None:

@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from groupflow.reward_workers.deadline import DeadlineExceeded
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
 from groupflow.reward_workers.tasks.math_answer import (
     AnswerTooCostly,
@@ -18,6 +17,7 @@ from groupflow.reward_workers.tasks.math_answer import (
     extract_answer,
     last_boxed,
 )
+from groupflow.reward_workers.tasks.options import check_positive_seconds
 from groupflow.reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."
@@ -66,7 +66,8 @@ BUILTIN_PROBLEMS: tuple[tuple[str, str, bool], ...] = (
 
 
 class MathTask(PooledTask):
-    """Answers are compared with math-verify, each check bounded by `timeout_s` seconds."""
+    """Answers are compared with math-verify; the scorer process running a check is killed
+    after `timeout_s` seconds."""
 
     name = "math"
 
@@ -81,8 +82,7 @@ class MathTask(PooledTask):
         timeout_s: float = 5.0,
         format_weight: float = 0.0,
     ):
-        if timeout_s <= 0:
-            raise ValueError(f"math: timeout_s must be positive (got {timeout_s})")
+        check_positive_seconds(self.name, "timeout_s", timeout_s)
         self.instruction, self.timeout_s = instruction, timeout_s
         self.format_weight = check_format_weight(self.name, format_weight)
         self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction)
@@ -112,11 +112,9 @@ class MathTask(PooledTask):
         answer, how = found
         shown = answer if len(answer) <= 60 else answer[:57] + "..."
         try:
-            same = equivalent(gold, answer, self.timeout_s)
+            same = equivalent(gold, answer)
         except AnswerTooCostly as err:
             return Verdict(0.0, f"refused ({how}): {err}")
-        except DeadlineExceeded:
-            return Verdict(0.0, f"math-verify timed out on {shown!r}", error="timeout")
         if same:
             return Verdict(1.0, f"correct ({how}): {shown}")
         return Verdict(0.0, f"wrong ({how}): {shown} != {gold}")

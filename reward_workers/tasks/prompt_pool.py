@@ -15,8 +15,12 @@ from typing import Any
 from groupflow.records import Prompt
 from groupflow.reward_workers.datasets import load_prompts
 from groupflow.reward_workers.tasks.base import is_held_out
+from groupflow.reward_workers.tasks.options import check_number
 
 logger = logging.getLogger(__name__)
+
+# Task options that only choose prompts; a verifier needs none of them.
+POOL_OPTIONS = ("dataset", "eval_dataset", "fields", "skip_bad", "eval_fraction")
 
 
 class PromptPool:
@@ -37,8 +41,6 @@ class PromptPool:
         eval_fraction: float,
         parse_answer: Callable[[Any], Any],
     ) -> PromptPool:
-        if not 0.0 < eval_fraction < 1.0:
-            raise ValueError(f"{task}: eval_fraction must be in (0, 1) (got {eval_fraction})")
 
         def load(path: str) -> list[Prompt]:
             loaded = load_prompts(path, fields, skip_bad=skip_bad, parse_answer=parse_answer)
@@ -92,6 +94,13 @@ class PooledTask:
         skip_bad: bool,
         eval_fraction: float,
     ) -> None:
+        if (
+            not check_number(self.name, "eval_fraction", eval_fraction, 0.0, 1.0)
+            or eval_fraction == 1
+        ):
+            raise ValueError(
+                f"{self.name}: eval_fraction must be in (0, 1) (got {eval_fraction!r})"
+            )
         if dataset is None:
             self.pool = PromptPool(self.name, *self._builtin_split())
             return
@@ -106,8 +115,16 @@ class PooledTask:
         ).map(self._instructed)
 
     def _instructed(self, prompt: Prompt) -> Prompt:
-        text = f"{prompt.text}\n{self.instruction}" if self.instruction else prompt.text
-        return Prompt(uid=prompt.uid, text=text, answer=prompt.answer)
+        """The prompt with the task's answer-format instruction after its (last user) text."""
+        if not self.instruction:
+            return prompt
+        if prompt.messages is None:
+            text = f"{prompt.text}\n{self.instruction}"
+            return Prompt(uid=prompt.uid, text=text, answer=prompt.answer)
+        turns = [dict(t) for t in prompt.messages]
+        last_user = max(i for i, t in enumerate(turns) if t["role"] == "user")
+        turns[last_user]["content"] += f"\n{self.instruction}"
+        return Prompt(uid=prompt.uid, text="", answer=prompt.answer, messages=turns)
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         return self.pool.train_prompts(seed)

@@ -8,9 +8,12 @@ import sys
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
+from groupflow.config import load_config
+from groupflow.learner.lr_schedule import lr_at
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +52,19 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
             "task.eval_size=32",
             "--set",
             "learner.optimizer.lr=1e-3",
+            # issue 13's options ride along on this run: a schedule, a tracker, sample logs
+            "--set",
+            "learner.optimizer.lr_schedule=cosine",
+            "--set",
+            "learner.optimizer.warmup_steps=2",
+            "--set",
+            "metrics.loggers=[tensorboard]",
+            "--set",
+            "trainer.log_samples_every=2",
+            "--set",
+            "trainer.eval_every=2",
+            "--set",
+            "task.eval_sets=[{name: long, task: arithmetic, options: {terms: 4}, size: 8}]",
         ]
     )
     assert code == 0
@@ -62,7 +78,25 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
         assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
     # generation of step k+1 ran on version k-1 weights while step k trained: exactly one behind
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
+    cfg = load_config(run / "config.resolved.yaml")
+    assert [r["lr"] for r in records] == pytest.approx(
+        [lr_at(cfg.learner.optimizer, r["step"], 3) for r in records], rel=1e-12
+    )
+    assert records[0]["lr"] == pytest.approx(0.5e-3)  # half-way through the warmup
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3]
+    assert list(run.glob("samples/*.jsonl")) == [run / "samples" / "step_2.jsonl"]
+    samples = [json.loads(line) for line in (run / "samples/step_2.jsonl").read_text().splitlines()]
+    assert len(samples) == cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    keys = {"prompt", "response", "reward", "reason", "advantage", "finish_reason"}
+    assert keys <= samples[0].keys()
+    assert all(row["prompt"].endswith("=") for row in samples)  # the quickstart's raw prompts
+    # step 2 evaluated the job's held-out set and the extra one, by name
+    assert 0.0 <= records[1]["eval_accuracy"] <= 1.0
+    assert list(records[1]["eval_set_accuracy"]) == ["long"]
     summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["final_eval"]["eval_set_accuracy"]) == ["long"]
     assert {"warm_start_accuracy", "final_accuracy"} <= summary.keys()
 
     from transformers import AutoModelForCausalLM
@@ -79,6 +113,15 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
         (["--set", "rollout.group_sise=4"], "rollout.group_sise"),
         (["--set", "model.path=/nonexistent/model"], "model.path"),
         (["/nonexistent/job.yaml"], "/nonexistent/job.yaml"),
+        (["--set", "rollout.sampling.top_k=-1"], "rollout.sampling.top_k"),
+        (["--set", "reward.overlong_penalty.buffer_tokens=16"], "buffer_tokens"),
+        (["--set", "metrics.loggers=[mlflow]"], "metrics.loggers"),
+        (["--set", "task.chat_template=/nonexistent/chat.jinja"], "task.chat_template"),
+        (["--set", "task.system_prompt=be brief"], "task.system_prompt"),
+        (["--set", "learner.optimizer.lr_schedule=step"], "learner.optimizer.lr_schedule"),
+        (["--set", "trainer.eval_pass_k=4"], "eval_pass_k"),
+        (["--set", "task=[{name: arithmetic, weight: -1}]"], "task: arithmetic: weight"),
+        (["--set", "task.eval_sets=[{name: x, task: nope}]"], "task.eval_sets.0"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(args, culprit, tmp_path):

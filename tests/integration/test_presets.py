@@ -40,10 +40,41 @@ def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
     return [json.loads(x) for x in lines]
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path):
+# Every preset's learner step is checked against a direct computation on threaded ranks
+# (tests/unit/test_learner_step.py, test_off_policy.py). End to end, one preset per path
+# through the driver and the real DeepSpeed backward: the baseline, dynamic sampling with
+# asymmetric clipping, sequence-level ratios, STAPO's masking, Lopti's two updates per
+# mini-batch and DFPO's exact cancellation. (AR, AR+Lopti, Dr. GRPO and 20-Entropy differ
+# from these only inside the credit plan or the advantage estimator.)
+END_TO_END = ["dapo", "dfpo", "grpo", "gspo", "lopti", "stapo"]
+
+
+def test_end_to_end_presets_exist():
+    assert set(END_TO_END) <= PRESETS.keys()
+
+
+# Options that ride along on a preset's run, so that each goes through the CLI on the real
+# stack without a run of its own.
+RIDERS = {
+    "dapo": [  # DAPO's overlong filtering and soft punishment
+        "algorithm.mask_truncated=true",
+        "reward.overlong_penalty.buffer_tokens=4",
+    ],
+    "grpo": ["trainer.eval_samples=2", "trainer.eval_pass_k=2", "trainer.eval_every=1"],
+    "gspo": ["rollout.sampling.top_k=20", "rollout.sampling.min_p=0.01", "rollout.sampling.seed=3"],
+    "stapo": ["metrics.loggers=[wandb]", "metrics.wandb_mode=offline"],
+}
+
+
+@pytest.mark.parametrize("preset", END_TO_END)
+def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
     records = _train_two_steps(
-        tmp_path, preset, f"algorithm.preset={preset}", "learner.mini_batches_per_step=2"
+        tmp_path,
+        preset,
+        f"algorithm.preset={preset}",
+        "learner.mini_batches_per_step=2",
+        *RIDERS.get(preset, []),
     )
     assert len(records) == 2
     for r in records:
@@ -52,6 +83,11 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
         assert r["optimizer_updates"] == (4 if two_stage else 2)
+    if preset == "grpo":  # evaluated at step 1 (the last step's evaluation ends the run)
+        first = records[0]
+        assert 0.0 <= first["eval_mean_at_n"] <= first["eval_pass_at_k"] <= 1.0  # k = n
+    if preset == "stapo":
+        assert list((tmp_path / preset / "wandb").glob("offline-run-*/run-*.wandb"))
     if preset == "dfpo":
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward

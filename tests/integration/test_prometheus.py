@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from groupflow.cli import main
+from tests.conftest import CHAT_SYSTEM_PROMPT
 
 pytestmark = pytest.mark.integration
 
@@ -58,9 +59,9 @@ def prometheus(tmp_path):
     proc.wait(timeout=30)
 
 
-def test_prometheus_reads_reward_and_stage_latency(
-    prometheus, ray_cluster, quickstart_model, tmp_path
-):
+def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat_model, tmp_path):
+    """A job of two tasks on a local chat model (prompts rendered through its template, with a
+    system turn): Prometheus reads its reward, stage latencies and per-task series."""
     job_port, prom_port = prometheus
     codes = []
     job = threading.Thread(
@@ -77,22 +78,47 @@ def test_prometheus_reads_reward_and_stage_latency(
                     "--set",
                     "trainer.run_name=prom",
                     "--set",
-                    "trainer.steps=12",
+                    "trainer.steps=8",
+                    "--set",  # the chat prompts are ten times the quickstart's: fewer a step
+                    "rollout.prompts_per_step=8",
+                    "--set",
+                    f"model.path={chat_model}",
+                    "--set",
+                    "trainer.log_samples_every=1",
+                    "--set",
+                    "trainer.log_samples_shown=0",
+                    "--set",
+                    "task=[{name: arithmetic, label: sums, weight: 3},"
+                    " {name: arithmetic, label: long, options: {terms: 4}}]",
                     "--set",
                     "task.eval_size=16",
+                    "--set",  # after the task list, which replaces the whole task section
+                    f"task.system_prompt={CHAT_SYSTEM_PROMPT}",
                 ]
             )
         )
     )
     job.start()
-    reward, latency = [], []
+    reward, latency, per_task = [], [], []
     deadline = time.monotonic() + 300
-    while job.is_alive() and time.monotonic() < deadline and not (reward and latency):
+    while job.is_alive() and time.monotonic() < deadline and not (reward and latency and per_task):
         time.sleep(1)
         reward = _query(prom_port, 'groupflow_reward_mean{job="groupflow"}')
         latency = _query(prom_port, 'groupflow_stage_latency_seconds_count{stage="generation"} > 0')
+        per_task = _query(prom_port, 'groupflow_task_accuracy{job="groupflow"}')
+        per_task = per_task if len(per_task) == 2 else []
     job.join(timeout=600)
     assert codes == [0]
     assert reward and 0.0 <= float(reward[0]["value"][1]) <= 1.0
     assert latency and float(latency[0]["value"][1]) > 0
     assert latency[0]["metric"]["stage"] == "generation"
+    assert {series["metric"]["task"] for series in per_task} == {"sums", "long"}
+    assert all(0.0 <= float(series["value"][1]) <= 1.0 for series in per_task)
+    # what the engines generated from: each task's chat wording after the system turn (the toy
+    # tokenizer's decode drops spaces)
+    rows = [json.loads(line) for line in (tmp_path / "prom/samples/step_1.jsonl").open()]
+    assert {row["uid"].split("/")[0] for row in rows} == {"sums", "long"}
+    assert all(
+        row["prompt"].startswith(f"S({CHAT_SYSTEM_PROMPT})U(Compute".replace(" ", ""))
+        for row in rows
+    )

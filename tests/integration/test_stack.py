@@ -115,6 +115,11 @@ def test_vllm_logprobs_match_the_learner(stack):
         r.behaviour.tokens for r in results
     )
     assert worst < 1e-3, (worst, mean)
+    # The off-policy figures see the same tokens: weights within that mismatch of 1.
+    off_policy = [r.off_policy for r in results]
+    assert sum(f.tokens for f in off_policy) == sum(r.behaviour.tokens for r in results)
+    assert max(f.weight_max for f in off_policy) < 1.01
+    assert 0 <= sum(f.kl for f in off_policy) / sum(f.tokens for f in off_policy) < 1e-5
 
 
 def _one_batch_grad_norm(cfg, model_path: str, weights, seqs) -> float:

@@ -106,7 +106,8 @@ def test_reward_is_the_fraction_of_tests_passed(task):
         ("def gcd(a, b):\n    return gcd(a, b)\n", "RecursionError"),
         ("def gcd(a, b):\n    return {1, 2}\n", "not JSON serializable"),
         ("def gcd(a, b):\n    return bytearray(1024 ** 3)\n", "MemoryError"),
-        ("def gcd(a, b):\n    return open('/etc/passwd', 'a')\n", "PermissionError"),
+        # the minimal root has no /etc at all
+        ("def gcd(a, b):\n    return open('/etc/passwd', 'a')\n", "FileNotFoundError"),
         (
             "def gcd(a, b):\n    import socket\n    return socket.create_connection(('1.1.1.1', 80))\n",
             "PermissionError",

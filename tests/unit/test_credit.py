@@ -54,7 +54,8 @@ def random_tokens(
     """A shuffled mini-batch of groups with unequal lengths and NaN in the padding.
 
     Log-probs spread over [-9, 0], so about a third of the tokens lie below STAPO's tau_p.
-    The first `equal_groups` groups (in id order) have all-equal rewards.
+    The first `equal_groups` groups (in id order) have all-equal rewards. The behaviour
+    (vLLM's) log-probs differ from old_logp by noise too, and one row in five has none.
     """
     rows = num_groups * group_size
     lengths = torch.randint(1, width + 1, (rows,), generator=gen)
@@ -76,11 +77,22 @@ def random_tokens(
     rewards = torch.rand(rows, generator=gen, dtype=F64)
     rewards[: equal_groups * group_size] = 0.7
     advantages = compute_advantages(rewards, group_ids, estimator, token_counts=lengths)
+    behaviour_logp = noisy(old_logp, 0.4)
+    behaviour_known = torch.rand(rows, generator=gen) < 0.8
     order = torch.randperm(rows, generator=gen)
-    per_token = [x[order] for x in (mask, old_logp, cur_logp, old_entropy, cur_entropy, cur_sum_p2)]
+    per_token = [
+        x[order]
+        for x in (mask, old_logp, cur_logp, old_entropy, cur_entropy, cur_sum_p2, behaviour_logp)
+    ]
     for x in per_token[1:]:
         x[per_token[0] == 0] = float("nan")  # padding may hold anything
-    return MiniBatchTokens(*per_token, advantages=advantages[order], group_ids=group_ids[order])
+    return MiniBatchTokens(
+        *per_token[:-1],
+        advantages=advantages[order],
+        group_ids=group_ids[order],
+        behaviour_logp=per_token[-1],
+        behaviour_known=behaviour_known[order],
+    )
 
 
 def constructed_tokens(
@@ -213,6 +225,8 @@ SPLIT_CASES = [{"aggregation": agg} for agg in AGGREGATIONS] + [
         "dfpo": {"weight_transform": "adv_orthogonal"},
         "ar": {"alpha": 0.1},
     },
+    {"off_policy": {"mode": "tis", "cap": 1.2}, "lopti": {"enabled": True}},
+    {"off_policy": {"mode": "mis", "level": "sequence", "band": [0.1, 5.0]}},
 ]
 
 
@@ -382,6 +396,12 @@ def test_minibatch_shapes_are_checked(gen):
         replace(tokens, cur_sum_p2=tokens.cur_sum_p2[:, :-1])
     with pytest.raises(ValueError, match="advantages"):
         replace(tokens, advantages=tokens.advantages[:-1])
+    with pytest.raises(ValueError, match="behaviour_logp"):
+        replace(tokens, behaviour_logp=tokens.behaviour_logp[:, :-1])
+    with pytest.raises(ValueError, match="behaviour_known"):
+        replace(tokens, behaviour_known=tokens.behaviour_known[:-1])
+    with pytest.raises(ValueError, match="come together"):
+        replace(tokens, behaviour_known=None)
 
 
 # ----- property 4: Advantage Reweighting -------------------------------------------------------

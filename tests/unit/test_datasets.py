@@ -109,8 +109,58 @@ def test_file_level_errors(tmp_path):
 
 
 def test_field_mapping_is_validated():
-    assert resolve_fields({"prompt": "q"}) == {"prompt": "q", "answer": "answer", "uid": "uid"}
+    assert resolve_fields({"prompt": "q"}) == {
+        "prompt": "q",
+        "messages": "messages",
+        "answer": "answer",
+        "uid": "uid",
+    }
     with pytest.raises(ValueError, match="unknown key 'question'"):
         resolve_fields({"question": "q"})
     with pytest.raises(ValueError, match="must name a column"):
         resolve_fields({"prompt": ""})
+
+
+def test_prompts_given_as_messages(tmp_path):
+    turns = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "1+1?", "name": "ignored"},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"chat": turns, "answer": "2"}])
+    (prompt,) = load_prompts(path, {"messages": "chat"}).prompts
+    assert prompt.text == "" and prompt.answer == "2"
+    assert prompt.messages == [{"role": t["role"], "content": t["content"]} for t in turns]
+
+
+@pytest.mark.parametrize(
+    ("chat", "message"),
+    [
+        ([], "expected a non-empty list of messages"),
+        ("hi", "expected a non-empty list of messages"),
+        ([{"role": "robot", "content": "x"}], "message 0: expected a role"),
+        ([{"role": "user", "content": 3}], "message 0: content must be text"),
+        ([{"role": "system", "content": "x"}], "no user message"),
+    ],
+)
+def test_malformed_messages_name_the_field(tmp_path, chat, message):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"chat": chat, "answer": "2"}])
+    with pytest.raises(ValueError, match=f"d.jsonl:1: field 'chat' \\(messages\\): {message}"):
+        load_prompts(path, {"messages": "chat"})
+    assert load_prompts(path, {"messages": "chat"}, skip_bad=True).skipped == 1
+
+
+def test_a_task_instructs_the_last_user_turn_of_a_conversation(tmp_path):
+    from groupflow.reward_workers.tasks import make_task
+
+    turns = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What is 6*7?"},
+    ]
+    rows = [{"chat": turns, "answer": str(i), "uid": i} for i in range(20)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task = make_task("math", {"dataset": str(path), "fields": {"messages": "chat"}})
+    prompt = next(task.train_prompts(seed=0))
+    assert prompt.messages[:2] == turns[:2]
+    assert prompt.messages[2]["content"] == f"What is 6*7?\n{task.instruction}"
+    assert turns[2]["content"] == "What is 6*7?"  # the loaded rows are not changed in place

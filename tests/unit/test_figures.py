@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from groupflow.learner.figures import (
     UpdateFigures,
     learner_record,
 )
+from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats
 from groupflow.records import TrainSequence
 
@@ -36,6 +38,11 @@ LEARNER_KEYS = {
     "optimizer_updates",
     "logp_mismatch_mean",
     "logp_mismatch_max",
+    "is_weight_mean",
+    "is_weight_max",
+    "is_truncated_frac",
+    "is_masked_frac",
+    "kl_behaviour_proximal",
     "cancellation_residual",
     "cancellation_residual_whole_group",
     "valid_tokens",
@@ -102,10 +109,10 @@ def test_behaviour_figures_match_a_loop(gen):
 
 
 def test_vllm_logprobs_of_the_wrong_length_are_refused(gen):
-    seqs, stats = random_sequences(gen, count=2)
-    seqs[1].vllm_logprobs = seqs[1].vllm_logprobs + [0.0]
-    with pytest.raises(ValueError, match="sequence 1 .* vLLM log-probs"):
-        BehaviourFigures.of(seqs, stats)
+    seqs, _ = random_sequences(gen, count=2)
+    seq = seqs[0] if seqs[0].vllm_logprobs else seqs[1]
+    with pytest.raises(ValueError, match=f"group {seq.group_id}: .* vLLM log-probs"):
+        replace(seq, vllm_logprobs=seq.vllm_logprobs + [0.0])
 
 
 def credit(valid: float, passes: float) -> CreditStats:
@@ -122,6 +129,14 @@ def rank_figures(seed: int, credits: list[CreditStats], grad_norms: list[float])
         ),
         residual=CancellationResidual(1.5 + seed, 4.0),
         residual_whole_group=CancellationResidual(0.0, 2.0 * seed),
+        off_policy=OffPolicyFigures(
+            tokens=20 + seed,
+            weight=21.0 + seed,
+            weight_max=1.5 + seed,
+            truncated=seed,
+            masked=1,
+            kl=0.01 * seed,
+        ),
         credit=credits,
         grad_norms=grad_norms,
     )
@@ -172,9 +187,41 @@ def test_learner_record_keys_and_values():
     assert record["cancellation_residual"] == pytest.approx(6.0 / 8.0)
     assert record["cancellation_residual_whole_group"] == 0.0
     assert record["valid_tokens"] == 80 and record["num_stages"] == 1.5
+    # off-policy figures: sums over both ranks' 21 + 22 tokens, the max over ranks
+    assert record["is_weight_mean"] == pytest.approx((22.0 + 23.0) / 43)
+    assert record["is_weight_max"] == 3.5
+    assert record["is_truncated_frac"] == pytest.approx(3 / 43)
+    assert record["is_masked_frac"] == pytest.approx(2 / 43)
+    assert record["kl_behaviour_proximal"] == pytest.approx(0.03 / 43)
     assert learner_record([]).keys() == LEARNER_KEYS
 
 
 def test_rank_figures_survive_pickling():
     figures = rank_figures(4, [credit(10, 1)], [0.25])
     assert pickle.loads(pickle.dumps(figures)) == figures
+
+
+def test_rollout_figures_split_by_task_only_in_a_job_of_several():
+    import random
+
+    from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+    from groupflow.rollout_figures import rollout_record
+
+    rng = random.Random()
+
+    def group(task):
+        rewards = [float(rng.random() < 0.5) for _ in range(4)]
+        responses = [Response([1], "", [0.0]) for _ in rewards]
+        prompt = Prompt("u", "", None, task=task)
+        return ScoredGroup(
+            SampledGroup(prompt, [1], responses, 0), [Verdict(r, "") for r in rewards]
+        )
+
+    mixed = [group(rng.choice(["math", "code"])) for _ in range(8)] + [group("math"), group("code")]
+    record = rollout_record(mixed, [0] * 40, {})
+    for task in ("math", "code"):
+        rewards = [r for g in mixed if g.group.prompt.task == task for r in g.rewards]
+        assert record["task_reward_mean"][task] == pytest.approx(sum(rewards) / len(rewards))
+        assert record["task_accuracy"][task] == pytest.approx(sum(rewards) / len(rewards))
+    single = rollout_record([group(None) for _ in range(3)], [0] * 12, {})
+    assert "task_reward_mean" not in single and "task_accuracy" not in single

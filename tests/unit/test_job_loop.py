@@ -9,15 +9,19 @@ runs its calls one after another, so a chunk or a weight load waits for the call
 from __future__ import annotations
 
 import itertools
+import json
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from groupflow.actors.generator import GeneratorPool
 from groupflow.catalogue import BY_KEY
+from groupflow.checkpoint import CheckpointStore, read_checkpoint
 from groupflow.config import build_config
-from groupflow.job import MAX_REFILLS, TrainingJob
+from groupflow.job import EVAL_ROLLOUT, MAX_REFILLS, Checkpointing, LearnerLost, TrainingJob
+from groupflow.peers import PeerDied
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
 
 PROMPTS_PER_STEP = 8
@@ -51,7 +55,12 @@ class FakeFutures:
         for h in handles:
             self.clock.now = max(self.clock.now, h.ready_at)
             self.log.append(("get", h.label, self.clock.now))
+            if h.value is DIED:
+                raise PeerDied(h.label)
         return [h.value for h in handles]
+
+
+DIED = object()  # the value of a call on an actor that died
 
 
 class Remote:
@@ -62,17 +71,26 @@ class Remote:
 class FakeEngine:
     """Takes `seconds_per_prompt` per prompt; samples with the version it last loaded."""
 
-    def __init__(self, clock: Clock, seconds_per_prompt: float):
+    def __init__(self, clock: Clock, seconds_per_prompt: float, dies_at_chunk: int = 0):
         self.clock, self.seconds_per_prompt = clock, seconds_per_prompt
         self.version, self.free_at, self.prompts_sampled = 0, 0.0, 0
+        self.chunks, self.dies_at_chunk, self.dead = 0, dies_at_chunk, False
+        self.dies_at = ""  # "load 2": dies loading version 2; "greedy": in an evaluation
         self.sample = Remote(self._sample)
-        self.greedy = Remote(self._greedy)
+        self.complete = Remote(self._complete)
+        self.__ray_ready__ = Remote(
+            lambda: FakeRef(self.clock.now, DIED if self.dead else 1, "ping")
+        )
 
     def _run(self, seconds: float) -> float:
         self.free_at = max(self.clock.now, self.free_at) + seconds
         return self.free_at
 
     def _sample(self, prompts, group_size, sampling):
+        self.chunks += 1
+        if self.dead or self.chunks == self.dies_at_chunk:  # killed in the middle of it
+            self.dead = True
+            return FakeRef(self._run(0.5 * self.seconds_per_prompt), DIED, "died")
         groups = [
             SampledGroup(
                 p,
@@ -86,10 +104,24 @@ class FakeEngine:
         done = self._run(self.seconds_per_prompt * len(prompts))
         return FakeRef(done, groups, f"chunk of {[p.uid for p in prompts]}")
 
-    def _greedy(self, prompts, max_tokens):
-        return FakeRef(self._run(0.0), [str(p.answer) for p in prompts], "greedy")
+    def _complete(self, prompts, n, sampling, greedy):
+        if self.dies_at == "greedy":
+            self.dead = True
+        if self.dead:
+            return FakeRef(self._run(0.1), DIED, "evaluation on a dead engine")
+        groups = [
+            SampledGroup(
+                p, [1], [Response([4], str(p.answer), [-0.1])] * (1 if greedy else n), self.version
+            )
+            for p in prompts
+        ]
+        return FakeRef(self._run(0.0), groups, "evaluation")
 
     def load(self, version: int) -> FakeRef:
+        if self.dies_at == f"load {version}":
+            self.dead = True
+        if self.dead:
+            return FakeRef(self.clock.now, DIED, "load on a dead engine")
         # Every later call on this engine runs after the load: it sees the new version.
         self.version = version
         return FakeRef(self._run(0.1), version, "load")
@@ -103,7 +135,8 @@ class FakeRewards:
         self.scored: dict[int, list[ScoredGroup]] = defaultdict(list)
 
     def submit(self, groups, rollout_id):
-        self.log.append(("score", rollout_id, self.clock.now, [g.prompt.uid for g in groups]))
+        kind = "score" if rollout_id >= 0 else "score held-out"
+        self.log.append((kind, rollout_id, self.clock.now, [g.prompt.uid for g in groups]))
         self.scored[rollout_id] += [
             ScoredGroup(g, [Verdict(self.reward(g.prompt, j), "") for j in range(len(g.responses))])
             for g in groups
@@ -117,20 +150,47 @@ class FakeRewards:
 
 
 class FakeLearner:
+    """Its "weights" and "optimizer state" are numbers that depend on the order of the steps
+    and on what each step trains (not on the order within a step, which the engines' timing
+    sets); a checkpoint is a file of them per rank."""
+
     num_ranks = 2
 
-    def __init__(self, clock: Clock, log: list, seconds: float):
+    def __init__(self, clock: Clock, log: list, seconds: float, dies_in_step: int = 0):
         self.clock, self.log, self.seconds = clock, log, seconds
-        self.steps: list[list] = []  # the sequences of each step
+        self.steps: list[list] = []  # the sequences of each step (since this learner started)
+        self.weights, self.moment = 0.0, 0.0
+        self.dies_in_step, self.restarts = dies_in_step, 0
 
-    def async_train_step(self, sequences):
+    def async_train_step(self, sequences, lr=None):
+        if len(self.steps) + 1 == self.dies_in_step:
+            self.dies_in_step = 0  # rank 1 dies; rank 0 would wait for it forever
+            return [FakeRef(1e9, {}, "hung rank 0"), FakeRef(self.clock.now + 0.5, DIED, "dead")]
         self.steps.append(sequences)
         step = len(self.steps)
         self.log.append(("train", step, self.clock.now))
+        update = sum(sorted(s.input_ids[0] * (1 + s.advantage) for s in sequences))
+        self.moment = 0.5 * self.moment + update
+        self.weights = 0.9 * self.weights + self.moment
         return [
             FakeRef(self.clock.now + self.seconds, {"rank": r, "step": step}, f"learn {step}")
             for r in range(self.num_ranks)
         ]
+
+    def async_save_checkpoint(self, directory):
+        Path(directory).mkdir()
+        state = {"weights": self.weights, "moment": self.moment}
+        for r in range(self.num_ranks):
+            (Path(directory) / f"rank_{r}.json").write_text(json.dumps(state))
+        return [FakeRef(self.clock.now + 5.0, None, "save")]
+
+    def load_checkpoint(self, directory):
+        state = json.loads((Path(directory) / "rank_0.json").read_text())
+        self.weights, self.moment = state["weights"], state["moment"]
+
+    def restart(self):
+        self.weights, self.moment, self.restarts = 0.0, 0.0, self.restarts + 1
+        self.steps.append("restarted")
 
 
 class FakeTransport:
@@ -185,7 +245,15 @@ def run_job(
     engines=2,
     overrides=(),
     loads=True,
+    run_dir: Path | None = None,
+    resume=False,
+    engine_dies_at_chunk=(),
+    engine_dies_at="",
+    learner_dies_in_step=0,
+    held_out_sets=(),
 ) -> Run:
+    """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
+    on from the newest checkpoint, as a restarted driver with new peers would."""
     cfg = build_config(
         {},
         [
@@ -201,21 +269,46 @@ def run_job(
     cfg.trainer = cfg.trainer.model_copy(update={"max_staleness": staleness})
     clock, log = Clock(), []
     futures = FakeFutures(clock, log)
-    fake_engines = [FakeEngine(clock, seconds_per_prompt) for _ in range(engines)]
-    learner = FakeLearner(clock, log, learn_s)
+    dies = list(engine_dies_at_chunk) + [0] * engines
+    fake_engines = [FakeEngine(clock, seconds_per_prompt, dies[i]) for i in range(engines)]
+    fake_engines[-1].dies_at = engine_dies_at
+    learner = FakeLearner(clock, log, learn_s, learner_dies_in_step)
+    replacements = iter(dies[engines:])  # when each replacement dies in its turn
+
+    def start_engine(slot):
+        return FakeEngine(clock, seconds_per_prompt, next(replacements, 0))
+
+    pool = GeneratorPool(fake_engines, futures, GROUP_SIZE, cfg.rollout.sampling, start_engine)
     job = TrainingJob(
         cfg,
         CountingTask(),
-        generators=GeneratorPool(fake_engines, futures, GROUP_SIZE, cfg.rollout.sampling),
+        generators=pool,
         rewards=FakeRewards(clock, log, reward),
         learner=learner,
         transport=FakeTransport(fake_engines, loads),
         futures=futures,
         learner_figures=lambda results: {"optimizer_updates": len(results)},
+        checkpointing=None
+        if run_dir is None
+        else Checkpointing(CheckpointStore(run_dir), MODEL_CONFIG, lambda path: None),
+        held_out_sets=held_out_sets,
     )
+    if resume:
+        newest = CheckpointStore(run_dir).newest()
+        job.restore(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
+    else:
+        job.warm_accuracy = job.evaluate()["eval_accuracy"]
     sink = Sink()
-    job.train([sink])
+    try:
+        job.train([sink])
+    except LearnerLost:  # what the driver does: the ranks rebuilt from the newest checkpoint
+        newest = CheckpointStore(run_dir).newest()
+        job.recover_learner(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
+        job.train([sink])
     return Run(job, sink.records, learner, log, fake_engines)
+
+
+MODEL_CONFIG = {"model_type": "qwen2", "hidden_size": 8}
 
 
 def trained_prompts(run: Run) -> list[list[int]]:
@@ -289,7 +382,10 @@ def test_scoring_overlaps_learning():
 
 # ----- dynamic sampling -------------------------------------------------------------------------
 def odd_prompts_vary(prompt, j):
-    """Even prompts are all wrong (a flat group, no signal); odd prompts split their group."""
+    """Even prompts are all wrong (a flat group, no signal); odd prompts split their group
+    (held-out prompts, "e<i>", are all right)."""
+    if not prompt.uid.isdigit():
+        return 1.0
     return float(int(prompt.uid) % 2 and j % 2)
 
 
@@ -317,3 +413,162 @@ def test_every_key_of_the_step_record_is_in_the_catalogue():
     assert "eval_accuracy" in run.records[0] and "eval_accuracy" not in run.records[1]
     assert run.records[0]["optimizer_updates"] == 2  # the learner's results reached its figures
     assert run.records[0]["num_sequences"] == PROMPTS_PER_STEP * GROUP_SIZE
+
+
+# ----- checkpoints and resume -------------------------------------------------------------------
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_resumed_job_trains_what_the_straight_one_does(tmp_path, staleness, dynamic):
+    """6 steps straight against a job that dies after step 5 (its newest checkpoint is step
+    4's, saved while step 5's rollout was in flight) and a resume to step 6: the same
+    prompts in the same order and the same learner state."""
+    opts = dict(staleness=staleness, reward=odd_prompts_vary if dynamic else varied)
+    overrides = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
+    if dynamic:
+        overrides.append("algorithm.dynamic_sampling=true")
+    straight = run_job(steps=6, run_dir=tmp_path / "straight", overrides=overrides, **opts)
+    first = run_job(steps=5, run_dir=tmp_path / "cut", overrides=overrides, **opts)
+    resumed = run_job(steps=6, run_dir=tmp_path / "cut", overrides=overrides, resume=True, **opts)
+
+    assert trained_prompts(first)[:4] + trained_prompts(resumed) == trained_prompts(straight)
+    assert (resumed.learner.weights, resumed.learner.moment) == (
+        straight.learner.weights,
+        straight.learner.moment,
+    )
+    assert [r["step"] for r in resumed.records] == [5, 6]
+    assert [r["policy_version"] for r in resumed.records] == [5, 6]
+    # only the newest checkpoint is kept
+    assert [p.name for p in CheckpointStore(tmp_path / "cut").complete()] == ["step_6"]
+
+
+def test_checkpoint_figures_are_in_the_records(tmp_path):
+    run = run_job(steps=3, run_dir=tmp_path, overrides=["trainer.checkpoint_every=1"])
+    assert "checkpoint_seconds" not in run.records[0]  # no save yet when step 1 is recorded
+    assert all(r["checkpoint_seconds"] > 0 for r in run.records[1:])
+    assert all(r["seconds_since_checkpoint"] >= 0 for r in run.records)
+    for record in run.records:
+        assert set(record) <= BY_KEY.keys(), set(record) - BY_KEY.keys()
+
+
+def test_the_save_overlaps_the_next_rollout(tmp_path):
+    """On-policy, the next step's rollout is launched before the ranks save, so the engines
+    generate while the shards are written."""
+    run = run_job(steps=2, run_dir=tmp_path, overrides=["trainer.checkpoint_every=1"])
+    step_2_scores = [e[2] for e in run.log if e[0] == "score" and e[1] == 1]
+    save_done = next(e[2] for e in run.log if e[:2] == ("get", "save"))
+    assert step_2_scores and min(step_2_scores) < save_done
+
+
+# ----- recovery ---------------------------------------------------------------------------------
+def scored_prompts(run: Run) -> list[int]:
+    return sorted(int(u) for e in run.log if e[0] == "score" for u in e[3])
+
+
+@pytest.mark.parametrize(
+    "engines, staleness, dies_at",
+    [
+        (1, 0, 1),  # the one engine dies in its first chunk, its second queued behind it
+        (1, 0, 2),  # ... in its second chunk
+        (2, 0, 2),  # engine 0 dies in step 2's rollout
+        (2, 1, 2),  # ... while step 1 learns
+        (2, 1, 3),
+    ],
+)
+def test_a_dead_engine_is_replaced_and_its_chunks_generated_again(engines, staleness, dies_at):
+    run = run_job(steps=4, staleness=staleness, engines=engines, engine_dies_at_chunk=(dies_at,))
+    straight = run_job(steps=4, staleness=staleness, engines=engines)
+    assert trained_prompts(run) == trained_prompts(straight)
+    assert scored_prompts(run) == scored_prompts(straight)  # no group lost or scored twice
+    for step, seqs in enumerate(run.learner.steps):
+        # the replacement sampled with the current weights, never the base model's (a chunk
+        # sent again after a weight sync samples from the newer version)
+        assert {s.policy_version for s in seqs} <= set(range(max(0, step - staleness), step + 1))
+        if staleness == 0:
+            assert {s.policy_version for s in seqs} == {step}
+    assert [r["engine_restarts"] for r in run.records][-1] == 1
+    assert not run.engines[0].dead and run.engines[0].version == 4
+
+
+@pytest.mark.parametrize("dies_at", ["load 2", "greedy"])
+def test_an_engine_dying_in_a_weight_sync_or_an_evaluation_is_replaced(dies_at):
+    overrides = ["trainer.eval_every=2"]
+    run = run_job(steps=4, engine_dies_at=dies_at, overrides=overrides)
+    straight = run_job(steps=4, overrides=overrides)
+    assert trained_prompts(run) == trained_prompts(straight)
+    assert run.records[-1]["engine_restarts"] == 1
+    assert run.records[1]["eval_accuracy"] == straight.records[1]["eval_accuracy"]
+    assert [e.version for e in run.engines] == [4, 4]
+
+
+def test_engines_dying_in_a_row_end_the_job_after_max_restarts():
+    with pytest.raises(RuntimeError, match=r"trainer.max_restarts=1"):
+        # the engine and each replacement die in their first chunk
+        run_job(
+            steps=2, engines=1, engine_dies_at_chunk=(1, 1, 1), overrides=["trainer.max_restarts=1"]
+        )
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_dead_learner_rank_rebuilds_the_learner_from_the_newest_checkpoint(tmp_path, staleness):
+    overrides = ["trainer.checkpoint_every=2"]
+    straight = run_job(steps=5, staleness=staleness, run_dir=tmp_path / "a", overrides=overrides)
+    run = run_job(
+        steps=5,
+        staleness=staleness,
+        run_dir=tmp_path / "b",
+        overrides=overrides,
+        learner_dies_in_step=4,
+        engine_dies_at_chunk=(2,),  # and an engine in step 1: counted once over the rebuild
+    )
+    # steps 1-3 trained, a rank died in step 4, the ranks came back at step 2's checkpoint
+    # and trained 3-5 again on the same prompts
+    assert run.learner.restarts == 1
+    died = run.learner.steps.index("restarted")
+    assert died == 3
+    again = [sorted({s.input_ids[0] for s in seqs}) for seqs in run.learner.steps[died + 1 :]]
+    assert again == trained_prompts(straight)[2:]
+    assert (run.learner.weights, run.learner.moment) == (
+        straight.learner.weights,
+        straight.learner.moment,
+    )
+    assert [r["step"] for r in run.records] == [1, 2, 3, 3, 4, 5]  # the driver rewinds the file
+    assert [r["learner_restarts"] for r in run.records] == [0, 0, 0, 1, 1, 1]
+    assert [r["engine_restarts"] for r in run.records] == [1] * 6
+
+
+def test_held_out_scores_greedy_and_sampled_through_the_reward_pool():
+    overrides = ["trainer.eval_every=2", "trainer.eval_samples=4", "trainer.eval_pass_k=2"]
+    run = run_job(steps=3, reward=varied, overrides=overrides)
+    record = run.records[1]
+    # varied: answer j of a group gets j % 2, so greedy answers (j = 0) all fail, and each
+    # prompt's 4 samples pass twice: mean@4 = 1/2, pass@2 = 1 - C(2,2)/C(4,2) = 5/6
+    assert record["eval_accuracy"] == 0.0
+    assert record["eval_mean_at_n"] == pytest.approx(0.5)
+    assert record["eval_pass_at_k"] == pytest.approx(5 / 6)
+    held_out = [e for e in run.log if e[0] == "score held-out"]
+    # before training and at step 2: greedy, then sampled
+    assert len(held_out) == 4 and all(e[1] == EVAL_ROLLOUT for e in held_out)
+    assert "eval_mean_at_n" not in run.records[0]
+
+
+class FakeHeldOutSet:
+    """A held-out set of another task: its own prompts and scorer."""
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self.prompts = [Prompt(f"{name}{i}", f"{name} {i}", i) for i in range(size)]
+        self.scored: list[list] = []
+
+    def rewards(self, groups):
+        self.scored.append([g.prompt.uid for g in groups])
+        return [[float(g.prompt.answer % 2 == 0)] * len(g.responses) for g in groups]
+
+
+def test_extra_held_out_sets_are_scored_by_their_own_scorer_and_reported_by_name():
+    sets = [FakeHeldOutSet("even", 4), FakeHeldOutSet("more", 5)]
+    run = run_job(steps=2, overrides=["trainer.eval_every=1"], held_out_sets=sets)
+    record = run.records[0]
+    # answers of prompt i score 1 when i is even: 2 of 4, 3 of 5
+    assert record["eval_set_accuracy"] == {"even": 0.5, "more": 0.6}
+    assert "eval_set_mean_at_n" not in record
+    assert sets[0].scored[0] == ["even0", "even1", "even2", "even3"]

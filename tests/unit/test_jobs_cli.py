@@ -167,8 +167,9 @@ def test_submit_carries_the_resolved_config_in_its_working_dir(fake_client, tmp_
     assert sent["entrypoint"] == ENTRYPOINT
     assert ENTRYPOINT.split()[-1] == JOB_CONFIG_NAME
     assert sent["metadata"] == {"groupflow_run": "unit"}
+    # a submitted job resumes by itself when resubmitted (trainer.resume unset -> auto)
     assert yaml.safe_load(sent["config_text"]) == yaml.safe_load(
-        load_config(job, ["task.eval_size=16"]).dump_yaml()
+        load_config(job, ["task.eval_size=16", "trainer.resume=auto"]).dump_yaml()
     )
     assert not Path(sent["runtime_env"]["working_dir"]).exists()  # cleaned up after upload
     assert "py_modules" not in sent["runtime_env"]

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from groupflow.records import Prompt
-from groupflow.reward_workers.tasks import math_answer
 from groupflow.reward_workers.tasks.math_answer import extract_answer, last_boxed
 from groupflow.reward_workers.tasks.math_problems import MathTask
 
@@ -92,19 +91,6 @@ def test_verify_works_off_the_main_thread():
         verdicts = list(pool.map(lambda r: task.verify(_gold("\\frac{3}{4}"), r), responses))
     assert [v.reward for v in verdicts] == [1.0, 0.0, 1.0, 0.0]
     assert threading.current_thread() is threading.main_thread()
-
-
-def test_a_check_past_its_deadline_is_a_timeout(monkeypatch):
-    def slow_compare(gold, candidate):
-        time.sleep(1.0)
-        return True
-
-    monkeypatch.setattr(math_answer, "_compare", slow_compare)
-    start = time.perf_counter()
-    verdict = MathTask(timeout_s=0.1).verify(_gold("1"), "\\boxed{1}")
-    assert time.perf_counter() - start < 0.8
-    assert verdict.reward == 0.0
-    assert verdict.error == "timeout"
 
 
 def test_builtin_set_split_and_reproducible():

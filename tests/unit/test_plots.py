@@ -103,3 +103,22 @@ def test_only_the_last_of_several_appended_runs_is_drawn():
     assert latest_run(first + second) == second
     assert latest_run(first) == first
     assert latest_run([]) == []
+
+
+def test_per_task_figures_draw_a_line_per_task(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from groupflow import plots
+
+    records = [
+        {**synthetic_record(s), "task_reward_mean": {"math": 0.1 * s, "code": 0.2}} for s in (1, 2)
+    ]
+    records.append({**synthetic_record(3), "task_reward_mean": {"math": float("nan")}})
+    lines = plots._lines(records, "task_reward_mean")
+    assert lines == {
+        "task_reward_mean[math]": ([1, 2], [0.1, 0.2]),
+        "task_reward_mean[code]": ([1, 2], [0.2, 0.2]),
+    }
+    paths = write_plots(write_jsonl(tmp_path / "metrics.jsonl", records), tmp_path)
+    assert_pngs(paths, ALL_PLOTS)

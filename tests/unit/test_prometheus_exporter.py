@@ -202,3 +202,13 @@ def test_exporters_have_separate_registries_and_close_frees_the_endpoint():
         second.close()
     with pytest.raises(urllib.error.URLError):
         scrape(first.port)
+
+
+def test_per_task_figures_are_one_labelled_series_each(exporter):
+    exporter.observe_step({"step": 1, "task_reward_mean": {"math": 0.25, "code": 0.5}})
+    exporter.observe_step({"step": 2, "task_accuracy": {"math": 0.1}})
+    exporter.observe_step({"step": 3, "task_reward_mean": {"math": 0.75}})
+    samples = scrape(exporter.port)
+    assert sample(samples, "groupflow_task_reward_mean", task="math") == 0.75
+    assert sample(samples, "groupflow_task_reward_mean", task="code") == 0.5
+    assert sample(samples, "groupflow_task_accuracy", task="math") == pytest.approx(0.1)

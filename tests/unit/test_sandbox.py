@@ -180,10 +180,11 @@ def test_writes_outside_the_work_directory_are_refused(platform, tmp_path):
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the kernel-side barrier is the separate uid")
-def test_shell_subprocess_cannot_write_outside_either(platform, tmp_path):
-    # A subprocess has no audit hook: the uid (and the private /tmp) must stop it.
+def test_hookless_subprocess_cannot_write_outside_either(platform, tmp_path):
+    # A subprocess has no audit hook: the uid (and the read-only root) must stop it.
     target = tmp_path / "escape.txt"
-    program = f"import subprocess\nsubprocess.run(['sh', '-c', 'echo x > {target}'])\nprint('ran')"
+    inner = f"open({str(target)!r}, 'w').write('x')"
+    program = f"import subprocess, sys\nsubprocess.run([sys.executable, '-I', '-S', '-c', {inner!r}])\nprint('ran')"
     result = run_python(program, SMALL, allow_subprocess=True, platform=platform)
     assert result.stdout == "ran\n"
     assert not target.exists()
@@ -284,10 +285,11 @@ def test_cannot_kill_its_parent_or_other_processes(platform):
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the kernel-side barrier is the separate uid")
-def test_shell_kill_cannot_reach_the_parent(platform):
+def test_hookless_kill_cannot_reach_the_parent(platform):
     victim = subprocess.Popen(["sleep", "30"])
     try:
-        program = f"import subprocess\nsubprocess.run(['kill', '-9', '{victim.pid}', '{os.getpid()}'])\nprint('ran')"
+        inner = f"import os\nfor pid in ({victim.pid}, {os.getpid()}):\n    try:\n        os.kill(pid, 9)\n    except OSError:\n        pass"
+        program = f"import subprocess, sys\nsubprocess.run([sys.executable, '-I', '-S', '-c', {inner!r}])\nprint('ran')"
         result = run_python(program, SMALL, allow_subprocess=True, platform=platform)
         assert result.stdout == "ran\n"
         assert victim.poll() is None

@@ -64,7 +64,14 @@ def test_parse_answer_accepts_integers_only():
 
 
 def test_registry_has_every_task():
-    assert set(TASKS) == {"arithmetic", "countdown", "knights_and_knaves", "math", "code"}
+    assert set(TASKS) == {
+        "arithmetic",
+        "countdown",
+        "knights_and_knaves",
+        "math",
+        "code",
+        "mixture",
+    }
 
 
 def test_make_task_errors_name_the_culprit():

@@ -1,0 +1,114 @@
+"""Weight sync time and effective bandwidth, both transports, random-init Qwen2 shapes.
+
+    .venv/bin/python bench/weight_sync.py [--shapes 256x4,512x8,1024x8,1024x16] [--repeats 3]
+                                          [--engines 1] [--bucket-mb 64]
+
+For each shape (hidden size x layers, intermediate = 2 x hidden, the quickstart's tokenizer),
+starts the real stack on a local Ray cluster of its own: `learner.num_ranks` = 2 DeepSpeed
+ZeRO-3 ranks and `--engines` vLLM engines, then times `--repeats` syncs per transport after one
+warm-up sync. Prints seconds per sync and the effective bandwidth: model bytes (as the learner
+holds them) / seconds, so an engine count above 1 does not inflate it. Costs about a minute of
+start-up per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from groupflow.actors.generator import start_generator_pool
+from groupflow.actors.learner import LearnerGroup
+from groupflow.actors.transport import make_transport
+from groupflow.config import Config, build_config
+from groupflow.quickstart import quickstart_model_path
+
+TRANSPORTS = ("object_store", "collective")
+
+
+def random_model(hidden: int, layers: int, directory: Path) -> int:
+    """A random-init Qwen2 in `directory` with the quickstart's tokenizer; its size in bytes."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Config()
+    tokenizer_from = quickstart_model_path(
+        cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, progress=False
+    )
+    vocab = Qwen2Config.from_pretrained(tokenizer_from).vocab_size
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(tokenizer_from) / name, directory / name)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def time_syncs(kind: str, learner, engines, repeats: int, bucket_mb: int) -> list[float]:
+    transport = make_transport(kind, learner, engines, bucket_mb)
+    ray.get(transport.async_sync(1))  # warm-up: opens the weight group, first allocations
+    seconds = []
+    for version in range(2, repeats + 2):
+        start = time.perf_counter()
+        ray.get(transport.async_sync(version))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def bench_shape(hidden: int, layers: int, engines: int, repeats: int, bucket_mb: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        nbytes = random_model(hidden, layers, Path(tmp))
+        cfg = build_config(
+            {},
+            [f"rollout.num_engines={engines}", "learner.num_ranks=2", "rollout.kv_cache_gib=1"],
+        )
+        pool = start_generator_pool(cfg, tmp)
+        learner = LearnerGroup(cfg, tmp)
+        try:
+            for kind in TRANSPORTS:
+                times = time_syncs(kind, learner, pool.engines, repeats, bucket_mb)
+                seconds = statistics.median(times)
+                print(
+                    f"{hidden}x{layers:<3} {nbytes / 1e6:9.1f} MB  {kind:12s} "
+                    f"{seconds:8.3f} s/sync  {nbytes / seconds / 1e9:6.2f} GB/s",
+                    flush=True,
+                )
+        finally:
+            learner.shutdown()
+            pool.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="256x4,512x8,1024x8,1024x16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--bucket-mb", type=int, default=64, help="rollout.weight_bucket_mb")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
+    print("shape      model bytes  transport    median time       effective", flush=True)
+    try:
+        for shape in args.shapes.split(","):
+            hidden, layers = (int(x) for x in shape.split("x"))
+            bench_shape(hidden, layers, args.engines, args.repeats, args.bucket_mb)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Weight sync in buckets (learner/weight_export.py, rollout/engine.py): how a model is cut,
+and a round trip through a real gloo weight group between two threads."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from groupflow.actors.weight_group import open_weight_group
+from groupflow.learner.weight_export import (
+    broadcast_weights,
+    bucket_manifest,
+    layer_of,
+    weight_manifest,
+)
+from groupflow.rollout.engine import RolloutEngine
+
+
+def random_manifest(gen: torch.Generator) -> list[tuple[str, tuple[int, ...], str]]:
+    """Embedding, numbered layers of several parameters (one in float64), norm and head."""
+    out = [
+        (
+            "model.embed_tokens.weight",
+            (int(torch.randint(50, 400, (), generator=gen)), 8),
+            "float32",
+        )
+    ]
+    for layer in range(int(torch.randint(1, 9, (), generator=gen))):
+        for part in ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"):
+            rows = int(torch.randint(1, 60, (), generator=gen))
+            dtype = "float64" if part == "o_proj" and layer == 2 else "float32"
+            out.append((f"model.layers.{layer}.{part}.weight", (rows, 8), dtype))
+    out += [("model.norm.weight", (8,), "float32"), ("lm_head.weight", (300, 8), "float32")]
+    return out
+
+
+def nbytes(entry) -> int:
+    return (
+        torch.Size(entry[1]).numel()
+        * torch.empty((), dtype=getattr(torch, entry[2])).element_size()
+    )
+
+
+@pytest.mark.parametrize("repeat", range(5))
+def test_buckets_keep_order_whole_layers_and_the_size(gen, repeat):
+    manifest = random_manifest(gen)
+    limit = int(torch.randint(100, 20_000, (), generator=gen))
+    buckets = bucket_manifest(manifest, limit)
+    assert [e for b in buckets for e in b] == manifest
+    seen: dict[str, int] = {}
+    for k, bucket in enumerate(buckets):
+        assert len({e[2] for e in bucket}) == 1, "one dtype per bucket (one flat tensor)"
+        layers = {layer_of(e[0]) for e in bucket}
+        for layer in layers:
+            assert seen.setdefault(layer, k) == k or bucket_dtype_split(manifest, layer)
+        if sum(nbytes(e) for e in bucket) > limit:
+            assert len(layers) == 1, "only a single layer may exceed the bucket size"
+
+
+def bucket_dtype_split(manifest, layer: str) -> bool:
+    """A layer is split only where its own dtype changes."""
+    return len({e[2] for e in manifest if layer_of(e[0]) == layer}) > 1
+
+
+def test_layer_of_names_the_unit_vllm_loads_whole():
+    assert layer_of("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
+    assert layer_of("model.embed_tokens.weight") == "model.embed_tokens"
+    assert layer_of("lm_head.weight") == "lm_head"
+
+
+class RecordingEngine:
+    """The engine's loading step, recorded: what receive_weights hands over, consumed as vLLM
+    consumes it (one pass, as the pairs arrive)."""
+
+    receive_weights = RolloutEngine.receive_weights
+
+    def __init__(self):
+        self.loads: list[tuple[list[tuple[str, torch.Tensor]], int]] = []
+
+    def load_weights(self, named, version):
+        self.loads.append(([(n, t.clone()) for n, t in named], version))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_buckets_reach_the_engines_exactly_in_one_load(gen):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (), generator=gen)))
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = Qwen2ForCausalLM(config)
+    manifest = weight_manifest(model)
+    bucket_bytes = 40_000  # about a layer: several buckets
+    buckets = bucket_manifest(manifest, bucket_bytes)
+    assert len(buckets) > 3
+
+    port, engines = free_port(), [RecordingEngine(), RecordingEngine()]
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            group = open_weight_group("127.0.0.1", port, rank, 3, "gloo")
+            if rank == 0:
+                broadcast_weights(model, group, bucket_bytes)
+            else:
+                engines[rank - 1].receive_weights(group, buckets, 7, "cpu")
+        except BaseException as err:  # re-raised in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    want = dict(model.named_parameters())
+    for engine in engines:
+        assert len(engine.loads) == 1, "one load per sync, fed as the buckets arrive"
+        got, version = engine.loads[0]
+        assert version == 7
+        assert [n for n, _ in got] == [e[0] for e in manifest]
+        for name, tensor in got:
+            assert torch.equal(tensor, want[name].detach()), name
