@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,7 +30,7 @@ class Resources(Section):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int = Field(1, ge=1, description="intra-op threads for torch in the actor")
-    cpu_cores: list[int] = Field(
+    cpu_cores: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list,
         description="cores the actor's threads are pinned to (os.sched_setaffinity; empty: "
         "not pinned), e.g. to keep generation and learning off each other's cores",
@@ -598,17 +598,26 @@ class Config(Section):
                 f"{self.learner.mini_batches_per_step} mini-batches cannot be cut from "
                 f"rollout.prompts_per_step={self.rollout.prompts_per_step} groups"
             )
-        if self.rollout.sampling.max_tokens >= self.rollout.max_model_len:
-            raise ValueError(
-                f"rollout.sampling.max_tokens ({self.rollout.sampling.max_tokens}) must be below "
-                f"rollout.max_model_len ({self.rollout.max_model_len})"
-            )
+        limits = {"rollout.sampling.max_tokens": self.rollout.sampling.max_tokens}
+        if self.task.name == "mixture":
+            from groupflow.reward_workers.tasks.mixture import mixture_entries
+
+            for e in mixture_entries(self.task.options["tasks"]):
+                if e.max_tokens is not None:
+                    limits[f"task {e.label}: max_tokens"] = e.max_tokens
+        for where, limit in limits.items():
+            if limit >= self.rollout.max_model_len:
+                raise ValueError(
+                    f"{where} ({limit}) must be below rollout.max_model_len "
+                    f"({self.rollout.max_model_len})"
+                )
         penalty = self.reward.overlong_penalty
-        if penalty is not None and penalty.buffer_tokens >= self.rollout.sampling.max_tokens:
-            raise ValueError(
-                f"reward.overlong_penalty.buffer_tokens ({penalty.buffer_tokens}) must be below "
-                f"rollout.sampling.max_tokens ({self.rollout.sampling.max_tokens})"
-            )
+        for where, limit in limits.items():
+            if penalty is not None and penalty.buffer_tokens >= limit:
+                raise ValueError(
+                    f"reward.overlong_penalty.buffer_tokens ({penalty.buffer_tokens}) must be "
+                    f"below {where} ({limit})"
+                )
         off_policy = self.algorithm.off_policy
         if "mode" not in off_policy.model_fields_set and self.trainer.max_staleness > 0:
             # Stale samples come from a policy the learner no longer holds: correct by default.

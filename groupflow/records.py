@@ -22,6 +22,7 @@ class Prompt:
     # as one user turn.
     messages: list[dict] | None = None
     task: str | None = None  # its task's label in a job of several tasks (routes verification)
+    max_tokens: int | None = None  # its task's response limit; None = rollout.sampling's
 
 
 @dataclass

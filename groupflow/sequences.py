@@ -17,19 +17,21 @@ from groupflow.records import ScoredGroup, TrainSequence
 def group_advantages(scored: list[ScoredGroup], cfg: Config) -> list[list[float]]:
     """`advantages[g][j]`: response j of group g's advantage, from the verifier's reward plus
     DAPO's overlong penalty when `reward.overlong_penalty` is set."""
-    rewards, groups, counts = [], [], []
+    rewards, groups, counts, limits = [], [], [], []
     for gid, sg in enumerate(scored):
+        limit = sg.group.prompt.max_tokens or cfg.rollout.sampling.max_tokens
         for reward, resp in zip(sg.rewards, sg.group.responses, strict=True):
             rewards.append(reward)
             groups.append(gid)
             counts.append(len(resp.token_ids))
+            limits.append(limit)
     rewards = torch.tensor(rewards, dtype=torch.float64)
     lengths = torch.tensor(counts, dtype=torch.float64)
     penalty = cfg.reward.overlong_penalty
     if penalty is not None:
-        max_tokens = cfg.rollout.sampling.max_tokens
+        limit = torch.tensor(limits, dtype=torch.float64)  # each response's task's max_tokens
         rewards = rewards + overlong_penalty(
-            lengths, max_tokens, penalty.buffer_tokens, penalty.max_penalty
+            lengths, limit, penalty.buffer_tokens, penalty.max_penalty
         )
     algo = cfg.algorithm
     flat = compute_advantages(

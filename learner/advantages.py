@@ -156,7 +156,9 @@ def compute_advantages(
     return torch.where(groups.is_constant(rewards), torch.zeros_like(advantages), advantages)
 
 
-def overlong_penalty(lengths: Tensor, max_tokens: int, buffer_tokens: int, max_penalty: float):
+def overlong_penalty(
+    lengths: Tensor, max_tokens: int | Tensor, buffer_tokens: int, max_penalty: float
+) -> Tensor:
     """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to the reward before
     the advantage: 0 up to `max_tokens - buffer_tokens` response tokens, then falling linearly
     to `-max_penalty` at `max_tokens`, so a response is told it runs long before it is cut."""

@@ -76,7 +76,7 @@ class RolloutEngine:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 min_p=sampling.min_p,
-                max_tokens=sampling.max_tokens,
+                max_tokens=prompt.max_tokens or sampling.max_tokens,
                 stop=sampling.stop,
                 include_stop_str_in_output=True,
                 seed=request_seed(sampling.seed, prompt.uid, self.policy_version),
@@ -92,7 +92,10 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         if greedy:
-            params = SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens)
+            params = [
+                SamplingParams(n=1, temperature=0.0, max_tokens=p.max_tokens or sampling.max_tokens)
+                for p in prompts
+            ]
             return self._generate(prompts, params)
         return self.sample_groups(prompts, n, sampling)
 

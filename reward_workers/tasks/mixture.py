@@ -18,7 +18,7 @@ from typing import Any
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import Task
 
-ENTRY_KEYS = {"name", "options", "weight", "label"}
+ENTRY_KEYS = {"name", "options", "weight", "label", "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class MixtureEntry:
     name: str
     options: dict[str, Any]
     weight: float
+    max_tokens: int | None  # this task's response limit; None = rollout.sampling.max_tokens
 
 
 def mixture_entries(tasks: Any) -> list[MixtureEntry]:
@@ -55,7 +56,10 @@ def mixture_entries(tasks: Any) -> list[MixtureEntry]:
             raise ValueError(f"entry {i}: label must be text and options a mapping")
         if label in {e.label for e in entries}:
             raise ValueError(f"{label!r} appears twice (give each entry its own label)")
-        entries.append(MixtureEntry(label, name, options, float(weight)))
+        max_tokens = entry.get("max_tokens")
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            raise ValueError(f"{label}: max_tokens must be a positive integer (got {max_tokens!r})")
+        entries.append(MixtureEntry(label, name, options, float(weight), max_tokens))
     return entries
 
 
@@ -68,6 +72,7 @@ class MixtureTask:
         entries = mixture_entries(tasks)
         self.tasks: dict[str, Task] = {e.label: make_task(e.name, e.options) for e in entries}
         self.weights: dict[str, float] = {e.label: e.weight for e in entries}
+        self.max_tokens: dict[str, int | None] = {e.label: e.max_tokens for e in entries}
         # The scorer's per-call deadline: the most generous member's.
         from groupflow.reward_workers.scorer import DEFAULT_VERIFY_TIMEOUT_S
 
@@ -88,7 +93,7 @@ class MixtureTask:
         labels, weights = self.labels, list(self.weights.values())
         while True:
             label = rng.choices(labels, weights)[0]
-            yield _tagged(next(streams[label]), label)
+            yield self._tagged(next(streams[label]), label)
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """Each task's held-out prompts, in proportion to its weight (at least one each)."""
@@ -96,7 +101,7 @@ class MixtureTask:
         out = []
         for label, task in self.tasks.items():
             share = max(1, round(n * self.weights[label] / total))
-            out += [_tagged(p, label) for p in task.eval_prompts(share)]
+            out += [self._tagged(p, label) for p in task.eval_prompts(share)]
         return out
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
@@ -105,10 +110,10 @@ class MixtureTask:
             return Verdict(0.0, f"no task {prompt.task!r} in this mixture", error="error")
         return task.verify(prompt, response)
 
+    def _tagged(self, prompt: Prompt, label: str) -> Prompt:
+        # The uid stays unique across tasks: two tasks may number their prompts alike.
+        uid = f"{label}/{prompt.uid}"
+        return replace(prompt, uid=uid, task=label, max_tokens=self.max_tokens[label])
+
     def parse_answer(self, raw: Any) -> Any:
         raise ValueError("a mixture reads no answers itself: each of its tasks reads its own")
-
-
-def _tagged(prompt: Prompt, label: str) -> Prompt:
-    # The uid stays unique across tasks: two tasks may number their prompts alike.
-    return replace(prompt, uid=f"{label}/{prompt.uid}", task=label)

@@ -78,3 +78,12 @@ def test_stop_strings_and_the_length_limit_set_the_finish_reason(engine, prompts
     assert all(len(r.token_ids) == 1 for r in cut)
     # a one-token answer that is not EOS was cut at the limit
     assert {r.finish_reason for r in cut if r.text} == {"length"}
+
+
+def test_a_prompt_of_a_task_with_its_own_limit_stops_there(engine, prompts):
+    from dataclasses import replace
+
+    short = [replace(p, max_tokens=2) for p in prompts[:3]]
+    groups = _sample(engine, short + prompts[3:], max_tokens=12)
+    assert all(len(r.token_ids) <= 2 for g in groups[:3] for r in g.responses)
+    assert any(len(r.token_ids) > 2 for g in groups[3:] for r in g.responses)

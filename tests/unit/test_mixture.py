@@ -120,3 +120,30 @@ def test_an_extra_held_out_set_scores_with_its_own_task():
 def test_bad_eval_sets_are_refused(eval_sets, message):
     with pytest.raises(ConfigError, match=message):
         build_config({"task": {"eval_sets": eval_sets}})
+
+
+def test_each_task_keeps_its_own_response_limit():
+    tasks = [{**TWO[0], "max_tokens": 7}, TWO[1]]
+    task = make_task("mixture", {"tasks": tasks})
+    prompts = [p for p, _ in zip(task.train_prompts(0), range(50), strict=False)]
+    assert {p.max_tokens for p in prompts if p.task == "sums"} == {7}
+    assert {p.max_tokens for p in prompts if p.task == "long"} == {None}
+    assert {p.max_tokens for p in task.eval_prompts(8) if p.task == "sums"} == {7}
+
+
+@pytest.mark.parametrize(
+    "max_tokens, extra, message",
+    [
+        (0, {}, "max_tokens must be a positive integer"),
+        (2.5, {}, "max_tokens must be a positive integer"),
+        (300, {}, "task sums: max_tokens \\(300\\) must be below rollout.max_model_len"),
+        (
+            4,
+            {"reward": {"overlong_penalty": {"buffer_tokens": 4}}},
+            "buffer_tokens \\(4\\) must be below task sums",
+        ),
+    ],
+)
+def test_bad_task_limits_are_refused(max_tokens, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({"task": [{**TWO[0], "max_tokens": max_tokens}, TWO[1]], **extra})

@@ -79,3 +79,24 @@ def test_truncated_responses_are_left_out_only_when_masked(mask):
     for seq, (g, resp, adv) in zip(seqs, kept, strict=True):
         assert seq.group_id == g and seq.advantage == adv
         assert seq.input_ids[seq.prompt_len :] == resp.token_ids
+
+
+def test_overlong_penalty_counts_from_each_tasks_own_limit():
+    rng = random.Random()
+    scored = _scored(rng, 2, 4)
+    scored[0].group.prompt.max_tokens = 6  # one task's shorter limit
+    cfg = _cfg(reward={"overlong_penalty": {"buffer_tokens": 4, "max_penalty": 1.0}})
+    got = group_advantages(scored, cfg)
+    shaped, ids = [], []
+    for g, sg in enumerate(scored):
+        limit = sg.group.prompt.max_tokens or MAX_TOKENS
+        for r, resp in zip(sg.rewards, sg.group.responses, strict=True):
+            shaped.append(r - min(1.0, max(0, len(resp.token_ids) - (limit - 4)) / 4))
+            ids.append(g)
+    want = compute_advantages(
+        torch.tensor(shaped, dtype=torch.float64),
+        torch.tensor(ids),
+        cfg.algorithm.advantage,
+        cfg.algorithm.std,
+    )
+    assert sum(got, []) == pytest.approx(want.tolist(), abs=1e-12)
