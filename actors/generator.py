@@ -9,10 +9,19 @@ sent, so a weight load sent after a chunk is applied after that chunk.
 An engine that dies (killed, out of memory, node lost) is replaced at once by a new actor in
 its slot. The replacement takes no work until the job has sent it the current weights
 (`weights_sent`); the chunks the dead engine held are then generated again, each once.
+
+Scaling (groupflow scale, rollout.autoscale): `scale_to` starts new engines or retires live
+ones and returns at once; `settle`, between steps, admits the new engines that are up (each
+waits for the current weights like a replacement, but is no restart) and removes retired
+engines once every chunk they held has been taken, so no group is lost or generated twice.
+Retiring takes the highest slots and removal renumbers the slots above: the engines list is
+shared with the weight transport, so it only changes in `settle`, never during a sync.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,12 +29,16 @@ import ray
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
+from groupflow.actors.starting import StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.learner.device import Device, device_for
 from groupflow.peers import Futures, GeneratedChunk, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
+from groupflow.scaling import PoolState
+
+log = logging.getLogger(__name__)
 
 
 class Generator:
@@ -44,6 +57,11 @@ class Generator:
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
     ) -> list[SampledGroup]:
         return self.engine.complete(prompts, n, sampling, greedy)
+
+    def warm_up(self, group_size: int, sampling: SamplingConfig) -> None:
+        """Sample once, so that a new engine's first real chunk is not slowed by the engine's
+        first-call costs (seconds on CPU), which would hold up the whole step."""
+        self.engine.sample_groups([Prompt("warm-up", "1+1=", 2)] * 2, group_size, sampling)
 
     def load_weights(self, named_tensors, version: int) -> int:
         self.engine.load_weights(named_tensors, version)
@@ -79,14 +97,21 @@ class Generator:
         return self.engine.parameters_snapshot()
 
 
+# Chunks an engine holds at most: one generating, one queued behind it so that the engine
+# never waits for the driver. A weight load sent to an engine runs after these, so the bound
+# is also how long a new version waits behind old work (groupflow/job.py).
+CHUNKS_PER_ENGINE = 2
+
+
 def chunk_size(num_prompts: int, num_engines: int) -> int:
-    """About two chunks per engine: the first chunks are scored while the second generate."""
-    return max(1, num_prompts // (2 * num_engines))
+    """A step's prompts in CHUNKS_PER_ENGINE chunks per engine: the first chunks are scored
+    while the second generate."""
+    return max(1, num_prompts // (CHUNKS_PER_ENGINE * num_engines))
 
 
 @dataclass
 class _Chunk:
-    rollout_id: int
+    chunk_id: int
     engine: int
     actor: object  # the engine it was sent to (its slot may hold a replacement since)
     prompts: list[Prompt]
@@ -102,6 +127,8 @@ class GeneratorPool:
         group_size: int,
         sampling: SamplingConfig,
         start_engine: Callable[[int], object] | None = None,
+        starting: StartingActors | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.engines = engines  # the weight transport loads the engines of this same list
         self.futures = futures
@@ -110,38 +137,81 @@ class GeneratorPool:
         self.start_engine = start_engine  # a new actor for slot i; None: deaths are fatal
         self.restarts = 0
         self._outstanding = [0] * len(engines)  # prompts sent to each engine, not yet taken
+        self._chunks_on = [0] * len(engines)  # chunks sent to each engine, not yet taken
+        self._clock = clock
+        self._idle_engine_s = 0.0
+        self._idle_counted_at = clock()
         self._chunks: dict[Handle, _Chunk] = {}
         self._unloaded: set[int] = set()  # slots whose replacement awaits the weights
         self._lost: dict[Handle, _Chunk] = {}  # chunks of dead engines, to generate again
+        self._target = len(engines)
+        # Engines asked for and not yet up (a stand-in in the job loop's unit tests).
+        if starting is None:  # an engine is ready once warmed up (see Generator.warm_up)
+            starting = StartingActors("engine", lambda e: e.warm_up.remote(group_size, sampling))
+        self._starting = starting
+        self._retiring: set[int] = set()  # slots sent no new chunks, removed once drained
+        self._next_seed_slot = len(engines)  # a new engine samples with a seed of its own
+        # New engines not yet sent a chunk -> when they were asked for: the time a scale-up
+        # takes to produce work is logged, and kept in join_seconds.
+        # (The handle is kept, so that its id is not reused while it is a key.)
+        self._asked_at: dict[int, tuple[object, float]] = {}
+        self.join_seconds: list[float] = []
 
     @property
     def num_engines(self) -> int:
         return len(self.engines)
 
-    def submit(self, prompts: list[Prompt], rollout_id: int) -> list[Handle]:
-        size = chunk_size(len(prompts), len(self.engines))
-        return [
-            self._send(_Chunk(rollout_id, -1, None, prompts[start : start + size]))
-            for start in range(0, len(prompts), size)
-        ]
+    def room(self) -> int:
+        """How many more chunks the engines with the current weights take now."""
+        ready = self._taking_work()
+        return sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
+
+    def send(self, prompts: list[Prompt], chunk_id: int) -> Handle:
+        return self._send(_Chunk(chunk_id, -1, None, prompts))
 
     def _send(self, chunk: _Chunk) -> Handle:
-        ready = [e for e in range(len(self.engines)) if e not in self._unloaded]
-        chunk.engine = min(ready, key=self._outstanding.__getitem__)
+        self._count_idle()
+        ready = self._taking_work()
+        chunk.engine = min(ready, key=lambda e: (self._chunks_on[e], self._outstanding[e]))
         chunk.actor = self.engines[chunk.engine]
         self._outstanding[chunk.engine] += len(chunk.prompts)
+        self._chunks_on[chunk.engine] += 1
+        if self._asked_at and id(chunk.actor) in self._asked_at:
+            seconds = time.monotonic() - self._asked_at.pop(id(chunk.actor))[1]
+            self.join_seconds.append(seconds)
+            log.info("a new engine took its first chunk %.1fs after it was asked for", seconds)
         handle = chunk.actor.sample.remote(chunk.prompts, self.group_size, self.sampling)
         self._chunks[handle] = chunk
         return handle
 
+    def _taking_work(self) -> list[int]:
+        """Slots that take new chunks: loaded with the current weights and not retiring."""
+        skip = self._unloaded | self._retiring
+        return [e for e in range(len(self.engines)) if e not in skip]
+
     def in_flight(self) -> list[Handle]:
         return list(self._chunks)
 
+    def _count_idle(self) -> None:
+        """Add the engine-seconds since the last call in which engines held no chunk (call
+        before the number of chunks on an engine changes)."""
+        now = self._clock()
+        idle = sum(1 for n in self._chunks_on if n == 0)
+        self._idle_engine_s += idle * (now - self._idle_counted_at)
+        self._idle_counted_at = now
+
+    def idle_engine_seconds(self) -> float:
+        """Engine-seconds so far in which an engine held no chunk (it waited for work)."""
+        self._count_idle()
+        return self._idle_engine_s
+
     def take(self, ready: Sequence[Handle]) -> list[GeneratedChunk]:
         taken = []
+        self._count_idle()
         for handle in [h for h in ready if h in self._chunks]:
             chunk = self._chunks.pop(handle)
             self._outstanding[chunk.engine] -= len(chunk.prompts)
+            self._chunks_on[chunk.engine] -= 1
             try:
                 (groups,) = self.futures.get([handle])
             except PeerDied:
@@ -149,7 +219,7 @@ class GeneratorPool:
                     raise
                 self._lose(handle, chunk)
                 continue
-            taken.append(GeneratedChunk(chunk.rollout_id, groups))
+            taken.append(GeneratedChunk(chunk.chunk_id, groups))
         return taken
 
     def _lose(self, handle: Handle, chunk: _Chunk) -> None:
@@ -220,7 +290,78 @@ class GeneratorPool:
             groups[i::k] = shard
         return groups
 
+    # ----- scaling (between steps; see the module's docstring) ---------------------------------
+    def scale_to(self, target: int) -> None:
+        if self.start_engine is None:
+            raise ValueError("engines cannot be added or removed with this weight transport")
+        if target < 1:
+            raise ValueError(f"a pool needs at least one engine (got {target})")
+        self._target = target
+        # Retired slots come back first (they hold the weights), then new actors start.
+        while self._retiring and self._live() < target:
+            self._retiring.remove(min(self._retiring))
+        for _ in range(target - self._live() - len(self._starting)):
+            engine = self.start_engine(self._next_seed_slot)
+            self._asked_at[id(engine)] = (engine, time.monotonic())
+            self._starting.add(engine)
+            self._next_seed_slot += 1
+        # Fewer: cancel engines not yet up, then retire the highest live slots.
+        excess = self._live() + len(self._starting) - target
+        excess -= self._starting.cancel(max(0, excess))
+        active = [e for e in range(len(self.engines)) if e not in self._retiring]
+        for slot in sorted(active, reverse=True)[: max(0, excess)]:
+            self._retiring.add(slot)
+
+    def _live(self) -> int:
+        return len(self.engines) - len(self._retiring)
+
+    def settle(self) -> PoolState:
+        ready, failed = self._starting.take_ready()
+        if failed:  # a failed start is not retried: the target drops to what exists
+            self._target -= failed
+        for actor in ready:
+            self.engines.append(actor)  # in place: the transport holds this same list
+            self._outstanding.append(0)
+            self._chunks_on.append(0)
+            self._unloaded.add(len(self.engines) - 1)  # no chunk before the current weights
+        held = {chunk.engine for chunk in self._chunks.values()}
+        drained = sorted(self._retiring - held - self._unloaded, reverse=True)
+        for slot in drained:
+            self._remove(slot)
+        state = self.state()
+        state.joined, state.left = len(ready), len(drained)
+        return state
+
+    def _remove(self, slot: int) -> None:
+        """Remove an engine that holds no chunk, and renumber the slots above it."""
+        engine = self.engines.pop(slot)
+        del self._outstanding[slot]
+        del self._chunks_on[slot]
+
+        def moved(e: int) -> int:
+            return e - 1 if e > slot else e
+
+        self._retiring = {moved(e) for e in self._retiring if e != slot}
+        self._unloaded = {moved(e) for e in self._unloaded if e != slot}
+        for chunk in self._chunks.values():
+            chunk.engine = moved(chunk.engine)
+        for chunk in self._lost.values():  # placed anew when sent again
+            chunk.engine = -1
+        # Exits after the calls already queued on it (a weight load the job still awaits).
+        engine.__ray_terminate__.remote()
+
+    def state(self) -> PoolState:
+        placed = self._starting.placed()
+        return PoolState(
+            live=self._live(),
+            target=self._target,
+            starting=placed,
+            pending=len(self._starting) - placed,
+            retiring=len(self._retiring),
+        )
+
     def shutdown(self) -> None:
+        self._starting.shutdown()
         for engine in self.engines:
             ray.kill(engine)
 
@@ -230,6 +371,7 @@ def start_generator_pool(cfg: Config, model_path: str) -> GeneratorPool:
     one is replaced by a new actor with the same settings (with the object-store transport:
     the collective one's process group cannot take a new member, so a death ends the job)."""
     res = cfg.rollout.resources
+    device = device_for(res.num_gpus)
     actor = ray.remote(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,
@@ -238,10 +380,10 @@ def start_generator_pool(cfg: Config, model_path: str) -> GeneratorPool:
             "env_vars": {
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "OMP_NUM_THREADS": str(res.torch_threads),
+                **device.engine_env(),
             }
         },
     )
-    device = device_for(res.num_gpus)
 
     def start_engine(slot: int):
         settings = engine_settings(cfg, model_path, seed=cfg.trainer.seed + slot)

@@ -8,6 +8,10 @@ budget runs out are timeouts), so the driver never waits on a stuck verifier lon
 that. A worker that gives no answer within that plus a grace period is replaced and its
 batch scored 0; a worker that dies is replaced and its batch retried up to
 `reward.max_retries` times.
+
+Scaling (groupflow scale): `scale_to` starts or retires workers and returns at once; `settle`,
+between steps, admits the workers that are up and removes retired ones once their batches
+are scored (a retiring worker takes no new batch, so nothing is scored twice or lost).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
+from groupflow.actors.starting import StartingActors
 from groupflow.config import Config
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer
+from groupflow.scaling import PoolState
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,9 @@ class RewardPool:
         self.errors = 0
         self.timeouts = 0
         self.worker_restarts = 0
+        self._target = len(self.workers)
+        self._starting = StartingActors("reward worker")
+        self._retiring: set[int] = set()  # slots given no new batch, removed once drained
 
     def _deadline_s(self, batch: _Batch) -> float:
         """The worker ends every batch within reward.timeout_s; one past that (and a grace
@@ -108,7 +117,8 @@ class RewardPool:
             self._pending.append(self._launch(rollout_id, groups, attempts=1))
 
     def _launch(self, rollout_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
-        worker = min(range(len(self.workers)), key=self._load.__getitem__)
+        taking = [w for w in range(len(self.workers)) if w not in self._retiring]
+        worker = min(taking, key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
         ref = actor.score.remote(groups, time.time() + self.cfg.reward.timeout_s)
@@ -184,6 +194,58 @@ class RewardPool:
     def pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
 
+    # ----- scaling (between steps) --------------------------------------------------------------
+    def scale_to(self, target: int) -> None:
+        if target < 1:
+            raise ValueError(f"a pool needs at least one reward worker (got {target})")
+        self._target = target
+        while self._retiring and self._live() < target:
+            self._retiring.remove(min(self._retiring))
+        for _ in range(target - self._live() - len(self._starting)):
+            self._starting.add(self._actor.remote(*self._args))
+        excess = self._live() + len(self._starting) - target
+        excess -= self._starting.cancel(max(0, excess))
+        active = [w for w in range(len(self.workers)) if w not in self._retiring]
+        for slot in sorted(active, reverse=True)[: max(0, excess)]:
+            self._retiring.add(slot)
+
+    def _live(self) -> int:
+        return len(self.workers) - len(self._retiring)
+
+    def settle(self) -> PoolState:
+        ready, failed = self._starting.take_ready()
+        self._target -= failed  # a failed start is not retried
+        for actor in ready:
+            self.workers.append(actor)
+            self._load.append(0)
+        busy = {b.worker for b in self._pending}
+        drained = sorted(self._retiring - busy, reverse=True)
+        for slot in drained:
+            self._remove(slot)
+        state = self.state()
+        state.joined, state.left = len(ready), len(drained)
+        return state
+
+    def _remove(self, slot: int) -> None:
+        worker = self.workers.pop(slot)
+        del self._load[slot]
+        self._retiring = {w - 1 if w > slot else w for w in self._retiring if w != slot}
+        for batch in self._pending:
+            if batch.worker > slot:
+                batch.worker -= 1
+        ray.kill(worker, no_restart=True)
+
+    def state(self) -> PoolState:
+        placed = self._starting.placed()
+        return PoolState(
+            live=self._live(),
+            target=self._target,
+            starting=placed,
+            pending=len(self._starting) - placed,
+            retiring=len(self._retiring),
+        )
+
     def shutdown(self) -> None:
+        self._starting.shutdown()
         for worker in self.workers:
             ray.kill(worker)

@@ -21,6 +21,7 @@ import ray
 
 from groupflow.actors.learner import LearnerGroup
 from groupflow.learner.weight_export import DEFAULT_BUCKET_BYTES, bucket_manifest
+from groupflow.peers import SyncHandles
 
 
 class ObjectStoreTransport:
@@ -31,7 +32,7 @@ class ObjectStoreTransport:
         self.engines = engines
         self.bucket_bytes = bucket_bytes
 
-    def async_sync(self, version: int) -> list[ray.ObjectRef]:
+    def async_sync(self, version: int) -> SyncHandles:
         streams = self.learner.async_stream_weights(self.bucket_bytes)
         for engine in self.engines:
             engine.begin_weights.remote()
@@ -40,9 +41,12 @@ class ObjectStoreTransport:
         for bucket in streams[0]:
             for engine in self.engines:
                 engine.add_weights.remote([bucket])
-        # The ranks' completions first: a rank that died is reported as such.
-        done = [stream.completed() for stream in streams]
-        return done + [engine.finish_weights.remote(version) for engine in self.engines]
+        # The buckets are in the object store once the streams complete: the learner may
+        # train on while the engines fetch them.
+        return SyncHandles(
+            [stream.completed() for stream in streams],
+            [engine.finish_weights.remote(version) for engine in self.engines],
+        )
 
 
 class CollectiveTransport:
@@ -73,13 +77,14 @@ class CollectiveTransport:
         manifest = ray.get(ranks[0].weight_manifest.remote())
         self.buckets = bucket_manifest(manifest, self.bucket_bytes)
 
-    def async_sync(self, version: int) -> list[ray.ObjectRef]:
+    def async_sync(self, version: int) -> SyncHandles:
         if self.buckets is None:
             self._open()
-        ranks = self.learner.ranks
-        return [r.broadcast_weights.remote(self.bucket_bytes) for r in ranks] + [
-            e.receive_weights.remote(self.buckets, version) for e in self.engines
-        ]
+        # The ranks' broadcast ends only when every engine has received.
+        return SyncHandles(
+            [r.broadcast_weights.remote(self.bucket_bytes) for r in self.learner.ranks],
+            [e.receive_weights.remote(self.buckets, version) for e in self.engines],
+        )
 
 
 def make_transport(

@@ -1,15 +1,16 @@
-"""Step time, its breakdown and the stages' waits for each other, for trainer.max_staleness 0
-and 1 on the same config, with the engines and the learner sharing the cores and pinned apart.
+"""Step time, its breakdown and the stages' waits for each other, for trainer.max_staleness
+0, 1, 2 and 4 on the same config, with the engines and the learner sharing the cores and
+pinned apart.
 
-    .venv/bin/python bench/step_time.py [--steps 6] [--set key=value ...] [--no-pinned]
+    .venv/bin/python bench/step_time.py [--steps 8] [--staleness 0 1 2 4] [--set key=value ...]
+                                        [--no-pinned]
 
 Prints, per setting, the mean over steps after the first (which pays warm-up) of the step time
 and of each stage, the tokens generated per second of step time, and the bound the overlap aims
 for: max(generation + reward, learning) + sync. The waits: `learner waits` is the learner idle
-for want of samples (time_wait_rollout_s, plus time_wait_gen_s, the in-flight chunks a weight
-load waits for); `engines idle` is the step time during which no rollout was generating
-(step - generation). "pinned" runs the engines on core 0 and the learner ranks on core 1
-(rollout/learner.resources.cpu_cores); reward workers stay unpinned.
+for want of samples (time_wait_rollout_s); `engines idle` is the time an engine held no chunk,
+per engine (time_engines_idle_s). "pinned" runs the engines on core 0 and the learner ranks on
+core 1 (rollout/learner.resources.cpu_cores); reward workers stay unpinned.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from groupflow.config import build_config
+from groupflow.config import load_config
 from groupflow.driver import run
 
 STAGES = (
@@ -32,14 +33,14 @@ STAGES = (
     "time_sync_s",
     "time_step_s",
     "time_wait_rollout_s",
-    "time_wait_gen_s",
+    "time_engines_idle_s",
 )
 PINNED = ["rollout.resources.cpu_cores=[0]", "learner.resources.cpu_cores=[1]"]
 
 
 def measure(name: str, staleness: int, steps: int, overrides: list[str], out: Path) -> dict:
-    cfg = build_config(
-        {},
+    cfg = load_config(  # the built-in quickstart job with the given overrides
+        None,
         [
             f"trainer.steps={steps}",
             f"trainer.max_staleness={staleness}",
@@ -62,7 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--no-pinned", dest="pinned", action="store_false")
     args = parser.parse_args()
@@ -71,7 +73,7 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for placement, pins in placements.items():
-            for s in (0, 1):
+            for s in args.staleness:
                 name = f"{placement}_staleness{s}"
                 rows[placement, s] = measure(name, s, args.steps, args.overrides + pins, Path(tmp))
     ray.shutdown()
@@ -82,16 +84,18 @@ def main() -> None:
     )
     for (placement, s), r in rows.items():
         bound = max(r["time_gen_s"] + r["time_reward_s"], r["time_learn_s"]) + r["time_sync_s"]
-        learner_waits = r["time_wait_rollout_s"] + r["time_wait_gen_s"]
-        engines_idle = max(0.0, r["time_step_s"] - r["time_gen_s"])
+        learner_waits = r["time_wait_rollout_s"]
+        engines_idle = r["time_engines_idle_s"]
         print(
             f"{placement:>7} {s:>5} {r['time_gen_s']:6.2f} {r['time_reward_s']:6.2f} "
             f"{r['time_learn_s']:6.2f} {r['time_sync_s']:6.2f} {r['time_step_s']:6.2f} "
             f"{r['tokens_per_s']:6.0f} {bound:6.2f} {learner_waits:13.2f} {engines_idle:12.2f}"
         )
+    base = args.staleness[0]
     for placement in placements:
-        speed_up = rows[placement, 0]["time_step_s"] / rows[placement, 1]["time_step_s"]
-        print(f"{placement}: speed-up of overlap {speed_up:.2f}x")
+        for s in args.staleness[1:]:
+            speed_up = rows[placement, base]["time_step_s"] / rows[placement, s]["time_step_s"]
+            print(f"{placement}: staleness {s} against {base}: {speed_up:.2f}x")
 
 
 if __name__ == "__main__":

@@ -60,11 +60,11 @@ def random_model(hidden: int, layers: int, directory: Path) -> int:
 
 def time_syncs(kind: str, learner, engines, repeats: int, bucket_mb: int) -> list[float]:
     transport = make_transport(kind, learner, engines, bucket_mb)
-    ray.get(transport.async_sync(1))  # warm-up: opens the weight group, first allocations
+    ray.get(transport.async_sync(1).handles())  # warm-up: opens the weight group, first allocations
     seconds = []
     for version in range(2, repeats + 2):
         start = time.perf_counter()
-        ray.get(transport.async_sync(version))
+        ray.get(transport.async_sync(version).handles())
         seconds.append(time.perf_counter() - start)
     return seconds
 

@@ -87,6 +87,7 @@ PANEL_ROWS = {
     "Reward errors and timeouts": "Cluster",
     "Checkpoints": "Cluster",
     "Restarts": "Cluster",
+    "Scaling": "Cluster",
 }
 
 _STEP = "Step and policy version"
@@ -211,6 +212,21 @@ METRICS: tuple[Metric, ...] = (
     Metric("num_groups", "groups trained on (after dynamic sampling)", ""),
     Metric("num_sequences", "sequences trained on", ""),
     Metric(
+        "groups_filtered",
+        "groups dynamic sampling skipped (all rewards equal), each replaced by a new prompt",
+        "",
+        "Staleness",
+        Series("groupflow_groups_filtered", "counter"),
+    ),
+    Metric(
+        "groups_dropped_stale",
+        "groups older than trainer.max_staleness, dropped untrained (a dynamic-sampling "
+        "refill's surplus at staleness 0, or an engine that missed a weight load)",
+        "",
+        "Staleness",
+        Series("groupflow_groups_dropped_stale", "counter"),
+    ),
+    Metric(
         "staleness_mean",
         "mean policy versions behind, trained samples",
         "versions",
@@ -241,7 +257,7 @@ METRICS: tuple[Metric, ...] = (
     # stage times (groupflow/timing.py)
     Metric(
         "time_gen_s",
-        "from launching the step's prompts to their last chunk generated",
+        "from sending the step's first chunk to an engine to its last chunk generated",
         "seconds",
         _TIMES,
         _stage_latency("generation"),
@@ -262,22 +278,22 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "time_wait_rollout_s",
-        "before scoring, the learner waiting for the step's rollout to finish generating",
-        "seconds",
-        _TIMES,
-    ),
-    Metric(
-        "time_wait_gen_s",
-        "after learning, waiting for the chunks generating ahead of the weight load",
+        "the learner waiting for the step's next groups to finish generating",
         "seconds",
         _TIMES,
     ),
     Metric(
         "time_sync_s",
-        "weight sync from the learner to every engine",
+        "the learner's side of the weight sync (each engine loads between its chunks)",
         "seconds",
         _TIMES,
         _stage_latency("weight_sync"),
+    ),
+    Metric(
+        "time_engines_idle_s",
+        "the time an engine held no chunk to generate (waiting for the learner), per engine",
+        "seconds",
+        _TIMES,
     ),
     Metric("time_metrics_s", "computing the step's figures", "seconds", _TIMES),
     Metric(
@@ -317,6 +333,17 @@ METRICS: tuple[Metric, ...] = (
         "",
         "Restarts",
         Series("groupflow_learner_restarts", "running_total"),
+    ),
+    # scaling (groupflow/scaling.py): the counts a step ran with; live counts are LIVE_GAUGES
+    Metric("num_engines", "generator engines that served the step", ""),
+    Metric("num_reward_workers", "reward workers that served the step", ""),
+    Metric(
+        "scale_events",
+        "scale events after the step: a target changed (groupflow scale, autoscale) or "
+        "actors joined or left",
+        "",
+        "Scaling",
+        Series("groupflow_scale_events", "counter"),
     ),
     Metric(
         "checkpoint_seconds",
@@ -478,6 +505,12 @@ LIVE_GAUGES: dict[str, LiveGauge] = {
     "engines": LiveGauge("groupflow_engines", "live generator engines", "Live actors"),
     "reward_workers": LiveGauge("groupflow_reward_workers", "live reward workers", "Live actors"),
     "learner_ranks": LiveGauge("groupflow_learner_ranks", "live learner ranks", "Live actors"),
+    "pending_actors": LiveGauge(
+        "groupflow_pending_actors",
+        "actors a pool asked for that wait for room on the cluster (pending resource requests)",
+        "Scaling",
+        "pool",
+    ),
     "queue_depth": LiveGauge(
         "groupflow_queue_depth", "items waiting in a queue", "Queue depths", "queue"
     ),

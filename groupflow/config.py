@@ -134,8 +134,35 @@ class SamplingConfig(Section):
         return stop
 
 
+class AutoscaleConfig(Section):
+    """Engines added while the learner waits for generation, removed while they sit idle
+    (groupflow/scaling.py: AutoscalePolicy)."""
+
+    min_engines: int = Field(1, ge=1, description="never fewer engines than this")
+    max_engines: int = Field(ge=1, description="never more engines than this")
+    patience: int = Field(
+        2,
+        ge=1,
+        description="steps in a row a signal must hold before an engine is added or removed",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscaleConfig:
+        if self.min_engines > self.max_engines:
+            raise ValueError(
+                f"min_engines ({self.min_engines}) must not exceed max_engines ({self.max_engines})"
+            )
+        return self
+
+
 class RolloutConfig(Section):
     num_engines: int = Field(1, ge=1)
+    autoscale: AutoscaleConfig | None = Field(
+        None,
+        description="off (null) by default; {min_engines, max_engines}: add an engine when the "
+        "learner waits for generation, remove one when the engines sit idle, within the bounds "
+        "(needs weight_transport object_store; num_engines is the starting count)",
+    )
     group_size: int = Field(8, ge=1, description="G: responses sampled per prompt")
     prompts_per_step: int = Field(32, ge=1)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -157,6 +184,23 @@ class RolloutConfig(Section):
         "size; a larger layer is a bucket of its own): both transports send the model bucket by "
         "bucket, so learner rank 0 holds at most two buckets, never a second copy of the model",
     )
+
+    @model_validator(mode="after")
+    def _check_autoscale(self) -> RolloutConfig:
+        auto = self.autoscale
+        if auto is None:
+            return self
+        if self.weight_transport != "object_store":
+            raise ValueError(
+                "autoscale: needs weight_transport object_store (the collective transport's "
+                "process group cannot take new engines)"
+            )
+        if not auto.min_engines <= self.num_engines <= auto.max_engines:
+            raise ValueError(
+                f"num_engines ({self.num_engines}) must lie within autoscale's bounds "
+                f"[{auto.min_engines}, {auto.max_engines}]"
+            )
+        return self
 
 
 class OverlongPenaltyConfig(Section):
@@ -508,7 +552,13 @@ class TrainerConfig(Section):
     output_dir: str = "runs"
     run_name: str = "quickstart"
     max_staleness: int = Field(
-        0, ge=0, le=1, description="0 = on-policy; 1 = overlap gen and learn"
+        0,
+        ge=0,
+        le=8,
+        description="policy versions a trained sample may lag behind the learner: 0 = "
+        "on-policy (generation and learning take turns); k > 0 = the engines generate up to "
+        "k steps ahead while the learner trains, with the off-policy correction "
+        "(algorithm.off_policy)",
     )
     eval_every: int = Field(
         0, ge=0, description="greedy eval every N steps; 0 = start and end only"

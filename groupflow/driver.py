@@ -12,11 +12,12 @@ import shutil
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import ray
 
+from groupflow.actors.control import ActorInbox, start_control
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
@@ -33,6 +34,7 @@ from groupflow.checkpoint import (
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
 from groupflow.job import Checkpointing, LearnerLost, TrainingJob
+from groupflow.live import CLUSTER_FILE, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
@@ -40,6 +42,7 @@ from groupflow.reward_workers.tasks import make_task
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.sample_log import SampleLog
+from groupflow.scaling import Scaler, limits_for, policy_for
 from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
@@ -122,6 +125,7 @@ class OpenRun:
     resume: Resume | None
 
     def close(self) -> None:
+        (self.run_dir / CLUSTER_FILE).unlink(missing_ok=True)  # the run is no longer live
         if self.exporter is not None:
             self.exporter.close()
         if self.started_ray:
@@ -143,6 +147,7 @@ def _start_exporter(cfg: Config) -> PrometheusExporter | None:
     return exporter
 
 
+@cache  # read once: the rendering check and the sample log share it
 def _tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
@@ -173,6 +178,11 @@ def open_run(cfg: Config) -> OpenRun:
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
+    # Where `groupflow scale` and `groupflow status` find this job's cluster (groupflow/live.py).
+    try:
+        write_cluster_file(run_dir, cfg.trainer.run_name, ray.get_runtime_context().gcs_address)
+    except Exception as err:  # e.g. through Ray Client (ray://), which has no GCS address
+        log.warning("groupflow scale/status will not find this run here: %s", err)
     return OpenRun(cfg, model_path, run_dir, exporter, started_ray, time.monotonic(), resume)
 
 
@@ -187,6 +197,10 @@ def start_job(run: OpenRun) -> TrainingJob:
         undo.callback(rewards.shutdown)
         learner = LearnerGroup(cfg, run.model_path)
         undo.callback(learner.shutdown)
+        control = start_control(cfg.trainer.run_name, limits_for(cfg))
+        inbox = None if control is None else ActorInbox(control)
+        if inbox is not None:
+            undo.callback(inbox.close)
         held_out_sets = []
         for eval_set in cfg.task.eval_sets:
             held_out_sets.append(HeldOutSet(eval_set, cfg.reward.plugin_timeout_s))
@@ -206,6 +220,16 @@ def start_job(run: OpenRun) -> TrainingJob:
             futures=RayFutures(),
             exporter=run.exporter,
             held_out_sets=held_out_sets,
+            scaler=Scaler(
+                cfg.trainer.run_name,
+                generators,
+                rewards,
+                learner.num_ranks,
+                inbox=inbox,
+                policy=policy_for(cfg),
+                gauges=run.exporter,
+                log=log.info,
+            ),
             sample_log=SampleLog(run.run_dir, cfg.trainer, _tokenizer(run.model_path).decode),
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
@@ -301,4 +325,6 @@ def run(cfg: Config) -> dict:
     finally:
         if job is not None:
             job.shutdown()
+            if job.scaler is not None:
+                job.scaler.close()
         opened.close()

@@ -3,21 +3,30 @@
 prompts -> generator pool (chunks, handed on as each finishes) -> reward pool -> advantages
 -> learner -> weight transport -> engines.
 
-The peers place their own work (which engine, which reward worker, which rank); the loop only
-decides what is launched next and where it waits. It blocks in four places, each a stage of
-the step record: a rollout's generation and then its scores (`_finish`), the learner's step,
-the chunks generating ahead of the weight load, and the weight sync. Whatever it waits on,
-every chunk that finishes meanwhile goes to the reward pool at once, so scoring overlaps both
-generation and learning.
+The prompt stream is cut into chunks, one engine call each, taken by the learner in the order
+they were drawn: a step trains the next `rollout.prompts_per_step` groups of the stream as soon
+as they are scored, whichever rollouts they were drawn for. The engines keep at most
+CHUNKS_PER_ENGINE chunks each (actors/generator.py), the rest wait here, so a weight load sent
+to an engine runs after at most that many chunks: weights reach each engine between chunks,
+and no engine waits for another's load.
 
-Staleness: with `trainer.max_staleness` = k, the rollouts of the next k steps are in flight
-(a queue of up to k) while a step trains. A rollout launched during step s samples from
-version s-1 and is trained at step s+k by version s+k-1: exactly k versions old. k = 0 is
-strictly on-policy.
+Staleness: with `trainer.max_staleness` = k, the prompts of the next k steps may be drawn and
+generating while a step trains (`_limit`). A group drawn while the learner is at version v is
+sampled by version v or later and trained by version v + k at the latest: never more than k
+versions old. k = 0 is strictly on-policy. A group older than k (a refill's surplus at k = 0,
+or a chunk of an engine that failed to load) is dropped and counted, never trained on. Dynamic
+sampling (DAPO) skips groups whose rewards are all equal and draws new prompts for them, a
+whole chunk at a time, up to MAX_REFILLS steps' worth.
+
+The loop blocks in three places, each a stage of the step record: the next group's generation
+(`wait_rollout`) and then its scores (`reward`), the learner's step (`learn`) and the learner's
+side of the weight sync (`sync`); the engines load the weights on their own. Whatever it waits
+on, every chunk that finishes meanwhile goes to the reward pool at once and every engine with
+room takes the next chunk, so generation and scoring overlap learning.
 
 Checkpoints (`trainer.checkpoint_every`): after a step's record is written, the ranks save
-their shards while the next rollout already generates; the driver's state says where the
-prompt stream stood, so a resumed job (`restore`) trains the same prompts in the same order.
+their shards while the engines already generate; the driver's state says where the prompt
+stream stood, so a resumed job (`restore`) trains the same prompts in the same order.
 
 Recovery: a dead engine is replaced by the generator pool; the loop sends the replacement the
 current weights as soon as the learner is between steps, and the dead engine's chunks are
@@ -35,6 +44,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Protocol
 
+from groupflow.actors.generator import chunk_size
 from groupflow.checkpoint import HF_DIR, LEARNER_DIR, CheckpointStore, DriverState
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet, greedy_share, sampled_scores
@@ -53,14 +63,15 @@ from groupflow.prometheus import PrometheusExporter
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, TrainSequence
 from groupflow.reward_workers.tasks.base import Task
 from groupflow.rollout_figures import rollout_record
+from groupflow.scaling import Scaler
 from groupflow.sequences import group_advantages, train_sequences
 from groupflow.timing import stage_timer, time_keys
 
-# Dynamic sampling draws at most this many extra rollouts per step (DAPO keeps drawing; a
-# bound keeps a task that is all-solved or all-failed from stalling the job).
+# Dynamic sampling looks at most this many steps' worth of extra groups per step (DAPO keeps
+# drawing; a bound keeps a task that is all-solved or all-failed from stalling the job).
 MAX_REFILLS = 3
 
-EVAL_ROLLOUT = -1  # the reward pool's rollout id for held-out answers (training's count from 0)
+EVAL_ROLLOUT = -1  # the reward pool's batch id for held-out answers (chunks count from 0)
 
 
 class LearnerLost(RuntimeError):
@@ -72,18 +83,32 @@ class StepSink(Protocol):
 
 
 @dataclass
-class Rollout:
-    """One rollout's prompts in generation."""
+class Chunk:
+    """Prompts of the stream, at positions [first, first + len(prompts)), sampled in one
+    engine call; its groups are scored under its id."""
 
     id: int
-    started: float
-    first_prompt: int  # its first prompt's position in the seeded prompt stream
-    pending: set[Handle] = field(default_factory=set)  # chunks not yet handed on
-    generated: float | None = None  # when its last chunk was handed on
+    first: int
+    prompts: list[Prompt]
+    handle: Handle | None = None  # None: waiting for an engine with room
+    sent: float = 0.0
+    generated: float | None = None  # when it was handed to the reward pool
+    scored: list[ScoredGroup] | None = None  # once drained from the reward pool
+
+
+@dataclass
+class StepGroups:
+    """What a step takes from the stream."""
+
+    groups: list[ScoredGroup] = field(default_factory=list)
+    dropped_stale: int = 0  # groups older than max_staleness, never trained on
+    filtered: int = 0  # groups dynamic sampling skipped (all rewards equal)
+    first_sent: float | None = None  # the span of the chunks its groups came from
+    last_generated: float = 0.0
 
     @property
     def generation_s(self) -> float:
-        return (self.generated or self.started) - self.started
+        return 0.0 if self.first_sent is None else self.last_generated - self.first_sent
 
 
 @dataclass
@@ -113,6 +138,7 @@ class TrainingJob:
         checkpointing: Checkpointing | None = None,
         sample_log: Callable[[int, list[ScoredGroup], list[list[float]]], None] | None = None,
         held_out_sets: Sequence[HeldOutSet] = (),
+        scaler: Scaler | None = None,
     ):
         self.cfg = cfg
         self.task = task
@@ -126,15 +152,23 @@ class TrainingJob:
         self.checkpointing = checkpointing
         self.sample_log = sample_log
         self.held_out_sets = held_out_sets
+        self.scaler = scaler  # resizes the pools between steps (groupflow/scaling.py)
         self.prompts = task.train_prompts(cfg.trainer.seed)
         self.eval_set = task.eval_prompts(cfg.task.eval_size)
         self.version = 0
         self.first_step = 1
         self.warm_accuracy: float | None = None
-        self._prompts_taken = 0
-        self._rollout_ids = 0
-        self._generating: dict[int, Rollout] = {}
-        self._undrained: set[int] = set()  # rollouts launched and not yet drained of scores
+        # The stream: positions of the prompt stream drawn so far, consumed so far (trained,
+        # skipped or dropped), and the most that may be drawn now (see the module's doc).
+        self._drawn = 0
+        self._consumed = 0
+        self._limit = 0
+        self._chunk_ids = 0
+        self._chunks: deque[Chunk] = deque()  # drawn and not yet consumed, in stream order
+        self._front: deque[ScoredGroup] = deque()  # scored groups of a consumed chunk
+        self._engine_loads: list[Handle] = []  # weight loads the engines have not finished
+        self._refilling = False  # dynamic sampling is drawing prompts for skipped groups
+        self.dropped_stale = 0
         # Running totals carried over from the checkpoint a job resumed from.
         self._totals_before = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         self._last_save: float | None = None  # seconds the newest save took
@@ -149,42 +183,37 @@ class TrainingJob:
     # ----- the steps ----------------------------------------------------------------------------
     def train(self, sinks: Sequence[StepSink]) -> None:
         """Run the steps; each step record goes to every sink (metrics.jsonl, progress)."""
-        ahead: deque[Rollout] = deque()  # rollouts of the steps after the current one
         for step in range(self.first_step, self.cfg.trainer.steps + 1):
-            record = self._step(step, ahead)
+            record = self._step(step)
+            if self.scaler is not None:  # the pools change only here, between steps
+                record.update(self.scaler.between_steps(record))
             for sink in sinks:
                 sink.write(record)
             self._export(record)
             self._engine_restarts_at_step = self.generators.restarts
             if self._checkpoint_due(step):
-                self._save_checkpoint(step, ahead)
+                self._save_checkpoint(step)
 
-    def _step(self, step: int, ahead: deque[Rollout]) -> dict:
+    def _step(self, step: int) -> dict:
         started, times = time.monotonic(), {}
-        rollout = ahead.popleft() if ahead else self._launch()
-        scored = self._finish(rollout, times)
-        if self.cfg.algorithm.dynamic_sampling:
-            scored = self._refill(scored, times)
-        steps, k = self.cfg.trainer.steps, self.cfg.trainer.max_staleness
-        while len(ahead) < k and step + len(ahead) < steps:
-            ahead.append(self._launch())
+        idle_before = self.generators.idle_engine_seconds()
+        taken = self._take_groups(step, times)
         self._export_queues()
-        advantages = group_advantages(scored, self.cfg)
+        advantages = group_advantages(taken.groups, self.cfg)
         if self.sample_log is not None:
-            self.sample_log(step, scored, advantages)
-        seqs = train_sequences(scored, advantages, self.cfg.algorithm)
+            self.sample_log(step, taken.groups, advantages)
+        seqs = train_sequences(taken.groups, advantages, self.cfg.algorithm)
         staleness = [self.version - s.policy_version for s in seqs]
-        if max(staleness, default=0) > k:
-            raise RuntimeError(
-                f"a sample {max(staleness)} versions old exceeds trainer.max_staleness={k}"
-            )
+        steps = self.cfg.trainer.steps
         lr = lr_at(self.cfg.learner.optimizer, step, steps)
         results = self._learn(seqs, times, lr)
-        times["gen"] = rollout.generation_s
+        times["gen"] = taken.generation_s
         with stage_timer("metrics", times):
             record = {"step": step, "policy_version": self.version, "lr": lr}
-            record.update(rollout_record(scored, staleness, times))
+            record.update(rollout_record(taken.groups, staleness, times))
             record.update(self.learner_figures(results))
+            record["groups_dropped_stale"] = taken.dropped_stale
+            record["groups_filtered"] = taken.filtered
         record.update(self._running_totals() | self._restart_totals())
         if self.checkpointing is not None:
             record["seconds_since_checkpoint"] = time.monotonic() - self._saved_at
@@ -194,11 +223,70 @@ class TrainingJob:
         if every and step % every == 0 and step < steps:  # the run's own evaluation ends it
             record.update(self.evaluate())
         times["step"] = time.monotonic() - started
+        idle = self.generators.idle_engine_seconds() - idle_before
+        times["engines_idle"] = idle / max(1, self.generators.num_engines)
         record.update(time_keys(times))
         return record
 
+    def _take_groups(self, step: int, times: dict[str, float]) -> StepGroups:
+        """The step's groups: the next ones of the stream, in order, as soon as each is scored.
+        Groups too old are dropped; with dynamic sampling, groups that teach nothing are
+        skipped, each replaced by a new prompt, until MAX_REFILLS steps' worth were looked at
+        (then the step trains on what it has, or on the first skipped groups if nothing)."""
+        per_step, k = self.cfg.rollout.prompts_per_step, self.cfg.trainer.max_staleness
+        dynamic = self.cfg.algorithm.dynamic_sampling
+        budget = (1 + MAX_REFILLS) * per_step if dynamic else per_step
+        taken, skipped, looked_at = StepGroups(), [], 0
+        self._refilling = False
+        # What may still be drawn for later steps: the next k steps' prompts, but none for a
+        # step after the last.
+        ahead = min(k, self.cfg.trainer.steps - step) * per_step
+        while (needed := min(per_step - len(taken.groups), budget - looked_at)) > 0:
+            self._limit = self._consumed + needed + ahead
+            group = self._next_group(taken, times)
+            if self.version - group.group.policy_version > k:
+                taken.dropped_stale += 1
+                self.dropped_stale += 1
+                if taken.dropped_stale > budget:
+                    raise RuntimeError(
+                        f"{taken.dropped_stale} groups in a row were older than "
+                        f"trainer.max_staleness={k}: the engines do not load new weights"
+                    )
+                continue
+            looked_at += 1
+            if dynamic and len(set(group.rewards)) == 1:
+                taken.filtered += 1
+                skipped.append(group)
+                self._refilling = True
+            else:
+                taken.groups.append(group)
+        if not taken.groups:
+            taken.groups = skipped[:per_step]
+        self._refilling = False
+        self._limit = self._consumed + ahead
+        self._feed()
+        return taken
+
+    def _next_group(self, taken: StepGroups, times: dict[str, float]) -> ScoredGroup:
+        """The stream's next scored group (blocking). The wait for its chunk's generation is
+        `wait_rollout`: the learner idle for want of samples."""
+        if not self._front:
+            self._feed()
+            chunk = self._chunks[0]
+            with stage_timer("wait_rollout", times):
+                while chunk.generated is None:  # a chunk lost with its engine is sent again
+                    self._pump(())
+            with stage_timer("reward", times):
+                self._front.extend(self.rewards.drain(chunk.id))
+            self._chunks.popleft()
+            if taken.first_sent is None or chunk.sent < taken.first_sent:
+                taken.first_sent = chunk.sent
+            taken.last_generated = max(taken.last_generated, chunk.generated)
+        self._consumed += 1
+        return self._front.popleft()
+
     def _learn(self, seqs: list[TrainSequence], times: dict[str, float], lr: float) -> list:
-        """One learner step, then the engines on the new version; the ranks' results."""
+        """One learner step, then the new version sent to the engines; the ranks' results."""
         with stage_timer("learn", times):
             self._learner_between_steps = False
             try:
@@ -209,23 +297,26 @@ class TrainingJob:
                 raise LearnerLost(f"a learner rank died in a step: {err}") from err
             self.version += 1
             self._learner_between_steps = True
-        # An engine loads weights only after the chunks already sent to it: wait for those
-        # first, so that the sync's time is its own.
-        with stage_timer("wait_gen", times):
-            self._stream_until(self.generators.in_flight())
         with stage_timer("sync", times):
-            self._sync_engines(stream=True)
+            self._sync_engines(wait_for_engines=False)
         return results
 
-    def _sync_engines(self, stream: bool) -> None:
-        """Every engine on the learner's current version (it must be between steps). A dead
-        engine met on the way is replaced and the sync sent again."""
+    def _sync_engines(self, wait_for_engines: bool) -> None:
+        """Send every engine the learner's current version (it must be between steps) and wait
+        for the learner's side; each engine loads it after the chunks it holds, on its own
+        (or waited for too, with `wait_for_engines`). A dead engine met on the way is replaced
+        and the sync sent again."""
         while True:
             restarts = self.generators.restarts
             handles = self.transport.async_sync(self.version)
             self._resend_lost(self.generators.weights_sent())
+            if wait_for_engines:
+                wait = handles.learner + handles.engines
+            else:  # an engine that dies loading is noticed in `_pump`
+                wait = handles.learner
+                self._engine_loads.extend(handles.engines)
             try:
-                self.futures.get(self._stream_until(handles) if stream else handles)
+                self.futures.get(self._stream_until(wait))
                 return
             except PeerDied as err:
                 self.generators.replace_dead()
@@ -237,7 +328,7 @@ class TrainingJob:
         """Send replaced engines the current weights, and the chunks the dead ones held."""
         if self.generators.needs_weights():
             self._check_restarts()
-            self._sync_engines(stream=False)
+            self._sync_engines(wait_for_engines=True)
         else:
             self._resend_lost(self.generators.resend_lost())
 
@@ -250,75 +341,79 @@ class TrainingJob:
             )
 
     def _resend_lost(self, resent: dict[Handle, Handle]) -> None:
-        for rollout in self._generating.values():
-            for old in rollout.pending & resent.keys():
-                rollout.pending.remove(old)
-                rollout.pending.add(resent[old])
+        for chunk in self._chunks:
+            if chunk.handle in resent:
+                chunk.handle = resent[chunk.handle]
 
-    def _refill(self, scored: list[ScoredGroup], times: dict[str, float]) -> list[ScoredGroup]:
-        """Dynamic sampling (DAPO): groups whose rewards are all equal teach nothing; draw more
-        rollouts for their places, up to MAX_REFILLS."""
-        keep = [g for g in scored if len(set(g.rewards)) > 1]
-        for _ in range(MAX_REFILLS):
-            if len(keep) >= len(scored):
-                break
-            extra = self._finish(self._launch(), times)
-            keep += [g for g in extra if len(set(g.rewards)) > 1]
-        return keep[: len(scored)] or scored
-
-    # ----- rollouts -----------------------------------------------------------------------------
-    def _launch(self) -> Rollout:
-        """The next `rollout.prompts_per_step` prompts, sent to the generator pool."""
-        if self.generators.needs_weights():
+    # ----- the stream ---------------------------------------------------------------------------
+    def _feed(self) -> None:
+        """Draw prompts up to `_limit` into chunks, and send waiting chunks to the engines
+        with room (a replaced engine gets the weights first, if the learner can send them)."""
+        if self.generators.needs_weights() and self._learner_between_steps:
             self._heal_engines()
-        prompts = list(islice(self.prompts, self.cfg.rollout.prompts_per_step))
-        rollout = Rollout(self._rollout_ids, time.monotonic(), self._prompts_taken)
-        self._rollout_ids += 1
-        self._undrained.add(rollout.id)
-        self._prompts_taken += len(prompts)
-        rollout.pending = set(self.generators.submit(prompts, rollout.id))
-        if rollout.pending:
-            self._generating[rollout.id] = rollout
-        else:
-            rollout.generated = rollout.started
-        return rollout
-
-    def _finish(self, rollout: Rollout, times: dict[str, float]) -> list[ScoredGroup]:
-        """Block until the rollout is generated, then until it is scored. The wait for the
-        generation is `wait_rollout`: the learner idle for want of samples."""
-        with stage_timer("wait_rollout", times):
-            while rollout.pending:  # a chunk lost with its engine is pending again, resent
-                self._stream_until(list(rollout.pending))
-        with stage_timer("reward", times):
-            self._undrained.discard(rollout.id)
-            return self.rewards.drain(rollout.id)
+        size = chunk_size(self.cfg.rollout.prompts_per_step, self.generators.num_engines)
+        waiting = [c for c in self._chunks if c.handle is None]
+        # A short chunk only when no full one waits. A refill draws a whole chunk, so that a
+        # task with many flat groups is refilled in few rounds of generation, not a round per
+        # group; what the step then does not need goes to the next steps (at staleness 0 it
+        # is too old by then, and dropped).
+        while (count := min(size, self._limit - self._drawn)) > 0 and (
+            count == size or not waiting
+        ):
+            if self._refilling:
+                count = size
+            prompts = list(islice(self.prompts, count))
+            chunk = Chunk(self._chunk_ids, self._drawn, prompts)
+            self._chunk_ids += 1
+            self._drawn += count
+            self._chunks.append(chunk)
+            waiting.append(chunk)
+        for chunk in waiting[: self.generators.room()]:
+            chunk.handle = self.generators.send(chunk.prompts, chunk.id)
+            chunk.sent = time.monotonic()
 
     def _stream_until(self, handles: Sequence[Handle]) -> Sequence[Handle]:
-        """Block until every one of `handles` is ready, handing each generation chunk that
-        finishes meanwhile to the reward pool at once. Returns `handles`."""
+        """Block until every one of `handles` is ready, streaming chunks meanwhile (`_pump`).
+        Returns `handles`."""
         waiting = set(handles)
         while waiting:
-            chunks = set(self.generators.in_flight())
-            ready = self.futures.wait_any(list(waiting | chunks))
-            for chunk in self.generators.take(ready):
-                self.rewards.submit(chunk.groups, chunk.rollout_id)
-            lost = self.generators.lost()
-            self._note_generated([h for h in ready if h not in lost])
-            # A peer that died fails its handle at once; the others may never finish (ranks
-            # blocked in a collective with the dead one).
-            self.futures.get([h for h in ready if h in waiting and h not in chunks | lost])
-            waiting.difference_update(ready)
-            if self.generators.lost() and self._learner_between_steps:
-                self._heal_engines()
+            waiting.difference_update(self._pump(waiting))
         return handles
 
-    def _note_generated(self, ready: list[Handle]) -> None:
+    def _pump(self, waiting: set[Handle] | tuple) -> list[Handle]:
+        """Wait for any of `waiting`, a chunk or an engine's weight load; hand finished chunks
+        to the reward pool and send engines with room their next chunk. Returns the ready
+        ones among `waiting` (raising where such a handle's peer failed)."""
+        chunks = set(self.generators.in_flight())
+        loads = set(self._engine_loads)
+        ready = self.futures.wait_any(list(set(waiting) | chunks | loads))
+        by_handle = {c.handle: c for c in self._chunks if c.handle is not None}
         now = time.monotonic()
-        for rollout in list(self._generating.values()):
-            rollout.pending.difference_update(ready)
-            if not rollout.pending:
-                rollout.generated = now
-                del self._generating[rollout.id]
+        for generated in self.generators.take(ready):
+            self.rewards.submit(generated.groups, generated.chunk_id)
+        lost = self.generators.lost()
+        for handle in ready:
+            if handle in by_handle and handle not in lost and handle in chunks:
+                by_handle[handle].generated = now
+        self._note_loads([h for h in ready if h in loads])
+        # A peer that died fails its handle at once; the others may never finish (ranks
+        # blocked in a collective with the dead one).
+        self.futures.get([h for h in ready if h in waiting and h not in chunks | lost | loads])
+        if (lost or self.generators.needs_weights()) and self._learner_between_steps:
+            self._heal_engines()
+        self._feed()
+        return [h for h in ready if h in waiting]
+
+    def _note_loads(self, done: list[Handle]) -> None:
+        """Weight loads that finished; an engine that died loading is replaced (its chunks
+        are lost and sent again once the replacement has the weights)."""
+        for handle in done:
+            self._engine_loads.remove(handle)
+            try:
+                self.futures.get([handle])
+            except PeerDied:
+                self.generators.replace_dead()
+                self._check_restarts()
 
     # ----- checkpoints --------------------------------------------------------------------------
     def _checkpoint_due(self, step: int) -> bool:
@@ -332,13 +427,14 @@ class TrainingJob:
             "reward_timeouts": before["reward_timeouts"] + self.rewards.timeouts,
         }
 
-    def _save_checkpoint(self, step: int, ahead: deque[Rollout]) -> None:
+    def _save_checkpoint(self, step: int) -> None:
         """Save the state after `step`: the ranks write their shards while the engines
-        generate the next step's rollout (launched first when none is ahead yet)."""
+        generate the next step's prompts (drawn first, at staleness 0)."""
         started = time.monotonic()
         trainer, ckpt = self.cfg.trainer, self.checkpointing
-        if not ahead and step < trainer.steps:
-            ahead.append(self._launch())
+        if step < trainer.steps:
+            self._limit = max(self._limit, self._consumed + self.cfg.rollout.prompts_per_step)
+            self._feed()
         staging = ckpt.store.staging(step)
         try:
             self.futures.get(
@@ -352,8 +448,8 @@ class TrainingJob:
         state = DriverState(
             step=step,
             policy_version=self.version,
-            # Rollouts ahead were drawn for later steps: a resume draws them again.
-            prompts_consumed=ahead[0].first_prompt if ahead else self._prompts_taken,
+            # Prompts drawn for later steps are drawn again by a resume.
+            prompts_consumed=self._consumed,
             warm_start_accuracy=self.warm_accuracy,
             counters=self._running_totals() | self._restart_totals(),
             model_config_json=ckpt.model_config_json,
@@ -369,13 +465,13 @@ class TrainingJob:
         self.learner.load_checkpoint(str(checkpoint / LEARNER_DIR))
         self.version = state.policy_version
         self._learner_between_steps = True
-        self._sync_engines(stream=False)
+        self._sync_engines(wait_for_engines=True)
         self.first_step = state.step + 1
         self.warm_accuracy = state.warm_start_accuracy
         self.prompts = islice(
             self.task.train_prompts(self.cfg.trainer.seed), state.prompts_consumed, None
         )
-        self._prompts_taken = state.prompts_consumed
+        self._drawn = self._consumed = self._limit = state.prompts_consumed
         self._totals_before = {k: state.counters.get(k, 0.0) for k in self._totals_before}
         # Restarts only add up, also over a rebuild from an older checkpoint; the pool's own
         # count, which the checkpoint may include, goes on.
@@ -391,12 +487,15 @@ class TrainingJob:
         """After LearnerLost: new ranks, and the whole job back at `checkpoint` (the steps
         after it are trained again). The rollouts in flight are let finish and dropped."""
         self._learner_between_steps = False  # no weights to send before the ranks are back
+        self._limit = self._drawn  # nothing more is drawn or sent
+        self._chunks = deque(c for c in self._chunks if c.handle is not None)
         while self.generators.in_flight():
             self._stream_until(self.generators.in_flight())
-        for rollout_id in self._undrained:
-            self.rewards.drain(rollout_id)
-        self._undrained.clear()
-        self._generating.clear()
+        for chunk in self._chunks:
+            if chunk.generated is not None:
+                self.rewards.drain(chunk.id)
+        self._chunks.clear()
+        self._front.clear()
         self.generators.drop_lost()
         self.learner.restart()
         self.learner_restarts += 1

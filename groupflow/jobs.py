@@ -1,4 +1,6 @@
-"""`groupflow submit | status | logs | stop`: training jobs on a Ray cluster, via the Ray Jobs API.
+"""`groupflow submit | status | logs | stop | scale`: training jobs on a Ray cluster, via the Ray
+Jobs API; `scale` and the live part of `status` reach a running job's control actor
+(groupflow/live.py).
 
 How `submit` carries the config. The config is validated here first (a bad key fails at once,
 exit 2, before any cluster is contacted). The resolved config (file + `--set` + preset
@@ -44,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-JOB_COMMANDS = ("submit", "status", "logs", "stop")
+JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "groupflow-job.yaml"
 ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
@@ -61,8 +63,51 @@ def _add_address(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_live_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--runs",
+        default="runs",
+        metavar="DIR",
+        help="where runs trained here write their directories (trainer.output_dir; default: runs)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="how to join a submitted job's cluster (default: $GROUPFLOW_RAY_ADDRESS, else "
+        "auto when the dashboard is on this machine, else ray://HOST:10001, the head's Ray "
+        "Client port)",
+    )
+
+
+def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
+    scale = subparsers.add_parser(
+        "scale",
+        help="change the engines and reward workers of a running job",
+        description="Change how many vLLM engines and reward workers a running job has. RUN is "
+        "a run name (trainer.run_name), a run directory, or the job id `groupflow submit` "
+        "printed. The job applies the change between steps and trains on meanwhile: new "
+        "engines load the current weights before their first chunk, removed ones finish "
+        "the chunks they hold. Waits until the change is complete (saying so while the "
+        "cluster has no room for new actors) unless --no-wait.",
+    )
+    scale.add_argument("run", metavar="RUN", help="run name, run directory, or job id")
+    scale.add_argument("--engines", type=int, metavar="N", help="generator engines wanted")
+    scale.add_argument("--reward-workers", type=int, metavar="M", help="reward workers wanted")
+    _add_address(scale)
+    _add_live_args(scale)
+    scale.add_argument("--no-wait", action="store_true", help="return once the job has the request")
+    scale.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="seconds to wait for the change (default 900); the request stands after that",
+    )
+
+
 def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `submit`, `status`, `logs` and `stop` to the `groupflow` command's subparsers."""
+    """Add `submit`, `status`, `logs`, `stop` and `scale` to the `groupflow` command's
+    subparsers."""
     submit = subparsers.add_parser(
         "submit",
         help="submit a training job to a Ray cluster and follow its logs",
@@ -89,15 +134,24 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
         help="upload the local groupflow source with the job (it overrides the installed copy)",
     )
     for name, text in (
-        ("status", "show a job's status"),
+        (
+            "status",
+            "show a job's status; while it runs, its live engines, reward workers and "
+            "learner ranks",
+        ),
         ("logs", "print a job's logs"),
         ("stop", "stop a running job"),
     ):
         p = subparsers.add_parser(name, help=text, description=text)
-        p.add_argument("job_id", metavar="JOB", help="the job id `groupflow submit` printed")
+        if name == "status":
+            p.add_argument("job_id", metavar="RUN", help="run name, run directory, or job id")
+            _add_live_args(p)
+        else:
+            p.add_argument("job_id", metavar="JOB", help="the job id `groupflow submit` printed")
         _add_address(p)
         if name == "logs":
             p.add_argument("--follow", action="store_true", help="keep printing until it ends")
+    _add_scale_command(subparsers)
 
 
 def _fail(message: str, code: int) -> int:
@@ -206,16 +260,62 @@ def _follow(client, job_id: str) -> int:
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
+def _dashboard(address: str | None) -> str:
+    return address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+
+
 def _status(args: argparse.Namespace) -> int:
-    info = _client(args.address).get_job_info(args.job_id)
+    from groupflow import live
+
+    local = live._local_target(args.job_id, Path(args.runs))
+    if local is not None:  # a job trained here: no Jobs API involved
+        print(f"run {local.run}  RUNNING  (driver on this machine)")
+        live.print_live(live.connect(local))
+        return 0
+    client = _client(args.address)
+    job_id = args.job_id
+    try:
+        info = client.get_job_info(job_id)
+    except RuntimeError:  # not a job id: maybe a run name
+        named = [
+            j for j in client.list_jobs() if (j.metadata or {}).get("groupflow_run") == args.job_id
+        ]
+        if not named:
+            raise
+        job = max(named, key=lambda j: j.start_time or 0)
+        job_id = job.submission_id or job.job_id
+        info = client.get_job_info(job_id)
     run = (info.metadata or {}).get("groupflow_run", "-")
-    print(f"{args.job_id}  {info.status.value}  run={run}")
+    print(f"{job_id}  {info.status.value}  run={run}")
     # A failed job's message ends with up to 20,000 characters of its log; its first line
     # and the log's last line (the error) are what a status needs.
     message = (info.message or "").strip().splitlines()
     for line in message[:1] + message[1:][-1:]:
         print(line)
+    if info.status.value == "RUNNING" and run != "-":
+        dashboard = _dashboard(args.address)
+        target = live.Target(run, live._ray_address_for(dashboard, args.ray_address), job_id)
+        try:
+            live.print_live(live.connect(target))
+        except Exception as err:  # the job's own status stands without the live part
+            print(f"live: unavailable ({str(err).strip().splitlines()[0]})")
     return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from groupflow import live
+    from groupflow.scaling import ScaleError
+
+    try:
+        live.check_counts(args.engines, args.reward_workers)
+    except ScaleError as err:
+        return _fail(str(err), 2)
+    dashboard = _dashboard(args.address)
+    target = live.locate(args.run, Path(args.runs), _client, dashboard, args.ray_address)
+    actor = live.connect(target)
+    return live.scale(
+        actor, args.engines, args.reward_workers, wait=not args.no_wait, timeout_s=args.timeout
+    )
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -237,12 +337,13 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop}
+HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop, "scale": _scale}
 
 
 def run_job_command(args: argparse.Namespace) -> int:
-    """Run a parsed job command: 0 on success, 2 for a bad config, 1 for cluster problems
-    (unreachable, unknown job, a submitted job that did not succeed)."""
+    """Run a parsed job command: 0 on success, 2 for a bad config or count, 1 for cluster
+    problems (unreachable, unknown job, a submitted job that did not succeed, a job that is
+    not running, a scale request the job refused)."""
     from ray.exceptions import AuthenticationError
 
     try:
@@ -254,7 +355,7 @@ def run_job_command(args: argparse.Namespace) -> int:
             "RAY_AUTH_TOKEN or ~/.ray/auth_token",
             1,
         )
-    except (ConnectionError, RuntimeError, ValueError) as err:
+    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as err:
         # The Jobs client reports an unreachable cluster or an unknown job this way; its
         # messages can run over several lines, and one is enough here.
         lines = str(err).strip().splitlines()

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from groupflow.config import SamplingConfig
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, TrainSequence
+from groupflow.scaling import PoolState
 
 Handle = Hashable
 
@@ -33,9 +34,9 @@ class Futures(Protocol):
 
 @dataclass
 class GeneratedChunk:
-    """Groups one engine sampled for one rollout, handed on as soon as they are done."""
+    """Groups one engine sampled in one call, handed on as soon as they are done."""
 
-    rollout_id: int
+    chunk_id: int
     groups: list[SampledGroup]
 
 
@@ -45,11 +46,18 @@ class Generation(Protocol):
     num_engines: int
     restarts: int  # engines replaced so far
 
-    def submit(self, prompts: list[Prompt], rollout_id: int) -> list[Handle]:
-        """Send the prompts in chunks to the engines; a handle per chunk."""
+    def room(self) -> int:
+        """How many more chunks the engines take now (each holds a few at most, so that a
+        weight load waits behind little work)."""
+
+    def send(self, prompts: list[Prompt], chunk_id: int) -> Handle:
+        """Send one chunk of prompts to the engine with the least work (when `room()`)."""
 
     def in_flight(self) -> list[Handle]:
         """Handles of the chunks submitted and not yet taken."""
+
+    def idle_engine_seconds(self) -> float:
+        """Engine-seconds so far in which an engine held no chunk (it waited for work)."""
 
     def take(self, ready: Sequence[Handle]) -> list[GeneratedChunk]:
         """The finished chunks among `ready` (handles of other peers are ignored). A chunk
@@ -82,6 +90,16 @@ class Generation(Protocol):
     ) -> list[SampledGroup]:
         """A group per prompt, in order (blocking): one greedy answer, or n sampled ones."""
 
+    def scale_to(self, target: int) -> None:
+        """Start or retire engines toward `target`, at once; a new engine takes work once
+        it is up and has the current weights, a retiring one once its chunks are taken."""
+
+    def settle(self) -> PoolState:
+        """Between steps only: admit the new engines that are up, remove drained ones."""
+
+    def state(self) -> PoolState:
+        """The counts, changing nothing."""
+
     def shutdown(self) -> None: ...
 
 
@@ -100,6 +118,15 @@ class Scoring(Protocol):
 
     def pending_groups(self) -> int:
         """Groups submitted and not yet drained."""
+
+    def scale_to(self, target: int) -> None:
+        """Start or retire reward workers toward `target`, at once."""
+
+    def settle(self) -> PoolState:
+        """Between steps only: admit the workers that are up, remove drained ones."""
+
+    def state(self) -> PoolState:
+        """The counts, changing nothing."""
 
     def shutdown(self) -> None: ...
 
@@ -129,9 +156,18 @@ class Learner(Protocol):
     def shutdown(self) -> None: ...
 
 
+@dataclass
+class SyncHandles:
+    learner: list[Handle]  # ready when the learner's side is done: it may train again
+    engines: list[Handle]  # ready when each engine serves the new version
+
+    def handles(self) -> list[Handle]:
+        return self.learner + self.engines
+
+
 class WeightSync(Protocol):
     """Learner to engines (groupflow.actors.transport)."""
 
-    def async_sync(self, version: int) -> list[Handle]:
+    def async_sync(self, version: int) -> SyncHandles:
         """Start making every engine serve the learner's parameters as `version`; the
         engines load them after the chunks already queued on them."""

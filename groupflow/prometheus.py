@@ -119,6 +119,10 @@ class PrometheusExporter:
         self._live["reward_workers"].labels(self.job).set(reward_workers)
         self._live["learner_ranks"].labels(self.job).set(learner_ranks)
 
+    def set_pending(self, pool: str, count: int) -> None:
+        """Actors of a pool ("engines", "reward_workers") waiting for room on the cluster."""
+        self._live["pending_actors"].labels(self.job, pool).set(count)
+
     def set_queue_depth(self, name: str, depth: int) -> None:
         """Items waiting in the named queue (e.g. "generation", "reward")."""
         self._live["queue_depth"].labels(self.job, name).set(depth)

@@ -22,6 +22,13 @@ class Device:
 
         return torch.device(f"cuda:{local_rank}") if self.kind == "cuda" else torch.device("cpu")
 
+    def engine_env(self) -> dict[str, str]:
+        """Environment of an engine's process. On CPU, vLLM's sampler compiles its log-prob
+        gather with torch.compile on the first sampled chunk: about 5 s of every engine
+        start (and of every engine a job scales up) for a tiny op; engines run eager anyway
+        (rollout/engine.py), so nothing else is compiled there."""
+        return {"TORCHDYNAMO_DISABLE": "1"} if self.kind == "cpu" else {}
+
     def prepare_process(self) -> None:
         """Call before importing deepspeed: it picks its accelerator at import time."""
         os.environ.setdefault("DS_ACCELERATOR", self.kind)

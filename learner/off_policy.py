@@ -3,8 +3,8 @@
 Decoupled PPO (Hilton et al., "Batch size-invariance for policy optimization", arXiv
 2110.00641) gives the old policy of PPO two separate roles. The proximal policy anchors the
 clip: here the learner's recomputed old_logp. The behaviour policy is the one that sampled:
-vLLM's log-probs, one policy version older when trainer.max_staleness = 1, and computed by other
-kernels (in bf16 on GPUs) even at staleness 0. Each token's policy loss is weighted by
+vLLM's log-probs, up to k policy versions older when trainer.max_staleness = k, and computed
+by other kernels (in bf16 on GPUs) even at staleness 0. Each token's policy loss is weighted by
 w = pi_proximal / pi_behaviour, which corrects the expectation over samples drawn from the
 behaviour policy. `algorithm.off_policy.mode` bounds w: truncated (tis) or masked (mis), per
 token or per response. All weights are detached.

@@ -17,8 +17,10 @@ import asyncio
 import json
 import os
 import pickle
+import select
 import struct
 import sys
+import time
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
@@ -27,10 +29,10 @@ _HEADER = struct.Struct(">I")
 
 
 def read_frame(fd: int) -> bytes | None:
-    header = _read_exactly(fd, _HEADER.size)
+    header = read_exactly(fd, _HEADER.size)
     if header is None:
         return None
-    return _read_exactly(fd, _HEADER.unpack(header)[0])
+    return read_exactly(fd, _HEADER.unpack(header)[0])
 
 
 def write_frame(fd: int, payload: bytes) -> None:
@@ -39,9 +41,13 @@ def write_frame(fd: int, payload: bytes) -> None:
         data = data[os.write(fd, data) :]
 
 
-def _read_exactly(fd: int, size: int) -> bytes | None:
+def read_exactly(fd: int, size: int, end: float | None = None) -> bytes | None:
+    """`size` bytes from `fd`; None at end of file, or when `end` (time.monotonic()) passes
+    first."""
     chunks, left = [], size
     while left:
+        if end is not None and not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
+            return None
         chunk = os.read(fd, left)
         if not chunk:
             return None

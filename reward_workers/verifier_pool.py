@@ -27,7 +27,7 @@ from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.sandbox import parent_death_prefix, with_parent_death
-from groupflow.reward_workers.verifier_child import write_frame
+from groupflow.reward_workers.verifier_child import read_exactly, write_frame
 
 # What a call may take beyond its verifier's timeout: the pipe round trip and process noise.
 DEADLINE_MARGIN_S = 0.5
@@ -108,14 +108,14 @@ class _Process:
             ready, _, _ = select.select([self._verdict_r], [], [], left)
             if ready:
                 break
-        header = read_frame_body(self._verdict_r, 4, end)
+        header = read_exactly(self._verdict_r, 4, end)
         if header is None:
             self.died = True  # readable but no frame: end of file
             return None
         size = int.from_bytes(header, "big")
         if size > _MAX_VERDICT_BYTES:
             return None
-        return read_frame_body(self._verdict_r, size, end)
+        return read_exactly(self._verdict_r, size, end)
 
     def kill(self) -> None:
         try:
@@ -128,19 +128,6 @@ class _Process:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def read_frame_body(fd: int, size: int, end: float) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
-            return None
-        chunk = os.read(fd, left)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def _has_fileno(stream: Any) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -44,11 +46,15 @@ def ray_head():
     # The head runs with Ray's token auth and a token of its own, as a shared cluster should;
     # the client sends it (nothing depends on a token left in ~/.ray by earlier runs).
     venv_bin = str(Path(sys.executable).parent)
+    gcs_port = _free_port()
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": secrets.token_hex(32),
         "PATH": f"{venv_bin}:{os.environ['PATH']}",
+        # `groupflow scale/status` join the cluster here (other clusters may run on this
+        # machine, so `auto` could not tell which)
+        "GROUPFLOW_RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
     }
     ray = str(Path(venv_bin) / "ray")
     subprocess.run(
@@ -56,7 +62,7 @@ def ray_head():
             ray,
             "start",
             "--head",
-            f"--port={_free_port()}",
+            f"--port={gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
             f"--ray-client-server-port={_free_port()}",
@@ -85,15 +91,27 @@ def _groupflow(args: list[str], env: dict) -> subprocess.CompletedProcess:
     )
 
 
-def test_submitted_quickstart_succeeds(ray_head, quickstart_model, tmp_path):
+def _first_step(metrics: Path, timeout_s: float = 300) -> None:
+    """Wait until the job has written its first step (polling the file: each `groupflow`
+    process would take CPU from the job on a small machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, "the submitted job wrote no step"
+        time.sleep(0.5)
+
+
+def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tmp_path):
+    """Submitted, found by run name and by job id while it runs, its reward workers scaled
+    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it)."""
     address, env = ray_head
     proc = _groupflow(
         [
             "submit",
+            "--no-follow",
             "--address",
             address,
             "--set",
-            "trainer.steps=2",
+            "trainer.steps=8",
             "--set",
             "task.eval_size=16",
             "--set",
@@ -102,11 +120,35 @@ def test_submitted_quickstart_succeeds(ray_head, quickstart_model, tmp_path):
         env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "SUCCEEDED" in proc.stderr
     job_id = proc.stdout.splitlines()[0].strip()
+    metrics = tmp_path / "quickstart" / "metrics.jsonl"
+    _first_step(metrics)
+    scale = _groupflow(["scale", job_id, "--address", address, "--reward-workers", "3"], env)
+    assert scale.returncode == 0, scale.stderr[-2000:]
+    assert "reward workers: 2 -> 3" in scale.stdout
+    scaled_at = len(metrics.read_text().splitlines())
+    # by run name, through the Jobs API (no local run directory of that name is looked at)
+    live = _groupflow(
+        ["status", "quickstart", "--address", address, "--runs", str(tmp_path / "none")], env
+    ).stdout
+    assert f"{job_id}  RUNNING  run=quickstart" in live
+    assert "reward workers: 3 live, target 3" in live and "learner ranks: 2" in live
+    zero = _groupflow(["scale", "quickstart", "--address", address, "--engines", "0"], env)
+    assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
+    follow = _groupflow(["logs", job_id, "--follow", "--address", address], env)
+    assert follow.returncode == 0
     status = _groupflow(["status", job_id, "--address", address], env)
     assert "SUCCEEDED" in status.stdout
     assert (tmp_path / "quickstart" / "summary.json").is_file()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    workers = [r["num_reward_workers"] for r in records]
+    assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
+    assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)
+    # an ended job: one line, exit 1, naming its state
+    ended = _groupflow(["scale", job_id, "--address", address, "--reward-workers", "2"], env)
+    assert ended.returncode == 1
+    assert ended.stderr == f"groupflow: error: job {job_id} is not running (SUCCEEDED)\n"
 
 
 def test_a_config_that_fails_on_the_cluster_ends_failed_with_its_error(ray_head, tmp_path):

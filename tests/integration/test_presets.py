@@ -60,8 +60,23 @@ RIDERS = {
         "algorithm.mask_truncated=true",
         "reward.overlong_penalty.buffer_tokens=4",
     ],
-    "grpo": ["trainer.eval_samples=2", "trainer.eval_pass_k=2", "trainer.eval_every=1"],
-    "gspo": ["rollout.sampling.top_k=20", "rollout.sampling.min_p=0.01", "rollout.sampling.seed=3"],
+    "grpo": [
+        "trainer.eval_samples=2",
+        "trainer.eval_pass_k=2",
+        "trainer.eval_every=1",
+        # kl.coef > 0 loads the frozen reference on every rank; the entropy bonus backpropagates
+        "algorithm.kl.coef=0.05",
+        "algorithm.kl.estimator=k3",
+        "algorithm.entropy_coef=0.01",
+        "learner.optimizer.lr=1e-3",
+        "learner.mini_batches_per_step=1",  # one update a step: step 1 runs at the reference
+    ],
+    "gspo": [
+        "rollout.sampling.top_k=20",
+        "rollout.sampling.min_p=0.01",
+        "rollout.sampling.seed=3",
+        "trainer.max_staleness=4",  # both steps' prompts drawn at once, the second one stale
+    ],
     "stapo": ["metrics.loggers=[wandb]", "metrics.wandb_mode=offline"],
 }
 
@@ -82,27 +97,19 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         assert 0.0 <= r["spurious_frac"] <= 1.0 and 0.0 <= r["cancellation_residual"] <= 1.0
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
-        assert r["optimizer_updates"] == (4 if two_stage else 2)
+        mini_batches = 1 if preset == "grpo" else 2
+        assert r["optimizer_updates"] == mini_batches * (2 if two_stage else 1)
     if preset == "grpo":  # evaluated at step 1 (the last step's evaluation ends the run)
-        first = records[0]
+        first, second = records
         assert 0.0 <= first["eval_mean_at_n"] <= first["eval_pass_at_k"] <= 1.0  # k = n
+        assert first["kl_ref"] == 0.0  # the policy is the reference until its first update
+        assert second["kl_ref"] > 0.0
+    if preset == "gspo":
+        assert [r["staleness_max"] for r in records] == [0, 1]
+        assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
         assert list((tmp_path / preset / "wandb").glob("offline-run-*/run-*.wandb"))
     if preset == "dfpo":
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward
         assert all(r["cancellation_residual_whole_group"] < 1e-6 for r in records)
-
-
-def test_kl_to_a_reference_and_an_entropy_bonus_train(ray_cluster, quickstart_model, tmp_path):
-    """kl.coef > 0 loads the frozen reference on every rank; the entropy bonus backpropagates."""
-    first, second = _train_two_steps(
-        tmp_path,
-        "kl",
-        "algorithm.kl.coef=0.05",
-        "algorithm.kl.estimator=k3",
-        "algorithm.entropy_coef=0.01",
-        "learner.optimizer.lr=1e-3",
-    )
-    assert first["kl_ref"] == 0.0  # the policy is the reference until its first update
-    assert second["kl_ref"] > 0.0

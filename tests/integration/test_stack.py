@@ -36,7 +36,7 @@ def _weights(learner) -> dict[str, torch.Tensor]:
 
 
 def _sync(transport, version: int) -> None:
-    ray.get(transport.async_sync(version))
+    ray.get(transport.async_sync(version).handles())
 
 
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):

@@ -24,7 +24,7 @@ def test_overrides_parse_yaml_values():
     [
         ({"rollout": {"group_sise": 4}}, [], "rollout.group_sise"),
         ({}, ["learner.optimizer.lr=fast"], "learner.optimizer.lr"),
-        ({}, ["trainer.max_staleness=3"], "trainer.max_staleness"),
+        ({}, ["trainer.max_staleness=9"], "trainer.max_staleness"),
         ({}, ["algorithm.preset=nope"], "algorithm"),
         ({"algorithm": {"loss": "dfpo", "aggregation": "seq_mean_token_mean"}}, [], "algorithm"),
         ({}, ["rollout.sampling.max_tokens=999"], "rollout.sampling.max_tokens"),

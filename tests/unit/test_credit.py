@@ -482,7 +482,8 @@ def test_lopti_passes_run_low_first_and_add_up_to_the_full_loss(gen):
     cfg = algorithm()
     logp = tokens.cur_logp
     total = sum(pass_losses(tokens, split, cfg, logp))
-    torch.testing.assert_close(total, pass_losses(tokens, full, cfg, logp)[0], rtol=1e-13, atol=0)
+    # Two partial sums against one: equal up to float64 reassociation of terms that cancel.
+    torch.testing.assert_close(total, pass_losses(tokens, full, cfg, logp)[0], rtol=1e-11, atol=0)
 
 
 def test_lopti_negative_eta_reverses_the_order(gen):

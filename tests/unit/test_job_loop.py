@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.actors.generator import GeneratorPool
+from groupflow.actors.generator import CHUNKS_PER_ENGINE, GeneratorPool
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import CheckpointStore, read_checkpoint
 from groupflow.config import build_config
 from groupflow.job import EVAL_ROLLOUT, MAX_REFILLS, Checkpointing, LearnerLost, TrainingJob
-from groupflow.peers import PeerDied
+from groupflow.peers import PeerDied, SyncHandles
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.scaling import PoolState
 
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 2
@@ -76,6 +77,7 @@ class FakeEngine:
         self.version, self.free_at, self.prompts_sampled = 0, 0.0, 0
         self.chunks, self.dies_at_chunk, self.dead = 0, dies_at_chunk, False
         self.dies_at = ""  # "load 2": dies loading version 2; "greedy": in an evaluation
+        self.queued_at_load: list[float] = []  # seconds of work ahead of each weight load
         self.sample = Remote(self._sample)
         self.complete = Remote(self._complete)
         self.__ray_ready__ = Remote(
@@ -123,6 +125,7 @@ class FakeEngine:
         if self.dead:
             return FakeRef(self.clock.now, DIED, "load on a dead engine")
         # Every later call on this engine runs after the load: it sees the new version.
+        self.queued_at_load.append(max(0.0, self.free_at - self.clock.now))
         self.version = version
         return FakeRef(self._run(0.1), version, "load")
 
@@ -147,6 +150,15 @@ class FakeRewards:
 
     def pending_groups(self):
         return sum(map(len, self.scored.values()))
+
+    def scale_to(self, target):  # a fake pool's workers come and go at once
+        self.num_workers = target
+
+    def settle(self):
+        return self.state()
+
+    def state(self):
+        return PoolState(self.num_workers, self.num_workers)
 
 
 class FakeLearner:
@@ -194,11 +206,18 @@ class FakeLearner:
 
 
 class FakeTransport:
-    def __init__(self, engines: list[FakeEngine], loads: bool = True):
-        self.engines, self.loads = engines, loads
+    """`skip`: (engine, version) loads that never happen (the engine keeps its weights)."""
+
+    def __init__(self, engines: list[FakeEngine], loads: bool = True, skip=frozenset()):
+        self.engines, self.loads, self.skip = engines, loads, skip
 
     def async_sync(self, version):
-        return [e.load(version) for e in self.engines] if self.loads else []
+        if not self.loads:
+            return SyncHandles([], [])
+        return SyncHandles(
+            [],
+            [e.load(version) for i, e in enumerate(self.engines) if (i, version) not in self.skip],
+        )
 
 
 class CountingTask:
@@ -233,6 +252,7 @@ class Run:
     learner: FakeLearner
     log: list
     engines: list[FakeEngine]
+    clock: Clock
 
 
 def run_job(
@@ -245,6 +265,7 @@ def run_job(
     engines=2,
     overrides=(),
     loads=True,
+    skip_loads=frozenset(),
     run_dir: Path | None = None,
     resume=False,
     engine_dies_at_chunk=(),
@@ -278,14 +299,21 @@ def run_job(
     def start_engine(slot):
         return FakeEngine(clock, seconds_per_prompt, next(replacements, 0))
 
-    pool = GeneratorPool(fake_engines, futures, GROUP_SIZE, cfg.rollout.sampling, start_engine)
+    pool = GeneratorPool(
+        fake_engines,
+        futures,
+        GROUP_SIZE,
+        cfg.rollout.sampling,
+        start_engine,
+        clock=lambda: clock.now,
+    )
     job = TrainingJob(
         cfg,
         CountingTask(),
         generators=pool,
         rewards=FakeRewards(clock, log, reward),
         learner=learner,
-        transport=FakeTransport(fake_engines, loads),
+        transport=FakeTransport(fake_engines, loads, skip_loads),
         futures=futures,
         learner_figures=lambda results: {"optimizer_updates": len(results)},
         checkpointing=None
@@ -305,7 +333,7 @@ def run_job(
         newest = CheckpointStore(run_dir).newest()
         job.recover_learner(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
         job.train([sink])
-    return Run(job, sink.records, learner, log, fake_engines)
+    return Run(job, sink.records, learner, log, fake_engines, clock)
 
 
 MODEL_CONFIG = {"model_type": "qwen2", "hidden_size": 8}
@@ -346,16 +374,57 @@ def test_staleness_one_is_exactly_one_version_behind_after_the_first_step():
     }
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_max_staleness_is_a_queue_of_k_rollouts(k):
-    run = run_job(steps=6, staleness=k)
-    assert [r["staleness_max"] for r in run.records] == [min(s, k) for s in range(6)]
-    assert trained_prompts(run) == [step_prompts(8 * s) for s in range(6)]
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_a_slow_learner_trains_samples_exactly_max_staleness_old(k):
+    """Learner-bound (100 s a step against 4 s of generation): the engines run k steps ahead,
+    so the lag grows to k and stays there, never beyond; the learner never waits after the
+    first step, and every prompt is trained once, in order."""
+    run = run_job(steps=k + 3, staleness=k, learn_s=100.0)
+    assert [r["staleness_max"] for r in run.records] == [min(s, k) for s in range(k + 3)]
+    assert trained_prompts(run) == [step_prompts(8 * s) for s in range(k + 3)]
+    first_rollout = PROMPTS_PER_STEP * 1.0 / 2  # seconds, on 2 engines
+    assert run.clock.now <= first_rollout + (k + 3) * 100.0 + 1e-9
+    assert all(r["groups_dropped_stale"] == 0 for r in run.records)
 
 
-def test_a_sample_older_than_max_staleness_is_never_trained_on():
-    # Engines that never load new weights: step 3 would train on version 0 samples at
-    # version 2, two versions behind.
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_engines_never_wait_for_the_learner_when_generation_is_the_bottleneck(k):
+    """Generation-bound (4 s of generation a step on 2 engines, 1 s of learning): the engines
+    are busy from the first chunk to the last, but for the weight loads (0.1 s each)."""
+    steps = 8
+    run = run_job(steps=steps, staleness=k, learn_s=1.0, seconds_per_prompt=1.0)
+    generation = steps * PROMPTS_PER_STEP * 1.0 / 2  # per engine
+    loads = (steps - 1) * 0.1
+    last_step_learns = 1.0
+    assert run.clock.now <= generation + loads + last_step_learns + 1e-9
+    assert all(r["staleness_max"] <= k for r in run.records)
+    # idle only while the last step learns: nothing is left to draw
+    assert [r["time_engines_idle_s"] for r in run.records] == [0.0] * (steps - 1) + [1.0]
+
+
+def test_at_staleness_zero_the_engines_wait_while_the_learner_trains():
+    run = run_job(steps=3, staleness=0, learn_s=5.0)
+    assert [r["time_engines_idle_s"] for r in run.records] == pytest.approx([5.0] * 3)
+
+
+def test_weight_loads_wait_behind_at_most_chunks_per_engine():
+    """A load sent to a busy engine runs after the few chunks it holds, not after every
+    prompt drawn ahead: CHUNKS_PER_ENGINE chunks of 2 prompts (1 s each)."""
+    run = run_job(steps=8, staleness=8, learn_s=3.0, seconds_per_prompt=1.0)
+    waits = [w for engine in run.engines for w in engine.queued_at_load]
+    assert waits and max(waits) <= CHUNKS_PER_ENGINE * 2 * 1.0 + 1e-9
+
+
+def test_a_sample_older_than_max_staleness_is_dropped_and_counted():
+    # Engine 1 misses its load of version 1: its chunks of step 3 come from version 0, two
+    # versions behind the learner.
+    run = run_job(steps=5, staleness=1, skip_loads={(1, 1)}, learn_s=4.0)
+    assert sum(r["groups_dropped_stale"] for r in run.records) > 0
+    assert all(r["staleness_max"] <= 1 for r in run.records)
+    assert all(r["num_groups"] == PROMPTS_PER_STEP for r in run.records)
+
+
+def test_engines_that_never_load_stop_the_job():
     with pytest.raises(RuntimeError, match="trainer.max_staleness=1"):
         run_job(steps=4, staleness=1, loads=False)
 
@@ -364,7 +433,7 @@ def test_a_sample_older_than_max_staleness_is_never_trained_on():
 def test_chunks_reach_the_reward_pool_as_each_finishes():
     run = run_job(steps=1, staleness=0, engines=2, seconds_per_prompt=1.0)
     # 8 prompts, 2 engines: 4 chunks of 2, two per engine, finishing at t=2 and t=4 on each
-    assert scored_at(run) == [(0, 2.0), (0, 2.0), (0, 4.0), (0, 4.0)]
+    assert sorted(scored_at(run)) == [(0, 2.0), (1, 2.0), (2, 4.0), (3, 4.0)]
     scored = [uids for e in run.log if e[0] == "score" for uids in [e[3]]]
     assert sorted(int(u) for uids in scored for u in uids) == step_prompts(0)
     assert [e.prompts_sampled for e in run.engines] == [4, 4]  # least outstanding work
@@ -375,9 +444,10 @@ def test_scoring_overlaps_learning():
     run = run_job(steps=2, staleness=1, learn_s=100.0, seconds_per_prompt=1.0)
     learn_1 = next(i for i, e in enumerate(run.log) if e[:2] == ("get", "learn 1"))
     learning_ends = run.log[learn_1][2]
-    step_2_scores = [i for i, e in enumerate(run.log) if e[0] == "score" and e[1] == 1]
+    # step 1's prompts are chunks 0-3, step 2's chunks 4-7
+    step_2_scores = [i for i, e in enumerate(run.log) if e[0] == "score" and e[1] >= 4]
     assert step_2_scores and all(i < learn_1 for i in step_2_scores)
-    assert all(t < learning_ends for rollout, t in scored_at(run) if rollout == 1)
+    assert all(t < learning_ends for chunk, t in scored_at(run) if chunk >= 4)
 
 
 # ----- dynamic sampling -------------------------------------------------------------------------

@@ -42,8 +42,8 @@ def _ipc_objects() -> str:
 
 def _tmp_entries() -> set[str]:
     # What the reward side could leave: work directories (gf-sandbox-*); /tmp is shared with
-    # other test runs on this machine, so other names are not ours to judge.
-    return {p for p in os.listdir("/tmp") if p.startswith("gf-")}
+    # other test runs on this machine (a Ray head's gf-head-*), so other names are not ours.
+    return {p for p in os.listdir("/tmp") if p.startswith("gf-sandbox-")}
 
 
 def _cgroups() -> set[str]:

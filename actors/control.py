@@ -1,0 +1,106 @@
+"""The job's control actor: where `groupflow scale` and `groupflow status` reach a running job.
+
+A named actor (`control:<run name>` in the `groupflow` namespace), created by the driver and
+owned by it, so it ends with the job. It never calls the driver: `groupflow scale` leaves a
+checked request here, and the driver takes it between steps (`ActorInbox.poll`) and reports
+its live counts back (`ActorInbox.report`). Neither side ever waits on the other's work, so a
+scale request never blocks training, and a busy job never blocks the command.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from groupflow.scaling import (
+    CONTROL_NAMESPACE,
+    LiveStatus,
+    ScaleError,
+    ScaleLimits,
+    ScaleRequest,
+    check_request,
+    control_actor_name,
+)
+
+log = logging.getLogger(__name__)
+
+# Seconds the driver waits for the control actor's answer between steps: it is a dict lookup
+# on an idle actor, so only a lost node makes it slow, and then the job goes on without it.
+_POLL_TIMEOUT_S = 5.0
+
+
+def _node_totals() -> list[dict[str, float]]:
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+class JobControl:
+    def __init__(self, limits: ScaleLimits):
+        self.limits = limits
+        self._request: ScaleRequest | None = None
+        self._status: dict | None = None
+
+    def request(self, engines: int | None, reward_workers: int | None) -> str | None:
+        """Check and keep a request (a newer one replaces one not yet taken); the reason
+        it was refused, or None."""
+        request = ScaleRequest(engines, reward_workers)
+        try:
+            check_request(request, self.limits, _node_totals())
+        except ScaleError as err:
+            return str(err)
+        if self._request is not None:  # merge: a count not given keeps the earlier one
+            request = ScaleRequest(
+                engines if engines is not None else self._request.engines,
+                reward_workers if reward_workers is not None else self._request.reward_workers,
+            )
+        self._request = request
+        return None
+
+    def take(self) -> ScaleRequest | None:
+        request, self._request = self._request, None
+        return request
+
+    def report(self, status: dict) -> None:
+        self._status = status
+
+    def status(self) -> tuple[dict | None, bool]:
+        """The job's latest live status, and whether a request still waits to be taken."""
+        return self._status, self._request is not None
+
+
+def start_control(run_name: str, limits: ScaleLimits):
+    """The job's control actor; None when another running job holds the name (the job runs
+    on, without `groupflow scale`)."""
+    try:
+        return (
+            ray.remote(JobControl)
+            .options(
+                name=control_actor_name(run_name),
+                namespace=CONTROL_NAMESPACE,
+                num_cpus=0,  # must start even on a full cluster
+            )
+            .remote(limits)
+        )
+    except ValueError as err:  # the name is taken
+        log.warning("no `groupflow scale` for this job: %s", str(err).splitlines()[0])
+        return None
+
+
+class ActorInbox:
+    """The driver's side of the control actor (groupflow.scaling.Inbox)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def poll(self) -> ScaleRequest | None:
+        try:
+            return ray.get(self.actor.take.remote(), timeout=_POLL_TIMEOUT_S)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
+            log.warning("control actor did not answer (%s); no scale request taken", err)
+            return None
+
+    def report(self, status: LiveStatus) -> None:
+        self.actor.report.remote(status.as_dict())  # not awaited: a status is best effort
+
+    def close(self) -> None:
+        ray.kill(self.actor)

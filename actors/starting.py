@@ -1,0 +1,97 @@
+"""Actors a pool has asked for and not yet admitted: what lets a pool grow without waiting.
+
+`actor_class.remote()` returns at once. Ray places the actor when a node has room for its
+resources; until then it is a pending resource request, which the Ray autoscaler (and
+KubeRay's) reads as demand for a node. The pool polls these actors between steps
+(`take_ready`, never blocking) and admits those whose constructor has finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Starting:
+    actor: ray.actor.ActorHandle
+    ready: ray.ObjectRef  # resolves when the constructor has returned
+
+
+class StartingActors:
+    def __init__(
+        self,
+        what: str,
+        ready: Callable[[ray.actor.ActorHandle], ray.ObjectRef] = lambda a: (
+            a.__ray_ready__.remote()
+        ),
+    ):
+        self.what = what
+        self.ready = ready  # the call whose end makes an actor ready (e.g. a warm-up)
+        self._starting: list[_Starting] = []
+
+    def __len__(self) -> int:
+        return len(self._starting)
+
+    def add(self, actor: ray.actor.ActorHandle) -> None:
+        self._starting.append(_Starting(actor, self.ready(actor)))
+
+    def take_ready(self) -> tuple[list[ray.actor.ActorHandle], int]:
+        """The actors that are up now (in the order asked for), and how many failed to start
+        (dropped: their constructor raised or their process died)."""
+        if not self._starting:
+            return [], 0
+        refs = [s.ready for s in self._starting]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done_set = set(done)
+        ready, failed = [], 0
+        for s in [s for s in self._starting if s.ready in done_set]:
+            self._starting.remove(s)
+            try:
+                ray.get(s.ready)
+            except RayError as err:  # its constructor or warm-up raised, or its process died
+                log.warning("a new %s failed to start: %s", self.what, str(err).splitlines()[0])
+                ray.kill(s.actor, no_restart=True)
+                failed += 1
+                continue
+            ready.append(s.actor)
+        return ready, failed
+
+    def cancel(self, count: int) -> int:
+        """Give up the newest `count` actors not yet up (a pending one frees its resource
+        request); how many were cancelled."""
+        cancelled = 0
+        while self._starting and cancelled < count:
+            ray.kill(self._starting.pop().actor, no_restart=True)
+            cancelled += 1
+        return cancelled
+
+    def placed(self) -> int:
+        """How many have a node (and are loading); the others wait for room. Asked of Ray's
+        state API, which is served by the dashboard: without one, all count as placed."""
+        if not self._starting:
+            return 0
+        try:
+            from ray.util.state import get_actor
+
+            # This cluster's address: with none, the state API refuses when a machine runs
+            # more than one cluster.
+            address = ray.get_runtime_context().gcs_address
+            states = [
+                get_actor(s.actor._actor_id.hex(), address=address, timeout=2)
+                for s in self._starting
+            ]
+        except Exception:  # no dashboard, or it is busy: the split is only informative
+            return len(self._starting)
+        # An actor stays PENDING_CREATION while its constructor runs (an engine loading its
+        # model); it has a worker process (a pid) once a node took it.
+        return sum(1 for st in states if st is not None and (st.pid or st.state == "ALIVE"))
+
+    def shutdown(self) -> None:
+        self.cancel(len(self._starting))

@@ -1,0 +1,288 @@
+"""`groupflow scale` and the live part of `groupflow status`: reach a running job's control
+actor (groupflow/actors/control.py) from another process.
+
+Finding the job's Ray cluster:
+- A job trained here (`groupflow train`) writes runs/<run>/cluster.json while it runs: the
+  GCS address of its cluster and its driver's pid. A local cluster that `ray.init()` started
+  is not recorded where `ray.init(address="auto")` looks (only `ray start` writes that), so
+  the run directory is the record.
+- A submitted job (`groupflow submit`) is found through the Ray Jobs API at --address, by job
+  id or by run name (the submission's `groupflow_run` metadata). This process then joins the
+  cluster as a Ray driver: with `ray.init(address="auto")` when the dashboard is on this
+  machine (a `ray start` head records its address), else through the Ray Client port of the
+  head (ray://HOST:10001, which KubeRay's head service exposes); --ray-address (or
+  $GROUPFLOW_RAY_ADDRESS) overrides, e.g. with the head's GCS address HOST:6379 when this
+  machine runs more than one Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from groupflow.scaling import (
+    CONTROL_NAMESPACE,
+    LiveStatus,
+    PoolState,
+    ScaleError,
+    ScaleLimits,
+    ScaleRequest,
+    check_request,
+    control_actor_name,
+)
+
+CLUSTER_FILE = "cluster.json"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+# The default of --ray-address. (RAY_ADDRESS cannot serve: the Jobs commands read it as the
+# dashboard's URL, as Ray's own `ray job` does.)
+RAY_ADDRESS_ENV = "GROUPFLOW_RAY_ADDRESS"
+RAY_CLIENT_PORT = 10001  # `ray start --head`'s default Ray Client port
+POLL_S = 0.5
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+
+
+class LiveError(RuntimeError):
+    """Why the command cannot act on the job, as one line."""
+
+
+# ----- the run's record, written by the driver -------------------------------------------------
+def write_cluster_file(run_dir: Path, run_name: str, gcs_address: str) -> Path:
+    path = run_dir / CLUSTER_FILE
+    record = {
+        "run": run_name,
+        "gcs_address": gcs_address,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        # A local cluster from ray.init() turns on Ray's token auth (Ray >= 2.60) with the
+        # token in ~/.ray/auth_token; a process joining it must ask for that mode too. The
+        # token itself is never written here.
+        "auth_mode": os.environ.get(AUTH_MODE_ENV, "disabled"),
+    }
+    path.write_text(json.dumps(record))
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Target:
+    run: str  # the run name (the control actor's name)
+    ray_address: str  # what ray.init connects to
+    job_id: str | None = None
+    auth_mode: str | None = None  # the cluster's RAY_AUTH_MODE, when the run recorded it
+
+
+def _local_target(name: str, runs_dir: Path) -> Target | None:
+    for run_dir in (Path(name), runs_dir / name):
+        path = run_dir / CLUSTER_FILE
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        if record.get("host") == socket.gethostname() and not _pid_alive(record["pid"]):
+            raise LiveError(
+                f"run {record['run']} is not running (its driver, pid {record['pid']}, has ended)"
+            )
+        return Target(record["run"], record["gcs_address"], auth_mode=record.get("auth_mode"))
+    return None
+
+
+def _ray_address_for(dashboard: str, override: str | None) -> str:
+    override = override or os.environ.get(RAY_ADDRESS_ENV)
+    if override:
+        return override
+    host = urlparse(dashboard if "://" in dashboard else f"http://{dashboard}").hostname or ""
+    if host in LOCAL_HOSTS or host == socket.gethostname():
+        return "auto"
+    return f"ray://{host}:{RAY_CLIENT_PORT}"
+
+
+def _job_target(name: str, client, dashboard: str, ray_address: str | None) -> Target:
+    from ray.job_submission import JobStatus
+
+    jobs = client.list_jobs()
+    by_id = [j for j in jobs if name in (j.submission_id, j.job_id)]
+    by_run = [j for j in jobs if (j.metadata or {}).get("groupflow_run") == name]
+    matches = by_id or by_run
+    if not matches:
+        raise LiveError(f"no running run or job named {name} (none on {dashboard})")
+    running = [j for j in matches if j.status == JobStatus.RUNNING]
+    if not running:
+        latest = max(matches, key=lambda j: j.start_time or 0)
+        raise LiveError(
+            f"job {latest.submission_id or latest.job_id} is not running ({latest.status.value})"
+        )
+    job = running[-1]
+    run = (job.metadata or {}).get("groupflow_run")
+    if run is None:
+        raise LiveError(f"job {name} is not a groupflow job (no groupflow_run in its metadata)")
+    return Target(run, _ray_address_for(dashboard, ray_address), job.submission_id or job.job_id)
+
+
+def locate(
+    name: str, runs_dir: Path, client_factory, dashboard: str, ray_address: str | None
+) -> Target:
+    """The running job called `name` (a run name, a run directory, or a job id)."""
+    local = _local_target(name, runs_dir)
+    if local is not None:
+        return local
+    try:
+        client = client_factory(dashboard)
+    except ConnectionError as err:
+        raise LiveError(
+            f"no run named {name} is running here (no {runs_dir / name / CLUSTER_FILE}), and "
+            f"no Ray cluster at {dashboard} to look for a job ({str(err).splitlines()[0]})"
+        ) from None
+    return _job_target(name, client, dashboard, ray_address)
+
+
+def _use_token_auth() -> None:
+    """Send the token (~/.ray/auth_token or RAY_AUTH_TOKEN) to the cluster, as a process with
+    RAY_AUTH_MODE=token does. Ray read its config when it was imported, before this command
+    knew the mode, so the setting is applied the way ray.init() applies it to a new local
+    cluster (falling back to the variable alone)."""
+    os.environ[AUTH_MODE_ENV] = "token"
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:
+        return
+    _enable_token_auth()
+
+
+def connect(target: Target):
+    """Join the job's cluster and return its control actor."""
+    import ray
+
+    if not ray.is_initialized():
+        if target.auth_mode == "token" and AUTH_MODE_ENV not in os.environ:
+            _use_token_auth()
+        ray.init(
+            address=target.ray_address,
+            namespace=CONTROL_NAMESPACE,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
+    try:
+        return ray.get_actor(control_actor_name(target.run), namespace=CONTROL_NAMESPACE)
+    except ValueError:
+        raise LiveError(
+            f"run {target.run} is not running (no control actor on its cluster)"
+        ) from None
+
+
+def live_status(actor, timeout_s: float = 10.0) -> tuple[LiveStatus | None, bool]:
+    import ray
+
+    status, waiting = ray.get(actor.status.remote(), timeout=timeout_s)
+    return (LiveStatus.from_dict(status) if status else None), waiting
+
+
+# ----- the commands ---------------------------------------------------------------------------
+def check_counts(engines: int | None, reward_workers: int | None) -> None:
+    """The checks that need no job: a count given, none below one."""
+    anything = ScaleLimits(True, {}, {})
+    check_request(ScaleRequest(engines, reward_workers), anything)
+
+
+def _settled(state: PoolState, want: int | None) -> bool:
+    if want is None:
+        return True
+    return state.live == want and not (state.starting or state.pending or state.retiring)
+
+
+def _waiting_line(status: LiveStatus) -> str | None:
+    parts = []
+    for name, p in (("engine", status.engines), ("reward worker", status.reward_workers)):
+        if p.pending:
+            parts.append(f"{p.pending} {name}(s) pending: no room on the cluster")
+        if p.starting:
+            parts.append(f"{p.starting} {name}(s) starting")
+        if p.retiring:
+            parts.append(f"{p.retiring} {name}(s) finishing their work")
+    return "waiting: " + "; ".join(parts) + " (the job trains on meanwhile)" if parts else None
+
+
+def scale(
+    actor,
+    engines: int | None,
+    reward_workers: int | None,
+    wait: bool,
+    timeout_s: float,
+    out=print,
+) -> int:
+    """Send the request; with `wait`, follow it until the pools have the counts asked for.
+    0 when done (or sent, without `wait`), 1 when refused or not done in time."""
+    import ray
+
+    before, _ = live_status(actor)
+    refusal = ray.get(actor.request.remote(engines, reward_workers), timeout=30)
+    if refusal is not None:
+        raise ScaleError(refusal)
+    asked = ", ".join(
+        f"{name} -> {n}"
+        for name, n in (("engines", engines), ("reward workers", reward_workers))
+        if n is not None
+    )
+    if not wait:
+        out(f"requested: {asked} (the job applies it after its current step)")
+        return 0
+    deadline = time.monotonic() + timeout_s
+    said = None
+    while True:
+        try:
+            status, request_waiting = live_status(actor)
+        except ray.exceptions.RayActorError:
+            raise LiveError("the job ended before the change was complete") from None
+        if status is not None and not request_waiting:
+            if _settled(status.engines, engines) and _settled(
+                status.reward_workers, reward_workers
+            ):
+                for name, n, was in (
+                    ("engines", engines, before.engines if before else None),
+                    ("reward workers", reward_workers, before.reward_workers if before else None),
+                ):
+                    if n is not None:
+                        old = was.live if was is not None else "?"
+                        out(f"{name}: {old} -> {n}" if old != n else f"{name}: {n} (unchanged)")
+                return 0
+            line = _waiting_line(status)
+            if line is not None and line != said:
+                out(line)
+                said = line
+        if time.monotonic() > deadline:
+            out(f"still waiting after {timeout_s:g}s; the request stands: {asked}")
+            return 1
+        time.sleep(POLL_S)
+
+
+def print_live(actor, out=print) -> None:
+    status, waiting = live_status(actor)
+    if status is None:
+        out("live: the job has not finished its first step yet")
+        return
+    for line in status.lines():
+        out(line)
+    if waiting:
+        out("a scale request waits for the end of the current step")
+    age = time.time() - status.updated_unix
+    if age > 60:
+        out(f"(reported {age:.0f}s ago: a step is taking long)")
+
+
+def fail(message: str, code: int) -> int:
+    print(f"groupflow: error: {message}", file=sys.stderr)
+    return code
