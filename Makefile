@@ -7,6 +7,10 @@ PYTHON ?= $(firstword $(foreach p,python3.11 python3.12 python3.13 python3,\
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# DeepSpeed compiles a native op on a learner's first start on CPU (a minute on 2 cores); it is
+# built once by `make setup`, into the venv, so that no job or test pays for it (and venvs at
+# other paths do not rebuild over each other's copy in ~/.cache).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: run test lint bench setup clean prometheus
 
@@ -19,6 +23,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[cpu,dev]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	@echo "building DeepSpeed's CPU shared-memory collective op (about a minute, once)"
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -164,7 +164,11 @@ def test_zero3_head_matches_plain_full_logits(rank_process, tmp_path, tied, chec
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for name, grad in out["empty_grads"].items():
         assert grad is not None and not grad.any(), name
-    for step in out["grads"]:  # the second step also checks the first update was the same
+    # The second step also checks the first update was the same. float32 sums in another
+    # order, and AdamW's first step (about lr * sign(grad)) turns last-bit differences of tiny
+    # gradients into parameter differences: seen up to 5e-5 of the largest gradient (seed
+    # 2152107864). A wrong head or mask is off by the gradient's own size.
+    for tolerance, step in zip((1e-5, 2e-4), out["grads"], strict=True):
         for name, got, want in step:
             scale = want.abs().max().item()
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale, msg=name)
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance * scale, msg=name)
