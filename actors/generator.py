@@ -29,7 +29,7 @@ import ray
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
-from groupflow.actors.starting import StartingActors
+from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.learner.device import Device, device_for
@@ -144,12 +144,10 @@ class GeneratorPool:
         self._chunks: dict[Handle, _Chunk] = {}
         self._unloaded: set[int] = set()  # slots whose replacement awaits the weights
         self._lost: dict[Handle, _Chunk] = {}  # chunks of dead engines, to generate again
-        self._target = len(engines)
         # Engines asked for and not yet up (a stand-in in the job loop's unit tests).
         if starting is None:  # an engine is ready once warmed up (see Generator.warm_up)
             starting = StartingActors("engine", lambda e: e.warm_up.remote(group_size, sampling))
-        self._starting = starting
-        self._retiring: set[int] = set()  # slots sent no new chunks, removed once drained
+        self.slots = ActorSlots(engines, starting)  # retiring slots are sent no new chunks
         self._next_seed_slot = len(engines)  # a new engine samples with a seed of its own
         # New engines not yet sent a chunk -> when they were asked for: the time a scale-up
         # takes to produce work is logged, and kept in join_seconds.
@@ -186,7 +184,7 @@ class GeneratorPool:
 
     def _taking_work(self) -> list[int]:
         """Slots that take new chunks: loaded with the current weights and not retiring."""
-        skip = self._unloaded | self._retiring
+        skip = self._unloaded | self.slots.retiring
         return [e for e in range(len(self.engines)) if e not in skip]
 
     def in_flight(self) -> list[Handle]:
@@ -296,52 +294,36 @@ class GeneratorPool:
             raise ValueError("engines cannot be added or removed with this weight transport")
         if target < 1:
             raise ValueError(f"a pool needs at least one engine (got {target})")
-        self._target = target
-        # Retired slots come back first (they hold the weights), then new actors start.
-        while self._retiring and self._live() < target:
-            self._retiring.remove(min(self._retiring))
-        for _ in range(target - self._live() - len(self._starting)):
-            engine = self.start_engine(self._next_seed_slot)
-            self._asked_at[id(engine)] = (engine, time.monotonic())
-            self._starting.add(engine)
-            self._next_seed_slot += 1
-        # Fewer: cancel engines not yet up, then retire the highest live slots.
-        excess = self._live() + len(self._starting) - target
-        excess -= self._starting.cancel(max(0, excess))
-        active = [e for e in range(len(self.engines)) if e not in self._retiring]
-        for slot in sorted(active, reverse=True)[: max(0, excess)]:
-            self._retiring.add(slot)
 
-    def _live(self) -> int:
-        return len(self.engines) - len(self._retiring)
+        def start():
+            engine = self.start_engine(self._next_seed_slot)
+            self._next_seed_slot += 1
+            return engine
+
+        for engine in self.slots.scale_to(target, start):
+            self._asked_at[id(engine)] = (engine, time.monotonic())
 
     def settle(self) -> PoolState:
-        ready, failed = self._starting.take_ready()
-        if failed:  # a failed start is not retried: the target drops to what exists
-            self._target -= failed
-        for actor in ready:
-            self.engines.append(actor)  # in place: the transport holds this same list
-            self._outstanding.append(0)
-            self._chunks_on.append(0)
-            self._unloaded.add(len(self.engines) - 1)  # no chunk before the current weights
+        joined = len(self.slots.admit())  # appended in place: the transport holds this list
+        self._outstanding += [0] * joined
+        self._chunks_on += [0] * joined
+        # No chunk before the current weights.
+        self._unloaded.update(range(len(self.engines) - joined, len(self.engines)))
         held = {chunk.engine for chunk in self._chunks.values()}
-        drained = sorted(self._retiring - held - self._unloaded, reverse=True)
+        drained = self.slots.drained(held | self._unloaded)
         for slot in drained:
             self._remove(slot)
-        state = self.state()
-        state.joined, state.left = len(ready), len(drained)
-        return state
+        return self.slots.state(joined, len(drained))
 
     def _remove(self, slot: int) -> None:
         """Remove an engine that holds no chunk, and renumber the slots above it."""
-        engine = self.engines.pop(slot)
+        engine = self.slots.remove(slot)
         del self._outstanding[slot]
         del self._chunks_on[slot]
 
         def moved(e: int) -> int:
             return e - 1 if e > slot else e
 
-        self._retiring = {moved(e) for e in self._retiring if e != slot}
         self._unloaded = {moved(e) for e in self._unloaded if e != slot}
         for chunk in self._chunks.values():
             chunk.engine = moved(chunk.engine)
@@ -351,17 +333,10 @@ class GeneratorPool:
         engine.__ray_terminate__.remote()
 
     def state(self) -> PoolState:
-        placed = self._starting.placed()
-        return PoolState(
-            live=self._live(),
-            target=self._target,
-            starting=placed,
-            pending=len(self._starting) - placed,
-            retiring=len(self._retiring),
-        )
+        return self.slots.state()
 
     def shutdown(self) -> None:
-        self._starting.shutdown()
+        self.slots.starting.shutdown()
         for engine in self.engines:
             ray.kill(engine)
 

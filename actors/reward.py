@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
-from groupflow.actors.starting import StartingActors
+from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.config import Config
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer
@@ -98,9 +98,8 @@ class RewardPool:
         self.errors = 0
         self.timeouts = 0
         self.worker_restarts = 0
-        self._target = len(self.workers)
-        self._starting = StartingActors("reward worker")
-        self._retiring: set[int] = set()  # slots given no new batch, removed once drained
+        # Retiring slots are given no new batch.
+        self.slots = ActorSlots(self.workers, StartingActors("reward worker"))
 
     def _deadline_s(self, batch: _Batch) -> float:
         """The worker ends every batch within reward.timeout_s; one past that (and a grace
@@ -117,7 +116,7 @@ class RewardPool:
             self._pending.append(self._launch(rollout_id, groups, attempts=1))
 
     def _launch(self, rollout_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
-        taking = [w for w in range(len(self.workers)) if w not in self._retiring]
+        taking = [w for w in range(len(self.workers)) if w not in self.slots.retiring]
         worker = min(taking, key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
@@ -198,54 +197,25 @@ class RewardPool:
     def scale_to(self, target: int) -> None:
         if target < 1:
             raise ValueError(f"a pool needs at least one reward worker (got {target})")
-        self._target = target
-        while self._retiring and self._live() < target:
-            self._retiring.remove(min(self._retiring))
-        for _ in range(target - self._live() - len(self._starting)):
-            self._starting.add(self._actor.remote(*self._args))
-        excess = self._live() + len(self._starting) - target
-        excess -= self._starting.cancel(max(0, excess))
-        active = [w for w in range(len(self.workers)) if w not in self._retiring]
-        for slot in sorted(active, reverse=True)[: max(0, excess)]:
-            self._retiring.add(slot)
-
-    def _live(self) -> int:
-        return len(self.workers) - len(self._retiring)
+        self.slots.scale_to(target, lambda: self._actor.remote(*self._args))
 
     def settle(self) -> PoolState:
-        ready, failed = self._starting.take_ready()
-        self._target -= failed  # a failed start is not retried
-        for actor in ready:
-            self.workers.append(actor)
-            self._load.append(0)
-        busy = {b.worker for b in self._pending}
-        drained = sorted(self._retiring - busy, reverse=True)
+        joined = len(self.slots.admit())
+        self._load += [0] * joined
+        drained = self.slots.drained({b.worker for b in self._pending})
         for slot in drained:
-            self._remove(slot)
-        state = self.state()
-        state.joined, state.left = len(ready), len(drained)
-        return state
-
-    def _remove(self, slot: int) -> None:
-        worker = self.workers.pop(slot)
-        del self._load[slot]
-        self._retiring = {w - 1 if w > slot else w for w in self._retiring if w != slot}
-        for batch in self._pending:
-            if batch.worker > slot:
-                batch.worker -= 1
-        ray.kill(worker, no_restart=True)
+            worker = self.slots.remove(slot)
+            del self._load[slot]
+            for batch in self._pending:
+                if batch.worker > slot:
+                    batch.worker -= 1
+            ray.kill(worker, no_restart=True)
+        return self.slots.state(joined, len(drained))
 
     def state(self) -> PoolState:
-        placed = self._starting.placed()
-        return PoolState(
-            live=self._live(),
-            target=self._target,
-            starting=placed,
-            pending=len(self._starting) - placed,
-            retiring=len(self._retiring),
-        )
+        return self.slots.state()
 
     def shutdown(self) -> None:
-        self._starting.shutdown()
+        self.slots.starting.shutdown()
         for worker in self.workers:
             ray.kill(worker)

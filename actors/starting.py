@@ -1,4 +1,9 @@
-"""Actors a pool has asked for and not yet admitted: what lets a pool grow without waiting.
+"""A pool's actors by slot, and how the pool grows and shrinks between steps.
+
+`ActorSlots` is the bookkeeping that the engine pool and the reward pool share: actors asked
+for and not yet admitted (`StartingActors`), slots retiring (given no new work, removed once
+they hold none) and the target count. What an actor holds is the pool's business; it tells
+`settle` which slots are busy and keeps its own per-slot figures in step with the slots.
 
 `actor_class.remote()` returns at once. Ray places the actor when a node has room for its
 resources; until then it is a pending resource request, which the Ray autoscaler (and
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
+
+from groupflow.scaling import PoolState
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +102,64 @@ class StartingActors:
 
     def shutdown(self) -> None:
         self.cancel(len(self._starting))
+
+
+class ActorSlots:
+    """A pool's live actors (`actors`, a list the pool indexes by slot), the ones starting, and
+    the slots retiring."""
+
+    def __init__(self, actors: list, starting: StartingActors):
+        self.actors = actors  # in place: others (the weight transport) may hold this list
+        self.starting = starting
+        self.retiring: set[int] = set()  # slots given no new work, removed once drained
+        self.target = len(actors)
+
+    def live(self) -> int:
+        return len(self.actors) - len(self.retiring)
+
+    def scale_to(self, target: int, start: Callable[[], ray.actor.ActorHandle]) -> list:
+        """Aim for `target` live actors; returns the actors started for it. Retired slots come
+        back first (an engine there holds the weights), then new actors start; fewer cancels
+        actors not yet up, then retires the highest live slots."""
+        self.target = target
+        while self.retiring and self.live() < target:
+            self.retiring.remove(min(self.retiring))
+        started = [start() for _ in range(target - self.live() - len(self.starting))]
+        for actor in started:
+            self.starting.add(actor)
+        excess = self.live() + len(self.starting) - target
+        excess -= self.starting.cancel(max(0, excess))
+        active = [slot for slot in range(len(self.actors)) if slot not in self.retiring]
+        self.retiring.update(sorted(active, reverse=True)[: max(0, excess)])
+        return started
+
+    def admit(self) -> list:
+        """Append the actors that are up to `actors` and return them; a failed start is not
+        retried: the target drops to what exists."""
+        ready, failed = self.starting.take_ready()
+        self.target -= failed
+        self.actors.extend(ready)
+        return ready
+
+    def drained(self, busy: set[int]) -> list[int]:
+        """Retiring slots that hold no work, highest first (so removing them in this order
+        leaves the others' numbers valid)."""
+        return sorted(self.retiring - busy, reverse=True)
+
+    def remove(self, slot: int):
+        """Take the actor out of its slot and renumber the retiring slots above it; returns
+        the actor (the pool ends it)."""
+        self.retiring = {s - 1 if s > slot else s for s in self.retiring if s != slot}
+        return self.actors.pop(slot)
+
+    def state(self, joined: int = 0, left: int = 0) -> PoolState:
+        placed = self.starting.placed()
+        return PoolState(
+            live=self.live(),
+            target=self.target,
+            starting=placed,
+            pending=len(self.starting) - placed,
+            retiring=len(self.retiring),
+            joined=joined,
+            left=left,
+        )

@@ -7,8 +7,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -21,6 +19,7 @@ from groupflow.checkpoint import CheckpointStore
 from groupflow.cli import main
 from groupflow.config import build_config
 from groupflow.records import TrainSequence
+from tests.integration.driver_process import DriverProcess, run_records
 
 pytestmark = pytest.mark.integration
 
@@ -87,12 +86,6 @@ TRAIN = [
 ]
 
 
-def _records(run) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
 def _kill_our_worker(title: str) -> float:
     """SIGKILL the worker of this session's Ray cluster whose process title starts with
     `title` (Ray titles a worker `ray::Class.method` while it runs that method); when."""
@@ -107,12 +100,6 @@ def _kill_our_worker(title: str) -> float:
         time.sleep(0.05)
 
 
-def _wait(condition, driver, log_path) -> None:
-    while not condition():
-        assert driver.poll() is None, log_path.read_text()[-4000:]
-        time.sleep(0.2)
-
-
 def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
     ray_cluster, quickstart_model, tmp_path
 ):
@@ -121,38 +108,28 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
     the driver once step 3's checkpoint is complete; `--resume` finishes it. Every step is in
     metrics.jsonl once and the held-out accuracy is a number."""
     run = tmp_path / "recovery"
-    address = ray.get_runtime_context().gcs_address
-    log_path = tmp_path / "driver.log"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "groupflow.cli", "train", *TRAIN]
-        + ["--set", f"trainer.output_dir={tmp_path}", "--set", f"cluster.address={address}"],
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    driver = DriverProcess(TRAIN, tmp_path)
     store = CheckpointStore(run)
     try:
-        _wait(lambda: [r["step"] for r in _records(run)] == [1], driver, log_path)
+        driver.wait_for(lambda: [r["step"] for r in run_records(run)] == [1])
         engine_killed = _kill_our_worker("ray::Generator.sample")
-        _wait(lambda: len(_records(run)) == 2, driver, log_path)
+        driver.wait_for(lambda: len(run_records(run)) == 2)
         engine_back = time.monotonic()
-        _wait(
-            lambda: store.newest() is not None and store.newest().name == "step_2", driver, log_path
-        )
+        driver.wait_for(lambda: store.newest() is not None and store.newest().name == "step_2")
         rank_killed = _kill_our_worker("ray::LearnerRankActor.train_step")
-        _wait(lambda: _records(run)[-1]["learner_restarts"] == 1, driver, log_path)
+        driver.wait_for(lambda: run_records(run)[-1]["learner_restarts"] == 1)
         rank_back = time.monotonic()
-        _wait(lambda: store.newest().name == "step_3", driver, log_path)
+        driver.wait_for(lambda: store.newest().name == "step_3")
     finally:
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
+        driver.kill()
     driver_killed = time.monotonic()
-    records = _records(run)
+    records = run_records(run)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["engine_restarts"] for r in records] == [0, 1, 1]
     assert [r["learner_restarts"] for r in records] == [0, 0, 1]
 
     assert main(["train", *TRAIN, "--set", f"trainer.output_dir={tmp_path}", "--resume"]) == 0
-    records = _records(run)
+    records = run_records(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["engine_restarts"] == 1 and records[-1]["learner_restarts"] == 1

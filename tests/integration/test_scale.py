@@ -9,18 +9,13 @@ is then killed (the run would go on for STEPS steps): what it wrote stands."""
 
 from __future__ import annotations
 
-import json
 import re
-import signal
 import statistics
-import subprocess
-import sys
-import time
 
 import pytest
-import ray
 
 from groupflow.cli import main
+from tests.integration.driver_process import DriverProcess, run_records
 
 pytestmark = pytest.mark.integration
 
@@ -50,51 +45,29 @@ TRAIN = [
 ]
 
 
-def _records(run) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def _wait(condition, driver, log_path, timeout_s=300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert driver.poll() is None, log_path.read_text()[-4000:]
-        assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-        time.sleep(0.2)
-
-
 def test_a_job_scales_from_one_engine_to_two_and_back_while_it_trains(
     ray_cluster, quickstart_model, tmp_path, capsys
 ):
     run = tmp_path / "scale"
-    address = ray.get_runtime_context().gcs_address
-    log_path = tmp_path / "driver.log"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "groupflow.cli", "train", *TRAIN]
-        + ["--set", f"trainer.output_dir={tmp_path}", "--set", f"cluster.address={address}"],
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    driver = DriverProcess(TRAIN, tmp_path)
     runs = ["--runs", str(tmp_path)]
 
     def engines_of_last_step() -> int | None:
-        records = _records(run)
+        records = run_records(run)
         return records[-1]["num_engines"] if records else None
 
     try:
         # bad counts are refused before anything is contacted
         assert main(["scale", "scale", *runs, "--engines", "0"]) == 2
         assert main(["scale", "scale", *runs, "--engines", "-2"]) == 2
-        _wait(lambda: engines_of_last_step() == 2, driver, log_path)
+        driver.wait_for(lambda: engines_of_last_step() == 2)
         assert main(["scale", "scale", *runs, "--engines", "3"]) == 1  # beyond autoscale's max
         assert main(["status", "scale", *runs]) == 0
         assert main(["scale", "scale", *runs, "--engines", "1"]) == 0
-        down_at = len(_records(run))
-        _wait(lambda: len(_records(run)) >= down_at + 2, driver, log_path)
+        down_at = len(run_records(run))
+        driver.wait_for(lambda: len(run_records(run)) >= down_at + 2)
     finally:
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
+        driver.kill()
     # the run's record names a driver that has ended: one line, exit 1
     assert main(["scale", "scale", *runs, "--reward-workers", "3"]) == 1
     out, err = capsys.readouterr()
@@ -107,7 +80,7 @@ def test_a_job_scales_from_one_engine_to_two_and_back_while_it_trains(
     assert "engines: 2 live, target 2" in out and "learner ranks: 1" in out
     assert "engines: 2 -> 1" in out
 
-    records = _records(run)
+    records = run_records(run)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # each step once
     engines = [r["num_engines"] for r in records]
     # 1 ... 1 2 ... 2 1 ...: up once, down once, right after the request
@@ -117,7 +90,7 @@ def test_a_job_scales_from_one_engine_to_two_and_back_while_it_trains(
     assert all(r["engine_restarts"] == 0 for r in records)
     # the learner waits for generation from the start: autoscale asks within a few steps
     # (its decision is logged with its step)
-    log = log_path.read_text()
+    log = driver.log()
     (asked,) = re.findall(r"step (\d+): engines target 1 -> 2 \(autoscale\)", log)
     waits = [round(r["time_wait_rollout_s"] / r["time_step_s"], 2) for r in records]
     assert int(asked) <= 2 * PATIENCE + 1, waits

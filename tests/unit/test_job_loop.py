@@ -253,6 +253,7 @@ class Run:
     log: list
     engines: list[FakeEngine]
     clock: Clock
+    started: list[FakeEngine]  # engines started after the job began (replacements, scale-ups)
 
 
 def run_job(
@@ -272,9 +273,13 @@ def run_job(
     engine_dies_at="",
     learner_dies_in_step=0,
     held_out_sets=(),
+    engine_type=FakeEngine,
+    starting=None,
+    scaler=None,
 ) -> Run:
     """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
-    on from the newest checkpoint, as a restarted driver with new peers would."""
+    on from the newest checkpoint, as a restarted driver with new peers would. `starting`
+    stands in for Ray's StartingActors, and `scaler(pool, rewards)` builds the job's Scaler."""
     cfg = build_config(
         {},
         [
@@ -291,13 +296,15 @@ def run_job(
     clock, log = Clock(), []
     futures = FakeFutures(clock, log)
     dies = list(engine_dies_at_chunk) + [0] * engines
-    fake_engines = [FakeEngine(clock, seconds_per_prompt, dies[i]) for i in range(engines)]
+    fake_engines = [engine_type(clock, seconds_per_prompt, dies[i]) for i in range(engines)]
     fake_engines[-1].dies_at = engine_dies_at
     learner = FakeLearner(clock, log, learn_s, learner_dies_in_step)
     replacements = iter(dies[engines:])  # when each replacement dies in its turn
+    started = []
 
     def start_engine(slot):
-        return FakeEngine(clock, seconds_per_prompt, next(replacements, 0))
+        started.append(engine_type(clock, seconds_per_prompt, next(replacements, 0)))
+        return started[-1]
 
     pool = GeneratorPool(
         fake_engines,
@@ -305,13 +312,15 @@ def run_job(
         GROUP_SIZE,
         cfg.rollout.sampling,
         start_engine,
+        starting,
         clock=lambda: clock.now,
     )
+    rewards = FakeRewards(clock, log, reward)
     job = TrainingJob(
         cfg,
         CountingTask(),
         generators=pool,
-        rewards=FakeRewards(clock, log, reward),
+        rewards=rewards,
         learner=learner,
         transport=FakeTransport(fake_engines, loads, skip_loads),
         futures=futures,
@@ -320,6 +329,7 @@ def run_job(
         if run_dir is None
         else Checkpointing(CheckpointStore(run_dir), MODEL_CONFIG, lambda path: None),
         held_out_sets=held_out_sets,
+        scaler=None if scaler is None else scaler(pool, rewards),
     )
     if resume:
         newest = CheckpointStore(run_dir).newest()
@@ -333,7 +343,7 @@ def run_job(
         newest = CheckpointStore(run_dir).newest()
         job.recover_learner(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
         job.train([sink])
-    return Run(job, sink.records, learner, log, fake_engines, clock)
+    return Run(job, sink.records, learner, log, fake_engines, clock, started)
 
 
 MODEL_CONFIG = {"model_type": "qwen2", "hidden_size": 8}

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from groupflow.actors.generator import GeneratorPool
 from groupflow.config import build_config
-from groupflow.job import TrainingJob
 from groupflow.scaling import (
     AutoscalePolicy,
     LiveStatus,
@@ -25,16 +23,9 @@ from groupflow.scaling import (
 from tests.unit.test_job_loop import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
-    Clock,
-    CountingTask,
     FakeEngine,
-    FakeFutures,
-    FakeLearner,
-    FakeRewards,
-    FakeTransport,
     Remote,
-    Sink,
-    varied,
+    run_job,
 )
 
 CPU_NODE = {"CPU": 8.0, "memory": 1e10}
@@ -270,58 +261,30 @@ def test_engines_added_and_removed_while_the_job_trains(staleness):
     and in order, the new engine loaded the current weights before its first chunk, and no
     restart is counted; each record tells how many engines served it."""
     steps = 8
-    cfg = build_config(
-        {},
-        [
-            f"trainer.steps={steps}",
-            "rollout.num_engines=1",
-            f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
-            f"rollout.group_size={GROUP_SIZE}",
-            "task.eval_size=4",
-        ],
-    )
-    cfg.trainer = cfg.trainer.model_copy(update={"max_staleness": staleness})
-    clock, log = Clock(), []
-    futures = FakeFutures(clock, log)
-    engines = [ScalableFakeEngine(clock, 1.0)]
-    started: list[ScalableFakeEngine] = []
-
-    def start_engine(slot):
-        started.append(ScalableFakeEngine(clock, 1.0))
-        return started[-1]
-
-    pool = GeneratorPool(
-        engines, futures, GROUP_SIZE, cfg.rollout.sampling, start_engine, InstantStarting()
-    )
-    rewards = FakeRewards(clock, log, varied)
-    learner = FakeLearner(clock, log, 1.0)
     inbox = ListInbox({2: ScaleRequest(engines=2), 5: ScaleRequest(engines=1)})
-    scaler = Scaler("unit", pool, rewards, 2, inbox=inbox, log=lambda line: None)
-    job = TrainingJob(
-        cfg,
-        CountingTask(),
-        generators=pool,
-        rewards=rewards,
-        learner=learner,
-        transport=FakeTransport(engines),  # the pool's own list: it sees the new engine
-        futures=futures,
-        learner_figures=lambda results: {},
-        scaler=scaler,
+    run = run_job(
+        steps,
+        staleness,
+        engines=1,
+        engine_type=ScalableFakeEngine,
+        starting=InstantStarting(),
+        scaler=lambda pool, rewards: Scaler(
+            "unit", pool, rewards, 2, inbox=inbox, log=lambda line: None
+        ),
     )
-    sink = Sink()
-    job.train([sink])
+    pool, engines = run.job.generators, run.engines
 
     # asked for after step 2, up for step 4; retired after step 5, gone for step 7
-    assert [r["num_engines"] for r in sink.records] == [1, 1, 1, 2, 2, 2, 1, 1]
-    trained = sorted(int(s.input_ids[0]) for seqs in learner.steps for s in seqs)
+    assert [r["num_engines"] for r in run.records] == [1, 1, 1, 2, 2, 2, 1, 1]
+    trained = sorted(int(s.input_ids[0]) for seqs in run.learner.steps for s in seqs)
     # each prompt's GROUP_SIZE sequences, every prompt of the stream once
     assert trained == sorted(list(range(steps * PROMPTS_PER_STEP)) * GROUP_SIZE)
-    (new,) = started
+    (new,) = run.started
     assert new.prompts_sampled > 0  # it took work
     assert new.first_chunk_version is not None and new.first_chunk_version == 3
     assert new.terminated and pool.num_engines == 1 and pool.engines == [engines[0]]
-    assert pool.restarts == 0 and all(r["engine_restarts"] == 0 for r in sink.records)
-    assert all(r["staleness_max"] <= staleness for r in sink.records)
+    assert pool.restarts == 0 and all(r["engine_restarts"] == 0 for r in run.records)
+    assert all(r["staleness_max"] <= staleness for r in run.records)
 
 
 # ----- the command line (no cluster) ------------------------------------------------------------
