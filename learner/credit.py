@@ -121,24 +121,30 @@ class CreditStats:
 
 
 @dataclass
-class CreditPlan:
-    """The credit of one rank's share of a mini-batch, rows in the order of its sequences."""
+class CreditRows:
+    """What the loss of a micro-batch reads from a plan, one row per sequence."""
 
     token_adv: Tensor  # (B, T) A_it, the importance weight of the off-policy correction included
     passes: list[Tensor]  # one (B, T) detached c_it per optimizer pass, in order
+
+
+@dataclass
+class CreditPlan(CreditRows):
+    """The credit of one rank's share of a mini-batch, rows in the order of its sequences."""
+
     stats: CreditStats
     # Rank-local sums (unlike stats), over the whole mini-batch: a split keeps none.
     off_policy: OffPolicyFigures = field(default_factory=OffPolicyFigures)
 
-    def split(self, sizes: list[int]) -> list[CreditPlan]:
-        """The plans of consecutive blocks of `sizes` rows (the micro-batches), as views."""
+    def split(self, sizes: list[int]) -> list[CreditRows]:
+        """The rows of consecutive blocks of `sizes` rows (the micro-batches), as views."""
         if sum(sizes) != self.token_adv.shape[0]:
             raise ValueError(
                 f"micro-batch sizes {sizes} do not add up to {self.token_adv.shape[0]} rows"
             )
         per_pass = [coef.split(sizes) for coef in self.passes]
         return [
-            CreditPlan(adv, [rows[k] for rows in per_pass], self.stats)
+            CreditRows(adv, [rows[k] for rows in per_pass])
             for k, adv in enumerate(self.token_adv.split(sizes))
         ]
 
@@ -337,14 +343,57 @@ def _sum_over_ranks(reducer: Reducer, local: dict[str, Tensor]) -> dict[str, flo
     return dict(zip(local, reducer.sum(stacked).tolist(), strict=True))
 
 
-def _max_length(reducer: Reducer, valid: Tensor) -> float:
-    lengths = valid.sum(-1).to(torch.float64)
+def _max_length(reducer: Reducer, lengths: Tensor) -> float:
+    lengths = lengths.to(torch.float64)
     local_max = lengths.max() if lengths.numel() else lengths.new_zeros(())
     return float(reducer.max(local_max.reshape(1)).item())
 
 
 def _fraction(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else 0.0
+
+
+def _corrected_advantages(
+    tokens: MiniBatchTokens, cfg: AlgorithmConfig
+) -> tuple[Tensor, ImportanceWeights]:
+    """A_it with the off-policy correction's importance weight, and that correction."""
+    token_adv = token_advantages(tokens, cfg)
+    correction = _off_policy(tokens, cfg)
+    if correction.weight is not None:
+        token_adv = token_adv * correction.weight.to(token_adv.dtype)
+    return token_adv, correction
+
+
+def plans_per_micro_batch(cfg: AlgorithmConfig) -> bool:
+    """Whether every token's c_it and A_it depend only on its own sequence and on counts the
+    response lengths give: no quantile over the mini-batch (STAPO, 20-Entropy), no weight
+    shared by a group (dfpo's), no Lopti split (whose empty passes are dropped). Then each
+    micro-batch is planned from its own forward as it runs (`micro_batch_rows`), and no
+    forward is spent on statistics alone (learner/step.py)."""
+    return not (
+        cfg.stapo.enabled or cfg.entropy_mask.enabled or cfg.lopti.enabled or cfg.loss == "dfpo"
+    )
+
+
+def length_scale(aggregation: str, lengths: list[int], reducer: Reducer) -> float:
+    """The global part of c_it from this rank's response lengths in a mini-batch: what
+    plan_credit computes when no token is masked (collectives: one sum, and a max for
+    `constant`)."""
+    counts = torch.tensor(lengths, dtype=torch.float64)
+    totals = _sum_over_ranks(
+        reducer, {"unmasked_tokens": counts.sum(), "sequences": (counts > 0).sum()}
+    )
+    max_length = _max_length(reducer, counts) if aggregation == "constant" else 0.0
+    return _global_scale(aggregation, totals, max_length)
+
+
+def micro_batch_rows(tokens: MiniBatchTokens, cfg: AlgorithmConfig, scale: float) -> CreditRows:
+    """A micro-batch's rows of the mini-batch's plan, from its own tokens alone, where
+    plans_per_micro_batch(cfg) holds; `scale` is length_scale's."""
+    valid = tokens.mask > 0
+    token_adv, _ = _corrected_advantages(tokens, cfg)
+    coef = (_row_weight(cfg.aggregation, valid) * scale).to(tokens.old_logp.dtype)
+    return CreditRows(token_adv, [valid * coef])
 
 
 def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer) -> CreditPlan:
@@ -355,10 +404,7 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
     max of the response length (`constant` aggregation only).
     """
     valid = tokens.mask > 0
-    token_adv = token_advantages(tokens, cfg)
-    correction = _off_policy(tokens, cfg)
-    if correction.weight is not None:
-        token_adv = token_adv * correction.weight.to(token_adv.dtype)
+    token_adv, correction = _corrected_advantages(tokens, cfg)
 
     stapo_p, stapo_entropy = _stapo_source(tokens, cfg, valid)
     spurious = stapo_mask(
@@ -402,7 +448,7 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
             **{f"pass{k}_tokens": mask.sum() for k, mask in enumerate(pass_masks)},
         },
     )
-    max_length = _max_length(reducer, valid) if cfg.aggregation == "constant" else 0.0
+    max_length = _max_length(reducer, valid.sum(-1)) if cfg.aggregation == "constant" else 0.0
 
     coef = (row_weight * _global_scale(cfg.aggregation, totals, max_length)).to(
         tokens.old_logp.dtype

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
-from groupflow.learner.credit import CreditPlan
+from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
 from groupflow.learner.token_head import response_positions
@@ -95,7 +95,7 @@ def micro_batch_loss(
     forward: MicroBatchForward,
     old: list[TokenStats],
     ref_logp: list[Tensor] | None,
-    plan: CreditPlan,
+    plan: CreditRows,
     pass_index: int,
     cfg: AlgorithmConfig,
     token_grads: bool,
@@ -103,7 +103,7 @@ def micro_batch_loss(
     """The loss of one optimizer pass over one micro-batch: sum of c_it l_it over its tokens.
 
     old and ref_logp hold one entry per sequence, as forward.stats does; `plan` holds the
-    micro-batch's rows of the mini-batch's credit plan (CreditPlan.split). With `token_grads`,
+    micro-batch's rows of the mini-batch's credit plan (CreditPlan.split, or micro_batch_rows). With `token_grads`,
     dLoss/dlogp per token comes back for the cancellation residual (a backward through the
     token loss only, not the model)."""
     if forward.empty_loss is not None:

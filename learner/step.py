@@ -24,7 +24,15 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
-from groupflow.learner.credit import MiniBatchTokens, Reducer, plan_credit
+from groupflow.learner.credit import (
+    CreditPlan,
+    MiniBatchTokens,
+    Reducer,
+    length_scale,
+    micro_batch_rows,
+    plan_credit,
+    plans_per_micro_batch,
+)
 from groupflow.learner.diagnostics import cancellation_residual
 from groupflow.learner.figures import BehaviourFigures, RankFigures, UpdateFigures
 from groupflow.learner.micro_batch import MicroBatchForward, forward_micro_batch, micro_batch_loss
@@ -75,12 +83,13 @@ def train_step(
     """Train this rank's share of one step; `reference` is the frozen KL reference or None."""
     # old_logp, the proximal policy of decoupled PPO (learner/off_policy.py), belongs to the
     # weights at the start of the step, for every mini-batch and both Lopti passes, so it is
-    # taken now, before the first update moves the weights. The first mini-batch, when it is a
-    # single micro-batch, takes it from its own first forward instead (train_mini_batch),
-    # which runs at those same weights.
+    # taken now, before the first update moves the weights. The first mini-batch takes it
+    # from its own forwards instead where it can (train_mini_batch): they run at those same
+    # weights.
+    own = plans_per_micro_batch(settings.algorithm)
     behaviour = [
         None
-        if m == 0 and len(mini) == 1
+        if m == 0 and (own or len(mini) == 1)
         else no_grad_stats(policy.model, mini, settings, policy.device)
         for m, mini in enumerate(minibatches)
     ]
@@ -104,12 +113,77 @@ def train_mini_batch(
     settings: StepSettings,
     at_behaviour_weights: bool,
 ) -> RankFigures:
-    """Plan the credit of one mini-batch, then make one optimizer update per pass of the plan.
+    """Plan the credit of one mini-batch and make one optimizer update per pass of the plan.
 
     behaviour: the old policy's statistics per micro-batch, or None to take them from this
-    mini-batch's own forward: allowed only for a single micro-batch at the behaviour weights.
+    mini-batch's own forwards: allowed only at the behaviour weights, and for a single
+    micro-batch unless each micro-batch is planned on its own (plans_per_micro_batch).
     ref_logp: the reference policy's log-probs per micro-batch and sequence (KL on) or None.
     """
+    if plans_per_micro_batch(settings.algorithm):
+        if behaviour is None and not at_behaviour_weights:
+            raise ValueError(
+                "behaviour statistics come from the update's own forwards only "
+                "at the behaviour weights"
+            )
+        return plan_each_micro_batch(policy, micro_batches, behaviour, ref_logp, settings)
+    return plan_whole_mini_batch(
+        policy, micro_batches, behaviour, ref_logp, settings, at_behaviour_weights
+    )
+
+
+def plan_each_micro_batch(
+    policy: Policy,
+    micro_batches: MicroBatches,
+    behaviour: MicroBatchStats | None,
+    ref_logp: list[list[Tensor]] | None,
+    settings: StepSettings,
+) -> RankFigures:
+    """One pass: each micro-batch's forward gives its own statistics, its rows of the plan
+    (the global part of c_it comes from the response lengths), its loss and its backward,
+    while no other micro-batch's graph is alive. The whole mini-batch's plan is made once
+    more at the end, for its figures only."""
+    algo = settings.algorithm
+    lengths = [s.num_response_tokens for mb in micro_batches for s in mb]
+    scale = length_scale(algo.aggregation, lengths, settings.reducer)
+    refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
+    olds, currents, grads, update = [], [], [], UpdateFigures()
+    for k, (mb, mb_ref) in enumerate(zip(micro_batches, refs, strict=True)):
+        forward = _forward(policy, mb, settings)
+        current = _detached(forward.stats)
+        old = current if behaviour is None else behaviour[k]
+        rows = micro_batch_rows(mini_batch_tokens(mb, old, current, policy.device), algo, scale)
+        out = micro_batch_loss(forward, old, mb_ref, rows, 0, algo, algo.cancellation_diagnostic)
+        policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
+        update = update.merge(out.figures)
+        olds += old
+        currents += current
+        grads += out.token_grads
+    grad_norms = [policy.step()]
+    seqs = [s for mb in micro_batches for s in mb]
+    plan = plan_credit(
+        mini_batch_tokens(seqs, olds, currents, policy.device), algo, settings.reducer
+    )
+    return _figures(
+        seqs, olds, update, plan, grad_norms, grads if algo.cancellation_diagnostic else None
+    )
+
+
+def plan_whole_mini_batch(
+    policy: Policy,
+    micro_batches: MicroBatches,
+    behaviour: MicroBatchStats | None,
+    ref_logp: list[list[Tensor]] | None,
+    settings: StepSettings,
+    at_behaviour_weights: bool,
+) -> RankFigures:
+    """The plan needs the current policy's statistics of the whole mini-batch before the
+    first backward (its quantiles, group weights or Lopti's split are global). A single
+    micro-batch gets them from its first forward, whose graph then serves the first pass: no
+    forward is spent on statistics alone. With several micro-batches that would keep every
+    micro-batch's graph alive until the plan is made, k times the activations that
+    micro_batch_tokens bounds, so they come from a no-grad forward instead, or are the
+    behaviour's at the same weights."""
     algo = settings.algorithm
     single = len(micro_batches) == 1
     if behaviour is None and not (single and at_behaviour_weights):
@@ -117,12 +191,6 @@ def train_mini_batch(
             "behaviour statistics can only come from the update's own forward for a single "
             "micro-batch at the behaviour weights"
         )
-    # The plan needs the current policy's statistics of the whole mini-batch before the first
-    # backward (its denominators and quantiles are global). A single micro-batch gets them from
-    # its first forward, whose graph then serves the first pass: no forward is spent on
-    # statistics alone. With several micro-batches that would keep every micro-batch's graph
-    # alive until the plan is made, k times the activations that micro_batch_tokens bounds, so
-    # they come from a no-grad forward instead, or are the behaviour's at the same weights.
     first: MicroBatchForward | None = None
     if single:
         first = _forward(policy, micro_batches[0], settings)
@@ -149,25 +217,38 @@ def train_mini_batch(
     update, grad_norms = UpdateFigures(), []
     for pass_index in range(len(plan.passes)):
         for k, parts in enumerate(zip(micro_batches, rows, old, refs, grads, strict=True)):
-            mb, mb_plan, mb_old, mb_ref, mb_grads = parts
+            mb, mb_rows, mb_old, mb_ref, mb_grads = parts
             forward = first if first is not None else _forward(policy, mb, settings)
             first = None  # later passes run after an update: they need a fresh forward
-            out = micro_batch_loss(forward, mb_old, mb_ref, mb_plan, pass_index, algo, diagnostic)
+            out = micro_batch_loss(forward, mb_old, mb_ref, mb_rows, pass_index, algo, diagnostic)
             policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
             update = update.merge(out.figures)
             for acc, g in zip(mb_grads, out.token_grads, strict=True):
                 acc += g
         grad_norms.append(policy.step())
+    flat_grads = [g for mb in grads for g in mb] if diagnostic else None
+    return _figures(seqs, flat_old, update, plan, grad_norms, flat_grads)
 
+
+def _figures(
+    seqs: list[TrainSequence],
+    old: list[TokenStats],
+    update: UpdateFigures,
+    plan: CreditPlan,
+    grad_norms: list[float],
+    token_grads: list[Tensor] | None,
+) -> RankFigures:
+    """A mini-batch's figures; the cancellation residual from dLoss/dlogp per sequence
+    (summed over the passes) when the diagnostic collected them."""
     figures = RankFigures(
-        behaviour=BehaviourFigures.of(seqs, flat_old),
+        behaviour=BehaviourFigures.of(seqs, old),
         update=update,
         credit=[plan.stats],
         grad_norms=grad_norms,
         off_policy=plan.off_policy,
     )
-    if diagnostic:
-        groups = _groups(seqs, [g for mb in grads for g in mb])
+    if token_grads is not None:
+        groups = _groups(seqs, token_grads)
         figures.residual = cancellation_residual(groups)
         figures.residual_whole_group = cancellation_residual(groups, whole_group=True)
     return figures

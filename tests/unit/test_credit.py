@@ -18,9 +18,12 @@ from groupflow.learner.credit import (
     adv_orthogonal,
     ar_weight,
     entropy_top_mask,
+    length_scale,
     lopti_split,
+    micro_batch_rows,
     min_replace,
     plan_credit,
+    plans_per_micro_batch,
     stapo_mask,
 )
 from groupflow.learner.losses import token_loss
@@ -284,10 +287,83 @@ def test_split_gives_each_micro_batch_its_own_rows(gen):
         assert len(part.passes) == len(plan.passes) == 2
         for got, whole in zip(part.passes, plan.passes, strict=True):
             assert torch.equal(got, whole[start : start + size])
-        assert part.stats is plan.stats
         start += size
     with pytest.raises(ValueError, match="do not add up"):
         plan.split([rows - 1])
+
+
+def _rows(tokens: MiniBatchTokens, start: int, stop: int) -> MiniBatchTokens:
+    return MiniBatchTokens(
+        **{
+            name: value[start:stop]
+            for name, value in vars(tokens).items()
+            if isinstance(value, torch.Tensor)
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
+)
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"ar": {"alpha": 0.3}},
+        {"loss": "gspo"},
+        {"off_policy": {"mode": "tis", "cap": 1.5}},
+        {"off_policy": {"mode": "mis", "level": "sequence", "band": [0.5, 2.0]}},
+    ],
+    ids=["grpo", "ar", "gspo", "tis", "mis-sequence"],
+)
+def test_a_micro_batch_planned_alone_gets_its_rows_of_the_whole_plan(gen, aggregation, keys):
+    """Where plans_per_micro_batch holds, a micro-batch's rows from its own tokens and the
+    global length scale are those of the whole mini-batch's plan, exactly, over two ranks."""
+    cfg = algorithm(aggregation=aggregation, **keys)
+    assert plans_per_micro_batch(cfg)
+    shares = [random_tokens(gen, num_groups=3), random_tokens(gen, num_groups=4)]
+    ranks = ThreadedRanks(2)
+
+    def rank(r: int):
+        tokens = shares[r]
+        reducer = RankReducer(ranks, r)
+        whole = plan_credit(tokens, cfg, reducer)
+        lengths = (tokens.mask > 0).sum(-1).tolist()
+        scale = length_scale(cfg.aggregation, lengths, reducer)
+        rows = len(lengths)
+        cuts = sorted(
+            torch.randint(0, rows + 1, (3,), generator=torch.Generator().manual_seed(r)).tolist()
+        )
+        bounds = list(zip([0, *cuts], [*cuts, rows], strict=True))
+        parts = whole.split([b - a for a, b in bounds])
+        return [
+            (micro_batch_rows(_rows(tokens, a, b), cfg, scale), part)
+            for (a, b), part in zip(bounds, parts, strict=True)
+        ]
+
+    for pairs in ranks.run(rank):
+        for got, want in pairs:
+            torch.testing.assert_close(
+                got.token_adv, want.token_adv, rtol=0, atol=0, equal_nan=True
+            )
+            assert len(got.passes) == len(want.passes) == 1
+            torch.testing.assert_close(
+                got.passes[0], want.passes[0], rtol=0, atol=0, equal_nan=True
+            )
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"stapo": {"enabled": True}},
+        {"entropy_mask": {"enabled": True}},
+        {"lopti": {"enabled": True}},
+        {"loss": "dfpo"},
+    ],
+    ids=["stapo", "20-entropy", "lopti", "dfpo"],
+)
+def test_global_credit_is_planned_over_the_whole_mini_batch(keys):
+    assert not plans_per_micro_batch(algorithm(**keys))
 
 
 def test_rank_local_denominators_would_change_the_gradient(gen):

@@ -3,7 +3,9 @@
 Property 3 of ALGORITHMS.md section 6 at the level of the whole step: for every preset, with
 the cancellation diagnostic on and off, cutting the step into many micro-batches or onto two
 ranks leaves the parameter update unchanged. And the behaviour statistics that the first
-mini-batch takes from its own forward give bit for bit the update of a separate forward.
+mini-batch takes from its own forward give bit for bit the update of a separate forward,
+and a micro-batch planned from its own forward (no forward for statistics alone) gives the
+update of the plan made over the whole mini-batch.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import torch
 
 from groupflow.config import AlgorithmConfig, build_config
 from groupflow.learner.advantages import compute_advantages
-from groupflow.learner.credit import LocalReducer
+from groupflow.learner.credit import LocalReducer, plans_per_micro_batch
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.step import (
     MicroBatches,
     StepSettings,
     no_grad_stats,
+    plan_each_micro_batch,
+    plan_whole_mini_batch,
     train_mini_batch,
     train_step,
 )
@@ -328,8 +332,9 @@ def test_behaviour_from_the_first_forward_is_bit_identical(gen, preset, keys):
 
 
 def test_forwards_per_step(gen):
-    """Two mini-batches of one micro-batch each, no Lopti: the second mini-batch's old_logp
-    needs a forward before the first update, and nothing else runs without a gradient."""
+    """Two mini-batches, no Lopti: the second mini-batch's old_logp needs a forward before the
+    first update, and, where each micro-batch is planned on its own (grpo), nothing else runs
+    without a gradient."""
     algo = algorithm("grpo")
     model = tiny_model(gen)
     cut = layout(sample_step(model, gen, algo), gen, 1, many_micro_batches=False)
@@ -337,18 +342,86 @@ def test_forwards_per_step(gen):
     train_step(policy, None, cut[0], settings(algo))
     assert policy.forwards == 3
 
-    # With several micro-batches the plan's statistics come from no-grad forwards: the
-    # behaviour forward of every micro-batch, then the current policy's for mini-batch 2.
     many = layout(sample_step(model, gen, algo), gen, 1, many_micro_batches=True)
+    counts = [len(mini) for mini in many[0]]
+    assert counts[0] > 1
     policy = TorchRank(copy.deepcopy(model))
     train_step(policy, None, many[0], settings(algo))
-    counts = [len(mini) for mini in many[0]]
+    assert policy.forwards == sum(counts) + counts[1]
+
+    # A plan over the whole mini-batch (STAPO's quantile) takes its statistics from no-grad
+    # forwards: the behaviour forward of every micro-batch, then the current policy's for
+    # mini-batch 2.
+    stapo = algorithm("stapo")
+    policy = TorchRank(copy.deepcopy(model))
+    train_step(policy, None, many[0], settings(stapo))
     assert policy.forwards == sum(counts) + counts[1] + sum(counts)
 
 
-def test_behaviour_must_be_given_for_several_micro_batches(gen):
-    algo = algorithm("grpo")
+EACH = [p for p in CASES if plans_per_micro_batch(algorithm(p.values[0], **p.values[1]))]
+
+
+def test_presets_planned_per_micro_batch():
+    assert {p.values[0] for p in EACH} == {"ar", "dapo", "dr_grpo", "grpo", "gspo"}
+
+
+@pytest.mark.parametrize("diagnostic", [True, False], ids=["diagnostic", "no-diagnostic"])
+@pytest.mark.parametrize("at_behaviour_weights", [True, False], ids=["first", "later"])
+@pytest.mark.parametrize("preset, keys", EACH)
+def test_each_micro_batch_planned_alone_gives_the_whole_plans_update(
+    gen, preset, keys, at_behaviour_weights, diagnostic
+):
+    """Many micro-batches of one mini-batch: planned one by one from their own forwards, or
+    from the whole mini-batch's statistics, the update and every figure agree in float64. At
+    a later mini-batch the behaviour statistics are given, from other weights."""
+    algo = algorithm(preset, cancellation_diagnostic=diagnostic, **keys)
     model = tiny_model(gen)
-    seqs = sample_step(model, gen, algo, num_groups=2)
+    seqs = sample_step(model, gen, algo)
+    (mini,) = layout(seqs, gen, 1, many_micro_batches=True, mini_batches=1)[0]
+    assert len(mini) > 1
+    behaviour = None
+    if not at_behaviour_weights:  # the old policy: the model one SGD step earlier
+        older = copy.deepcopy(model)
+        train_step(TorchRank(older), None, [[seqs]], settings(algorithm("grpo")))
+        behaviour = no_grad_stats(older, mini, settings(algo), torch.device("cpu"))
+    reference = copy.deepcopy(model).eval() if algo.kl.coef > 0 else None
+    ref_logp = None
+    if reference is not None:
+        ref_logp = [
+            [s.logp for s in mb]
+            for mb in no_grad_stats(reference, mini, settings(algo), torch.device("cpu"))
+        ]
+
+    each = TorchRank(copy.deepcopy(model))
+    got = plan_each_micro_batch(each, mini, behaviour, ref_logp, settings(algo))
+    whole = TorchRank(copy.deepcopy(model))
+    old = behaviour or no_grad_stats(whole.model, mini, settings(algo), whole.device)
+    want = plan_whole_mini_batch(whole, mini, old, ref_logp, settings(algo), at_behaviour_weights)
+
+    deltas = [
+        [
+            (a - p0).detach()
+            for a, p0 in zip(rank.model.parameters(), model.parameters(), strict=True)
+        ]
+        for rank in (each, whole)
+    ]
+    assert max(d.abs().max().item() for d in deltas[1]) > 0, "the step must change the model"
+    for got_delta, want_delta in zip(*deltas, strict=True):
+        torch.testing.assert_close(got_delta, want_delta, rtol=1e-12, atol=1e-15)
+    assert_same_figures(got, want)
+    assert each.forwards == len(mini)  # nothing for statistics alone
+    # the whole plan's statistics: the behaviour's, or the current policy's, without a graph
+    assert whole.forwards == 2 * len(mini)
+
+
+def test_behaviour_must_be_given_for_several_micro_batches_of_a_whole_plan(gen):
+    model = tiny_model(gen)
+    seqs = sample_step(model, gen, algorithm("stapo"), num_groups=2)
     with pytest.raises(ValueError, match="single micro-batch"):
-        train_mini_batch(TorchRank(model), [seqs[:3], seqs[3:]], None, None, settings(algo), True)
+        train_mini_batch(
+            TorchRank(model), [seqs[:3], seqs[3:]], None, None, settings(algorithm("stapo")), True
+        )
+    # planned per micro-batch, only the weights matter
+    grpo = settings(algorithm("grpo"))
+    with pytest.raises(ValueError, match="only at the behaviour weights"):
+        train_mini_batch(TorchRank(model), [seqs[:3], seqs[3:]], None, None, grpo, False)
