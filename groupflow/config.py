@@ -273,10 +273,13 @@ class LearnerConfig(Section):
     zero_stage: Literal[3] = 3
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     micro_batch_tokens: int = Field(
-        4096,
+        16384,
         ge=1,
         description="positions of one micro-batch, padding included (rows x longest row); "
-        "activation memory grows with it. A longer sequence gets a micro-batch of its own",
+        "activation memory grows with it (with gradient_checkpointing, a layer's input per "
+        "position and one layer's activations). Each micro-batch gathers every ZeRO-3 "
+        "parameter in its forward and again in its backward, so fewer, larger ones cost less. "
+        "A longer sequence gets a micro-batch of its own",
     )
     mini_batches_per_step: int = Field(1, ge=1, description="optimizer updates per step")
     gradient_checkpointing: bool = Field(

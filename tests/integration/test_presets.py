@@ -59,6 +59,9 @@ RIDERS = {
     "dapo": [  # DAPO's overlong filtering and soft punishment
         "algorithm.mask_truncated=true",
         "reward.overlong_penalty.buffer_tokens=4",
+        # several micro-batches a mini-batch in the real DeepSpeed backward, each planned from
+        # its own forward (learner/step.py)
+        "learner.micro_batch_tokens=96",
     ],
     "grpo": [
         "trainer.eval_samples=2",
@@ -77,7 +80,11 @@ RIDERS = {
         "rollout.sampling.seed=3",
         "trainer.max_staleness=4",  # both steps' prompts drawn at once, the second one stale
     ],
-    "stapo": ["metrics.loggers=[wandb]", "metrics.wandb_mode=offline"],
+    "stapo": [
+        "metrics.loggers=[wandb]",
+        "metrics.wandb_mode=offline",
+        "learner.micro_batch_tokens=96",  # several micro-batches, planned as a whole
+    ],
 }
 
 
