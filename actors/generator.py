@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ray
+import torch
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
@@ -33,6 +34,7 @@ from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.learner.device import Device, device_for
+from groupflow.learner.weight_export import bytes_tensor, unpack_bucket
 from groupflow.peers import Futures, GeneratedChunk, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
@@ -75,13 +77,19 @@ class Generator:
         """Note the next bucket's reference (wrapped in a list, so Ray does not fetch it yet)."""
         self._buckets.extend(bucket)
 
-    def finish_weights(self, version: int) -> int:
-        """Load the streamed buckets in one vLLM pass, fetching one bucket at a time."""
-        buckets, self._buckets = self._buckets, []
+    def finish_weights(self, manifest: list, version: int) -> int:
+        """Load the streamed buckets in one vLLM pass, fetching one bucket at a time;
+        `manifest[k]` names what bucket k holds (learner/weight_export.py)."""
+        refs, self._buckets = self._buckets, []
+        if len(refs) != len(manifest):
+            raise ValueError(
+                f"{len(refs)} weight buckets arrived for a manifest of {len(manifest)}"
+            )
 
         def fetched():
-            while buckets:
-                yield from ray.get(buckets.pop(0))
+            for ref, bucket in zip(refs, manifest, strict=True):
+                flat = bytes_tensor(ray.get(ref)).view(getattr(torch, bucket[0][2]))
+                yield from unpack_bucket(flat, bucket)
 
         self.engine.load_weights(fetched(), version)
         return version

@@ -45,9 +45,16 @@ class LearnerRankActor:
 
     def stream_weights(self, bucket_bytes: int):
         """Called with num_returns="streaming" on every rank (the gathers are collective):
-        rank 0 yields each bucket of (name, tensor) pairs as soon as it is gathered, so each
-        enters the object store on its own; the other ranks yield nothing."""
-        yield from self.rank.weight_buckets(bucket_bytes)
+        rank 0 yields each bucket as soon as it is gathered, so each enters the object store on
+        its own; the other ranks yield nothing. A bucket goes as the bytes of its flat tensor
+        in a numpy array: Ray writes that into the object store in one copy and an engine on
+        the node reads it in place (a torch tensor would be pickled, and copied, per
+        parameter)."""
+        import torch
+
+        for flat in self.rank.flat_weight_buckets(bucket_bytes):
+            if flat is not None:
+                yield flat.view(torch.uint8).numpy()
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)

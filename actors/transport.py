@@ -3,10 +3,11 @@
 Both transports send the model in buckets of whole layers (learner/weight_export.py) of up to
 `rollout.weight_bucket_mb`, gathered one after the other from the ZeRO-3 shards, so learner rank
 0 never holds a second copy of the model.
-`ObjectStoreTransport` (any cluster): rank 0 yields each bucket from a streaming Ray generator
-as soon as it is gathered; each bucket enters the object store on its own and its reference is
-forwarded to every engine as it arrives. An engine fetches the buckets one at a time and loads
-them in a single vLLM pass. The driver only passes references, never the tensors.
+`ObjectStoreTransport` (any cluster): rank 0 yields each bucket, one flat array, from a
+streaming Ray generator as soon as it is gathered; each bucket enters the object store on its
+own and its reference is forwarded to every engine as it arrives. An engine fetches the buckets
+one at a time (in place, on rank 0's node), cuts them by the manifest and loads them in a single
+vLLM pass. The driver only passes references, never the tensors.
 `CollectiveTransport`: a broadcast from rank 0 to the engines over NCCL (GPUs) or gloo (CPUs):
 rank 0 gathers the next bucket while the current one is in transfer, and each engine loads a
 bucket as soon as it has arrived, while the next one arrives.
@@ -31,8 +32,12 @@ class ObjectStoreTransport:
         self.learner = learner
         self.engines = engines
         self.bucket_bytes = bucket_bytes
+        self.buckets = None
 
     def async_sync(self, version: int) -> SyncHandles:
+        if self.buckets is None:  # what each flat bucket holds, cut as the learner cuts it
+            manifest = ray.get(self.learner.ranks[0].weight_manifest.remote())
+            self.buckets = bucket_manifest(manifest, self.bucket_bytes)
         streams = self.learner.async_stream_weights(self.bucket_bytes)
         for engine in self.engines:
             engine.begin_weights.remote()
@@ -45,7 +50,7 @@ class ObjectStoreTransport:
         # train on while the engines fetch them.
         return SyncHandles(
             [stream.completed() for stream in streams],
-            [engine.finish_weights.remote(version) for engine in self.engines],
+            [engine.finish_weights.remote(self.buckets, version) for engine in self.engines],
         )
 
 

@@ -7,7 +7,9 @@ For each shape (hidden size x layers, intermediate = 2 x hidden, the quickstart'
 starts the real stack on a local Ray cluster of its own: `learner.num_ranks` = 2 DeepSpeed
 ZeRO-3 ranks and `--engines` vLLM engines, then times `--repeats` syncs per transport after one
 warm-up sync. Prints seconds per sync and the effective bandwidth: model bytes (as the learner
-holds them) / seconds, so an engine count above 1 does not inflate it. Costs about a minute of
+holds them) / seconds, so an engine count above 1 does not inflate it, and the learner's
+side alone: until its gathers are done and every bucket is in the object store (object store)
+or sent (collective); the engines load after that or meanwhile. Costs about a minute of
 start-up per shape.
 """
 
@@ -58,14 +60,20 @@ def random_model(hidden: int, layers: int, directory: Path) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def time_syncs(kind: str, learner, engines, repeats: int, bucket_mb: int) -> list[float]:
+def time_syncs(
+    kind: str, learner, engines, repeats: int, bucket_mb: int
+) -> list[tuple[float, float]]:
+    """(seconds until the learner's side is done, seconds until every engine has loaded)."""
     transport = make_transport(kind, learner, engines, bucket_mb)
     ray.get(transport.async_sync(1).handles())  # warm-up: opens the weight group, first allocations
     seconds = []
     for version in range(2, repeats + 2):
         start = time.perf_counter()
-        ray.get(transport.async_sync(version).handles())
-        seconds.append(time.perf_counter() - start)
+        handles = transport.async_sync(version)
+        ray.get(handles.learner)
+        learner_done = time.perf_counter() - start
+        ray.get(handles.engines)
+        seconds.append((learner_done, time.perf_counter() - start))
     return seconds
 
 
@@ -81,10 +89,12 @@ def bench_shape(hidden: int, layers: int, engines: int, repeats: int, bucket_mb:
         try:
             for kind in TRANSPORTS:
                 times = time_syncs(kind, learner, pool.engines, repeats, bucket_mb)
-                seconds = statistics.median(times)
+                learner_s = statistics.median(t[0] for t in times)
+                seconds = statistics.median(t[1] for t in times)
                 print(
                     f"{hidden}x{layers:<3} {nbytes / 1e6:9.1f} MB  {kind:12s} "
-                    f"{seconds:8.3f} s/sync  {nbytes / seconds / 1e9:6.2f} GB/s",
+                    f"{seconds:8.3f} s/sync  {nbytes / seconds / 1e9:6.2f} GB/s  "
+                    f"{learner_s:8.3f} s",
                     flush=True,
                 )
         finally:
@@ -101,7 +111,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
-    print("shape      model bytes  transport    median time       effective", flush=True)
+    print(
+        "shape      model bytes  transport    median time       effective  learner side",
+        flush=True,
+    )
     try:
         for shape in args.shapes.split(","):
             hidden, layers = (int(x) for x in shape.split("x"))

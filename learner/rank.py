@@ -19,9 +19,9 @@ from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
     Broadcaster,
     broadcast_weights,
+    flat_buckets,
     gathered_weights,
     save_pretrained,
-    weight_buckets,
     weight_manifest,
 )
 from groupflow.learner.zero_engine import RankSetup, build_zero_engines
@@ -60,10 +60,9 @@ class LearnerRank:
         """Full parameters in Hugging Face names on rank 0 (None elsewhere)."""
         return gathered_weights(self._module, self._is_source)
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full parameters a bucket at a time, as CPU copies on rank 0 (collective; the other
-        ranks yield nothing)."""
-        return weight_buckets(self._module, self._is_source, bucket_bytes)
+    def flat_weight_buckets(self, bucket_bytes: int) -> Iterator[torch.Tensor | None]:
+        """Each bucket as one flat tensor on rank 0 (collective; None on the other ranks)."""
+        return flat_buckets(self._module, self._is_source, bucket_bytes)
 
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         return weight_manifest(self._module)

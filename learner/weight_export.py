@@ -13,6 +13,7 @@ buckets, the one in transfer and the next one being gathered, never a second cop
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from itertools import groupby
 from typing import Protocol
@@ -81,6 +82,37 @@ def _parameter_buckets(module, bucket_bytes: int) -> Iterator[list[tuple[str, to
         yield [(name, params[name]) for name, _, _ in bucket]
 
 
+def unpack_bucket(flat: torch.Tensor, bucket: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views of a bucket that travelled as one flat tensor (`flat_buckets`)."""
+    shapes = [torch.Size(shape) for _, shape, _ in bucket]
+    parts = flat.split([s.numel() for s in shapes])
+    return ((e[0], t.view(s)) for e, t, s in zip(bucket, parts, shapes, strict=True))
+
+
+def bytes_tensor(array) -> torch.Tensor:
+    """A uint8 tensor over a byte array without a copy. Ray's object store hands out read-only
+    arrays; the tensor is only read (vLLM copies it into its weights), so torch's warning
+    about writes through it does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def flat_buckets(
+    module, is_source: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[torch.Tensor | None]:
+    """Each bucket gathered and laid into one flat tensor on the source rank (None on the
+    others, which must run the generator to the end: the gathers are collective); the next
+    bucket is gathered only when the consumer asks for it. `bucket_manifest` of
+    `weight_manifest` names what each holds."""
+    import deepspeed
+
+    for bucket in _parameter_buckets(module, bucket_bytes):
+        with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+            flat = torch.cat([p.detach().reshape(-1) for _, p in bucket]) if is_source else None
+        yield flat
+
+
 def weight_buckets(
     module, is_source: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -102,12 +134,8 @@ def broadcast_weights(
     """Gather bucket after bucket; where `group` is given (the source rank), send each one as
     a single flat tensor while the next one is gathered. The engines cut the same buckets from
     the same manifest (bucket_manifest)."""
-    import deepspeed
-
     in_flight: tuple[torch.Tensor, PendingTransfer] | None = None
-    for bucket in _parameter_buckets(module, bucket_bytes):
-        with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
-            flat = None if group is None else torch.cat([p.detach().reshape(-1) for _, p in bucket])
+    for flat in flat_buckets(module, group is not None, bucket_bytes):
         if in_flight is not None:
             in_flight[1].wait()
         if group is not None:

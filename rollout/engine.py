@@ -140,6 +140,8 @@ def _arriving(group, buckets, device: str):
     """The (name, tensor) pairs of `buckets` as each bucket lands, the next one in transfer."""
     import torch
 
+    from groupflow.learner.weight_export import unpack_bucket
+
     def start(bucket):
         numel = sum(torch.Size(shape).numel() for _, shape, _ in bucket)
         flat = torch.empty(numel, dtype=getattr(torch, bucket[0][2]), device=device)
@@ -150,9 +152,7 @@ def _arriving(group, buckets, device: str):
         flat, transfer = pending
         transfer.wait()
         pending = start(buckets[k + 1]) if k + 1 < len(buckets) else None
-        shapes = [torch.Size(shape) for _, shape, _ in bucket]
-        parts = flat.split([s.numel() for s in shapes])
-        yield from ((e[0], t.view(s)) for e, t, s in zip(bucket, parts, shapes, strict=True))
+        yield from unpack_bucket(flat, bucket)
 
 
 def request_seed(seed: int | None, uid: str, version: int) -> int | None:
