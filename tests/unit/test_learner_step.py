@@ -300,6 +300,16 @@ def test_dfpo_cancels_on_prefixes_the_whole_group_shares(gen):
 # ----- no wasted work: old-policy statistics from the update's own forward ---------------------
 
 
+def reference_logp(model, mini: MicroBatches, algo: AlgorithmConfig):
+    """The frozen KL reference (a copy of `model`) and its log-probs per micro-batch and
+    sequence of `mini`, with KL on; (None, None) without."""
+    if algo.kl.coef == 0:
+        return None, None
+    reference = copy.deepcopy(model).eval()
+    stats = no_grad_stats(reference, mini, settings(algo), torch.device("cpu"))
+    return reference, [[s.logp for s in mb] for mb in stats]
+
+
 @pytest.mark.parametrize("preset, keys", CASES)
 def test_behaviour_from_the_first_forward_is_bit_identical(gen, preset, keys):
     """A mini-batch of one micro-batch at the behaviour weights: taking old_logp from its own
@@ -307,13 +317,7 @@ def test_behaviour_from_the_first_forward_is_bit_identical(gen, preset, keys):
     algo = algorithm(preset, **keys)
     model = tiny_model(gen)
     mini = layout(sample_step(model, gen, algo), gen, 1, False, mini_batches=1)[0][0]
-    reference = copy.deepcopy(model).eval() if algo.kl.coef > 0 else None
-    ref_logp = None
-    if reference is not None:
-        ref_logp = [
-            [s.logp for s in mb]
-            for mb in no_grad_stats(reference, mini, settings(algo), torch.device("cpu"))
-        ]
+    reference, ref_logp = reference_logp(model, mini, algo)
 
     fused = TorchRank(copy.deepcopy(model))
     fused_figures = train_step(fused, reference, [mini], settings(algo))
@@ -384,13 +388,7 @@ def test_each_micro_batch_planned_alone_gives_the_whole_plans_update(
         older = copy.deepcopy(model)
         train_step(TorchRank(older), None, [[seqs]], settings(algorithm("grpo")))
         behaviour = no_grad_stats(older, mini, settings(algo), torch.device("cpu"))
-    reference = copy.deepcopy(model).eval() if algo.kl.coef > 0 else None
-    ref_logp = None
-    if reference is not None:
-        ref_logp = [
-            [s.logp for s in mb]
-            for mb in no_grad_stats(reference, mini, settings(algo), torch.device("cpu"))
-        ]
+    _, ref_logp = reference_logp(model, mini, algo)
 
     each = TorchRank(copy.deepcopy(model))
     got = plan_each_micro_batch(each, mini, behaviour, ref_logp, settings(algo))
