@@ -11,6 +11,11 @@ STAMP := $(VENV)/.installed
 # built once by `make setup`, into the venv, so that no job or test pays for it (and venvs at
 # other paths do not rebuild over each other's copy in ~/.cache).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+# Every recipe runs as with the venv activated, so that DeepSpeed's builds use the venv's ninja:
+# ninja versions keep their build logs in formats that read each other's builds as stale, so a
+# job cluster started with the venv on PATH (tests/integration/test_jobs.py, a user's shell)
+# and a test run without it would rebuild the op over each other (a minute each time).
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: run test lint bench setup clean prometheus
 
