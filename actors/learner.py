@@ -54,7 +54,8 @@ class LearnerRankActor:
 
         for flat in self.rank.flat_weight_buckets(bucket_bytes):
             if flat is not None:
-                yield flat.view(torch.uint8).numpy()
+                # the bytes, on the CPU: a GPU rank gathers on its device
+                yield flat.view(torch.uint8).cpu().numpy()
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
