@@ -21,6 +21,8 @@ shared with the weight transport, so it only changes in `settle`, never during a
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,10 @@ from groupflow.scaling import PoolState
 
 log = logging.getLogger(__name__)
 
+# The concurrency group of the calls that hand an engine weight references while it samples
+# or loads (Ray runs each group in its own thread; the default group's calls run in order).
+WEIGHTS_IN = "weights_in"
+
 
 class Generator:
     def __init__(self, settings: EngineSettings, device: Device, cores: list[int]):
@@ -49,6 +55,8 @@ class Generator:
         self.engine = RolloutEngine(settings)
         self.device = device
         self.weight_group = None
+        self._arriving_buckets: dict[int, queue.Queue] = {}  # sync version -> bucket refs
+        self._arriving_lock = threading.Lock()
 
     def sample(
         self, prompts: list[Prompt], group_size: int, sampling: SamplingConfig
@@ -69,29 +77,37 @@ class Generator:
         self.engine.load_weights(named_tensors, version)
         return version
 
-    def begin_weights(self) -> None:
-        """A streamed sync starts: buckets follow (add_weights), then finish_weights."""
-        self._buckets: list[ray.ObjectRef] = []
+    @ray.method(concurrency_group=WEIGHTS_IN)
+    def add_weights(self, version: int, shards: list[ray.ObjectRef] | None) -> None:
+        """The references to the next bucket's partitions for sync `version`, in rank order
+        (in a list, so Ray does not fetch them here), or None: the sync failed. Runs in a
+        thread of its own, while the engine samples or loads."""
+        self._arriving(version).put(shards)
 
-    def add_weights(self, bucket: list[ray.ObjectRef]) -> None:
-        """Note the next bucket's reference (wrapped in a list, so Ray does not fetch it yet)."""
-        self._buckets.extend(bucket)
+    def _arriving(self, version: int) -> queue.Queue:
+        with self._arriving_lock:
+            return self._arriving_buckets.setdefault(version, queue.Queue())
 
-    def finish_weights(self, manifest: list, version: int) -> int:
-        """Load the streamed buckets in one vLLM pass, fetching one bucket at a time;
-        `manifest[k]` names what bucket k holds (learner/weight_export.py)."""
-        refs, self._buckets = self._buckets, []
-        if len(refs) != len(manifest):
-            raise ValueError(
-                f"{len(refs)} weight buckets arrived for a manifest of {len(manifest)}"
-            )
+    def load_streamed_weights(self, manifest: list, version: int) -> int:
+        """Load sync `version` in one vLLM pass, each bucket as soon as its references have
+        arrived (add_weights), fetching one bucket at a time; `manifest[k]` names what bucket k
+        holds (learner/weight_export.py)."""
+        arriving = self._arriving(version)
 
         def fetched():
-            for ref, bucket in zip(refs, manifest, strict=True):
-                flat = bytes_tensor(ray.get(ref)).view(getattr(torch, bucket[0][2]))
-                yield from unpack_bucket(flat, bucket)
+            for bucket in manifest:
+                refs = arriving.get()
+                if refs is None:
+                    raise RuntimeError(f"weight sync {version}: the learner's stream failed")
+                dtype = getattr(torch, bucket[0][2])
+                shards = [bytes_tensor(array).view(dtype) for array in ray.get(refs)]
+                yield from unpack_bucket(shards, bucket)
 
-        self.engine.load_weights(fetched(), version)
+        try:
+            self.engine.load_weights(fetched(), version)
+        finally:
+            with self._arriving_lock:
+                del self._arriving_buckets[version]
         return version
 
     def open_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
@@ -355,7 +371,7 @@ def start_generator_pool(cfg: Config, model_path: str) -> GeneratorPool:
     the collective one's process group cannot take a new member, so a death ends the job)."""
     res = cfg.rollout.resources
     device = device_for(res.num_gpus)
-    actor = ray.remote(Generator).options(
+    actor = ray.remote(concurrency_groups={WEIGHTS_IN: 1})(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,
         resources=res.custom,

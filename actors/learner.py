@@ -44,18 +44,16 @@ class LearnerRankActor:
         return self.rank.gathered_weights()
 
     def stream_weights(self, bucket_bytes: int):
-        """Called with num_returns="streaming" on every rank (the gathers are collective):
-        rank 0 yields each bucket as soon as it is gathered, so each enters the object store on
-        its own; the other ranks yield nothing. A bucket goes as the bytes of its flat tensor
-        in a numpy array: Ray writes that into the object store in one copy and an engine on
-        the node reads it in place (a torch tensor would be pickled, and copied, per
-        parameter)."""
+        """Called with num_returns="streaming": yields this rank's partition of each bucket as
+        soon as it is laid out, so each enters the object store on its own; nothing is
+        gathered among the ranks. A partition goes as the bytes of its flat tensor in a numpy
+        array: Ray writes that into the object store in one copy and an engine on the node
+        reads it in place (a torch tensor would be pickled, and copied)."""
         import torch
 
-        for flat in self.rank.flat_weight_buckets(bucket_bytes):
-            if flat is not None:
-                # the bytes, on the CPU: a GPU rank gathers on its device
-                yield flat.view(torch.uint8).cpu().numpy()
+        for shard in self.rank.weight_shard_buckets(bucket_bytes):
+            # the bytes, on the CPU: a GPU rank keeps its partitions on its device
+            yield shard.view(torch.uint8).cpu().numpy()
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
@@ -157,8 +155,8 @@ class LearnerGroup:
         return [r.publish_weights.remote() for r in self.ranks]
 
     def async_stream_weights(self, bucket_bytes: int) -> list[ray.ObjectRefGenerator]:
-        """Gather the parameters bucket by bucket (collective over ranks): a stream per rank;
-        rank 0's yields a reference per bucket as it is gathered, the others none."""
+        """A stream per rank, each yielding a reference per bucket to the rank's partition of
+        it, in rank order (learner/weight_export.py `shard_buckets`; no collective)."""
         return [
             r.stream_weights.options(num_returns="streaming").remote(bucket_bytes)
             for r in self.ranks

@@ -1,13 +1,16 @@
 """Weight sync from the learner to the engines (groupflow.peers.WeightSync).
 
 Both transports send the model in buckets of whole layers (learner/weight_export.py) of up to
-`rollout.weight_bucket_mb`, gathered one after the other from the ZeRO-3 shards, so learner rank
-0 never holds a second copy of the model.
-`ObjectStoreTransport` (any cluster): rank 0 yields each bucket, one flat array, from a
-streaming Ray generator as soon as it is gathered; each bucket enters the object store on its
-own and its reference is forwarded to every engine as it arrives. An engine fetches the buckets
-one at a time (in place, on rank 0's node), cuts them by the manifest and loads them in a single
-vLLM pass. The driver only passes references, never the tensors.
+`rollout.weight_bucket_mb`, one after the other, so no learner rank holds a second copy of the
+model.
+`ObjectStoreTransport` (any cluster): every rank yields its own ZeRO-3 partition of each
+bucket, one flat array, from a streaming Ray generator; nothing is gathered among the ranks,
+and each rank sends 1/world of the model. Each partition enters the object store on its own
+and the references are forwarded to every engine as they arrive. An engine loads the sync in a
+single vLLM pass that takes each bucket as soon as its partitions have arrived: it fetches them
+(in place, from the ranks on its node), puts the parameters back together and loads them
+while the ranks lay out the next buckets. The driver only passes references, never the
+tensors.
 `CollectiveTransport`: a broadcast from rank 0 to the engines over NCCL (GPUs) or gloo (CPUs):
 rank 0 gathers the next bucket while the current one is in transfer, and each engine loads a
 bucket as soon as it has arrived, while the next one arrives.
@@ -39,19 +42,20 @@ class ObjectStoreTransport:
             manifest = ray.get(self.learner.ranks[0].weight_manifest.remote())
             self.buckets = bucket_manifest(manifest, self.bucket_bytes)
         streams = self.learner.async_stream_weights(self.bucket_bytes)
-        for engine in self.engines:
-            engine.begin_weights.remote()
-        # Rank 0's stream hands out a reference per bucket as it is gathered (this waits for
-        # the gather); wrapped in a list, the engines keep it unfetched until they load.
-        for bucket in streams[0]:
-            for engine in self.engines:
-                engine.add_weights.remote([bucket])
+        loads = [e.load_streamed_weights.remote(self.buckets, version) for e in self.engines]
+        # Each stream hands out a reference per bucket as the rank has laid it out (this
+        # waits for it); wrapped in a list, the engines keep them unfetched until they load.
+        try:
+            for shards in zip(*streams, strict=True):
+                for engine in self.engines:
+                    engine.add_weights.remote(version, list(shards))
+        except BaseException:
+            for engine in self.engines:  # or they would wait for the rest of the buckets
+                engine.add_weights.remote(version, None)
+            raise
         # The buckets are in the object store once the streams complete: the learner may
-        # train on while the engines fetch them.
-        return SyncHandles(
-            [stream.completed() for stream in streams],
-            [engine.finish_weights.remote(self.buckets, version) for engine in self.engines],
-        )
+        # train on while the engines load them.
+        return SyncHandles([stream.completed() for stream in streams], loads)
 
 
 class CollectiveTransport:

@@ -19,9 +19,9 @@ from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
     Broadcaster,
     broadcast_weights,
-    flat_buckets,
     gathered_weights,
     save_pretrained,
+    shard_buckets,
     weight_manifest,
 )
 from groupflow.learner.zero_engine import RankSetup, build_zero_engines
@@ -60,9 +60,9 @@ class LearnerRank:
         """Full parameters in Hugging Face names on rank 0 (None elsewhere)."""
         return gathered_weights(self._module, self._is_source)
 
-    def flat_weight_buckets(self, bucket_bytes: int) -> Iterator[torch.Tensor | None]:
-        """Each bucket as one flat tensor on rank 0 (collective; None on the other ranks)."""
-        return flat_buckets(self._module, self._is_source, bucket_bytes)
+    def weight_shard_buckets(self, bucket_bytes: int) -> Iterator[torch.Tensor]:
+        """This rank's partition of each bucket as one flat tensor (local: no collective)."""
+        return shard_buckets(self._module, bucket_bytes)
 
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
         return weight_manifest(self._module)

@@ -1,9 +1,12 @@
-"""Full parameters out of a ZeRO-3 engine, a bucket at a time: to a broadcast group of
-inference engines, to Ray's object store bucket by bucket (actors/transport.py), or to a
-Hugging Face directory.
+"""Parameters out of a ZeRO-3 engine, a bucket at a time: each rank's own partitions to Ray's
+object store (actors/transport.py), or full parameters to a broadcast group of inference
+engines or to a Hugging Face directory.
 
-All functions are collective: every rank gathers each bucket together, in the order of
-`module.named_parameters()`, and only the source rank (rank 0) keeps or sends it. A bucket is
+`shard_buckets` is local: each rank sends its partition of every bucket and the engines put
+the partitions back together (`unpack_bucket`), so nothing is gathered among the ranks and
+each rank sends 1/world of the model. The other functions are collective: every rank gathers
+each bucket together, in the order of `module.named_parameters()`, and only the source rank
+(rank 0) keeps or sends it. A bucket is
 whole transformer layers up to `bucket_bytes` (one layer larger than that is a bucket of its
 own): an engine then loads each bucket as it arrives, and vLLM, which fuses a layer's q/k/v and
 gate/up projections, always receives a layer complete. Broadcasting, rank 0 holds at most two
@@ -12,9 +15,10 @@ buckets, the one in transfer and the next one being gathered, never a second cop
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import groupby
 from typing import Protocol
 
@@ -82,11 +86,27 @@ def _parameter_buckets(module, bucket_bytes: int) -> Iterator[list[tuple[str, to
         yield [(name, params[name]) for name, _, _ in bucket]
 
 
-def unpack_bucket(flat: torch.Tensor, bucket: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views of a bucket that travelled as one flat tensor (`flat_buckets`)."""
+def unpack_bucket(
+    shards: Sequence[torch.Tensor], bucket: Manifest
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a bucket that travelled as flat tensors: the ranks' partitions
+    in rank order (`shard_buckets`), or the whole bucket as the one shard (`flat_buckets`).
+    With one shard the tensors are views of it; with several, each parameter is put together
+    from its partitions (one copy)."""
+    world = len(shards)
     shapes = [torch.Size(shape) for _, shape, _ in bucket]
-    parts = flat.split([s.numel() for s in shapes])
-    return ((e[0], t.view(s)) for e, t, s in zip(bucket, parts, shapes, strict=True))
+    sizes = [math.ceil(s.numel() / world) for s in shapes]
+    for rank, shard in enumerate(shards):
+        if shard.numel() != sum(sizes):
+            raise ValueError(
+                f"weight bucket from {bucket[0][0]} on: shard {rank} of {world} holds "
+                f"{shard.numel()} elements, the manifest {sum(sizes)}"
+            )
+    parts = [shard.split(sizes) for shard in shards]
+    for i, ((name, _, _), shape) in enumerate(zip(bucket, shapes, strict=True)):
+        pieces = [p[i] for p in parts]
+        whole = pieces[0] if world == 1 else torch.cat(pieces)[: shape.numel()]
+        yield name, whole.view(shape)
 
 
 def bytes_tensor(array) -> torch.Tensor:
@@ -96,6 +116,16 @@ def bytes_tensor(array) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)
+
+
+def shard_buckets(module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[torch.Tensor]:
+    """This rank's partition of each bucket (`bucket_manifest`), as one flat tensor: no gather
+    and no collective. ZeRO-3 keeps in `param.ds_tensor` elements [r*s, (r+1)*s) of the
+    flattened parameter on rank r, with s = ceil(numel / world) and zeros past the end; the
+    optimizer step writes the new values there, so it is current between steps even where a
+    full copy of the parameter is kept (persistent parameters)."""
+    for bucket in _parameter_buckets(module, bucket_bytes):
+        yield torch.cat([p.ds_tensor.detach().reshape(-1) for _, p in bucket])
 
 
 def flat_buckets(

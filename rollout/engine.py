@@ -152,7 +152,7 @@ def _arriving(group, buckets, device: str):
         flat, transfer = pending
         transfer.wait()
         pending = start(buckets[k + 1]) if k + 1 < len(buckets) else None
-        yield from unpack_bucket(flat, bucket)
+        yield from unpack_bucket([flat], bucket)
 
 
 def request_seed(seed: int | None, uid: str, version: int) -> int | None:

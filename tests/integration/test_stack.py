@@ -10,7 +10,7 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
 from groupflow.config import SamplingConfig, build_config
-from groupflow.records import TrainSequence
+from groupflow.records import Prompt, TrainSequence
 from groupflow.reward_workers.tasks import make_task
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def _weights(learner) -> dict[str, torch.Tensor]:
 
 
 def _sync(transport, version: int) -> None:
-    ray.get(transport.async_sync(version).handles())
+    ray.get(transport.async_sync(version).handles(), timeout=300)
 
 
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
@@ -88,6 +88,26 @@ def test_weight_sync_is_exact_on_every_engine(stack):
     after = _weights(learner)
     assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
     _assert_engines_match(engines, after)
+
+
+def test_engines_load_buckets_sent_while_they_sample_and_a_broken_stream_fails_the_load(stack):
+    """The engine's load starts before the buckets arrive, behind a chunk it is sampling:
+    the references reach it meanwhile (their own concurrency group) and it loads exactly.
+    A sync whose stream breaks fails the load instead of leaving the engine waiting."""
+    cfg, engines, learner = stack
+    _train(learner, _sample_sequences(engines, seed=5))
+    chunk = engines[0].sample.remote(
+        [Prompt("busy", "1+1=", 2)] * 4, 8, SamplingConfig(temperature=1.0)
+    )
+    _sync(ObjectStoreTransport(learner, engines, bucket_bytes=2**20), version=2)
+    assert ray.get(chunk)[0].policy_version < 2, "the chunk ran before the load"
+    _assert_engines_match(engines, _weights(learner))
+
+    manifest = [[("model.norm.weight", (4,), "float32")]]
+    load = engines[0].load_streamed_weights.remote(manifest, 3)
+    engines[0].add_weights.remote(3, None)
+    with pytest.raises(ray.exceptions.RayTaskError, match="weight sync 3: the learner's stream"):
+        ray.get(load, timeout=120)
 
 
 def _assert_engines_match(engines, after: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,9 @@ from groupflow.actors.weight_group import open_weight_group
 from groupflow.learner.weight_export import (
     broadcast_weights,
     bucket_manifest,
+    bytes_tensor,
     layer_of,
+    unpack_bucket,
     weight_manifest,
 )
 from groupflow.rollout.engine import RolloutEngine
@@ -63,6 +65,47 @@ def test_buckets_keep_order_whole_layers_and_the_size(gen, repeat):
 def bucket_dtype_split(manifest, layer: str) -> bool:
     """A layer is split only where its own dtype changes."""
     return len({e[2] for e in manifest if layer_of(e[0]) == layer}) > 1
+
+
+def zero3_partitions(t: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """ZeRO-3's layout of a parameter over `world` ranks (what `param.ds_tensor` holds on each):
+    flattened, zero-padded to a multiple of `world`, cut into `world` equal slices."""
+    flat = t.reshape(-1)
+    padded = torch.cat([flat, flat.new_zeros(-flat.numel() % world)])
+    return list(padded.chunk(world))
+
+
+def as_transported(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A flat tensor as an engine reads it: bytes in a numpy array, viewed as `dtype`."""
+    return bytes_tensor(t.view(torch.uint8).numpy()).view(getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_the_ranks_partitions_put_every_parameter_back_exactly(gen, world):
+    manifest = random_manifest(gen)
+    weights = {
+        name: torch.randn(shape, dtype=getattr(torch, dtype), generator=gen)
+        for name, shape, dtype in manifest
+    }
+    buckets = bucket_manifest(manifest, int(torch.randint(100, 20_000, (), generator=gen)))
+    got = []
+    for bucket in buckets:
+        per_param = [zero3_partitions(weights[name], world) for name, _, _ in bucket]
+        shards = [torch.cat([parts[r] for parts in per_param]) for r in range(world)]
+        got += unpack_bucket([as_transported(s, bucket[0][2]) for s in shards], bucket)
+    assert [n for n, _ in got] == [e[0] for e in manifest]
+    for name, tensor in got:
+        assert tensor.dtype == weights[name].dtype and torch.equal(tensor, weights[name]), name
+
+
+def test_a_partition_of_the_wrong_size_is_refused(gen):
+    bucket = [
+        ("model.layers.0.q_proj.weight", (7, 3), "float32"),
+        ("model.norm.weight", (5,), "float32"),
+    ]
+    # two ranks: ceil(21 / 2) + ceil(5 / 2) = 14 elements each
+    with pytest.raises(ValueError, match=r"shard 1 of 2 holds 13 elements, the manifest 14"):
+        list(unpack_bucket([torch.zeros(14), torch.zeros(13)], bucket))
 
 
 def test_layer_of_names_the_unit_vllm_loads_whole():
