@@ -281,9 +281,13 @@ class GeneratorPool:
         """A replacement waits for the current weights (and lost chunks wait for it)."""
         return bool(self._unloaded)
 
+    def awaiting_weights(self) -> list:
+        return [self.engines[slot] for slot in sorted(self._unloaded)]
+
     def weights_sent(self) -> dict[Handle, Handle]:
-        """Call once a weight load has been sent to every engine: replacements take work
-        from now on (their calls run after the load). The lost chunks are sent again."""
+        """Call once a weight load has been sent to every engine that awaited one:
+        replacements take work from now on (their calls run after the load). The lost chunks
+        are sent again."""
         self._unloaded.clear()
         return self.resend_lost()
 

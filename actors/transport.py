@@ -37,20 +37,21 @@ class ObjectStoreTransport:
         self.bucket_bytes = bucket_bytes
         self.buckets = None
 
-    def async_sync(self, version: int) -> SyncHandles:
+    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
+        engines = self.engines if engines is None else engines
         if self.buckets is None:  # what each flat bucket holds, cut as the learner cuts it
             manifest = ray.get(self.learner.ranks[0].weight_manifest.remote())
             self.buckets = bucket_manifest(manifest, self.bucket_bytes)
         streams = self.learner.async_stream_weights(self.bucket_bytes)
-        loads = [e.load_streamed_weights.remote(self.buckets, version) for e in self.engines]
+        loads = [e.load_streamed_weights.remote(self.buckets, version) for e in engines]
         # Each stream hands out a reference per bucket as the rank has laid it out (this
         # waits for it); wrapped in a list, the engines keep them unfetched until they load.
         try:
             for shards in zip(*streams, strict=True):
-                for engine in self.engines:
+                for engine in engines:
                     engine.add_weights.remote(version, list(shards))
         except BaseException:
-            for engine in self.engines:  # or they would wait for the rest of the buckets
+            for engine in engines:  # or they would wait for the rest of the buckets
                 engine.add_weights.remote(version, None)
             raise
         # The buckets are in the object store once the streams complete: the learner may
@@ -86,7 +87,10 @@ class CollectiveTransport:
         manifest = ray.get(ranks[0].weight_manifest.remote())
         self.buckets = bucket_manifest(manifest, self.bucket_bytes)
 
-    def async_sync(self, version: int) -> SyncHandles:
+    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
+        if engines is not None and engines != self.engines:
+            # Its engines never change (a death ends the job), so none ever awaits alone.
+            raise ValueError("the collective transport broadcasts to all of its engines")
         if self.buckets is None:
             self._open()
         # The ranks' broadcast ends only when every engine has received.

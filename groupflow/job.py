@@ -301,14 +301,16 @@ class TrainingJob:
             self._sync_engines(wait_for_engines=False)
         return results
 
-    def _sync_engines(self, wait_for_engines: bool) -> None:
-        """Send every engine the learner's current version (it must be between steps) and wait
-        for the learner's side; each engine loads it after the chunks it holds, on its own
-        (or waited for too, with `wait_for_engines`). A dead engine met on the way is replaced
-        and the sync sent again."""
+    def _sync_engines(self, wait_for_engines: bool, only_awaiting: bool = False) -> None:
+        """Send every engine (or, `only_awaiting`, those that await the weights) the learner's
+        current version (it must be between steps) and wait for the learner's side; each
+        engine loads it after the chunks it holds, on its own (or waited for too, with
+        `wait_for_engines`). A dead engine met on the way is replaced and the sync sent
+        again."""
         while True:
             restarts = self.generators.restarts
-            handles = self.transport.async_sync(self.version)
+            engines = self.generators.awaiting_weights() if only_awaiting else None
+            handles = self.transport.async_sync(self.version, engines)
             self._resend_lost(self.generators.weights_sent())
             if wait_for_engines:
                 wait = handles.learner + handles.engines
@@ -328,7 +330,7 @@ class TrainingJob:
         """Send replaced engines the current weights, and the chunks the dead ones held."""
         if self.generators.needs_weights():
             self._check_restarts()
-            self._sync_engines(wait_for_engines=True)
+            self._sync_engines(wait_for_engines=True, only_awaiting=True)
         else:
             self._resend_lost(self.generators.resend_lost())
 

@@ -69,9 +69,12 @@ class Generation(Protocol):
     def needs_weights(self) -> bool:
         """A replaced engine waits for the current weights before it takes work."""
 
+    def awaiting_weights(self) -> list:
+        """The engines that wait for the current weights (replacements and new engines)."""
+
     def weights_sent(self) -> dict[Handle, Handle]:
-        """After a weight load was sent to every engine: the lost chunks are sent again;
-        each lost handle's new handle."""
+        """After a weight load was sent to every engine that awaited one: the lost chunks are
+        sent again; each lost handle's new handle."""
 
     def resend_lost(self) -> dict[Handle, Handle]:
         """The lost chunks sent again (every engine has the current weights)."""
@@ -168,6 +171,6 @@ class SyncHandles:
 class WeightSync(Protocol):
     """Learner to engines (groupflow.actors.transport)."""
 
-    def async_sync(self, version: int) -> SyncHandles:
-        """Start making every engine serve the learner's parameters as `version`; the
-        engines load them after the chunks already queued on them."""
+    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
+        """Start making every engine (or only `engines`) serve the learner's parameters as
+        `version`; the engines load them after the chunks already queued on them."""

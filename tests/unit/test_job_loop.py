@@ -211,12 +211,17 @@ class FakeTransport:
     def __init__(self, engines: list[FakeEngine], loads: bool = True, skip=frozenset()):
         self.engines, self.loads, self.skip = engines, loads, skip
 
-    def async_sync(self, version):
+    def async_sync(self, version, engines=None):
         if not self.loads:
             return SyncHandles([], [])
+        targets = self.engines if engines is None else engines
         return SyncHandles(
             [],
-            [e.load(version) for i, e in enumerate(self.engines) if (i, version) not in self.skip],
+            [
+                e.load(version)
+                for i, e in enumerate(self.engines)
+                if (i, version) not in self.skip and any(e is t for t in targets)
+            ],
         )
 
 
@@ -567,6 +572,11 @@ def test_a_dead_engine_is_replaced_and_its_chunks_generated_again(engines, stale
             assert {s.policy_version for s in seqs} == {step}
     assert [r["engine_restarts"] for r in run.records][-1] == 1
     assert not run.engines[0].dead and run.engines[0].version == 4
+    # only the replacement was sent the weights it awaited: the survivor loads each version once
+    survivors = run.engines[1:], straight.engines[1:]
+    assert [len(e.queued_at_load) for e in survivors[0]] == [
+        len(e.queued_at_load) for e in survivors[1]
+    ]
 
 
 @pytest.mark.parametrize("dies_at", ["load 2", "greedy"])
