@@ -107,13 +107,16 @@ def zero3_against_plain(seed: int, tied: bool, checkpointing: bool, path: str) -
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prepare_model(model, cfg)
     opt = cfg.optimizer
+    # AdamW's first update is lr * g / (|g| + eps): with the default eps a gradient near eps
+    # turns float32 last-bit differences (sums in another order) into different updates, and
+    # the second step would compare two different models. A larger eps keeps the update a
+    # smooth function of the gradient.
+    adamw = dict(lr=0.01, betas=opt.betas, eps=1e-3)
     engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01, betas=opt.betas),
-        config=ds_config,
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw), config=ds_config
     )
     engine.train()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01, betas=opt.betas)
+    plain_opt = torch.optim.AdamW(plain.parameters(), **adamw)
     gen = torch.Generator().manual_seed(seed)
     out: dict = {"stats": [], "grads": []}
     for _ in range(2):
@@ -164,11 +167,10 @@ def test_zero3_head_matches_plain_full_logits(rank_process, tmp_path, tied, chec
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for name, grad in out["empty_grads"].items():
         assert grad is not None and not grad.any(), name
-    # The second step also checks the first update was the same. float32 sums in another
-    # order, and AdamW's first step (about lr * sign(grad)) turns last-bit differences of tiny
-    # gradients into parameter differences: seen up to 5e-5 of the largest gradient (seed
-    # 2152107864). A wrong head or mask is off by the gradient's own size.
-    for tolerance, step in zip((1e-5, 2e-4), out["grads"], strict=True):
+    # The second step also checks the first update was the same. float32 gradients summed in
+    # another order differ by up to 1.1e-5 of the largest gradient (110 seeds); a wrong head or
+    # mask is off by the gradient's own size.
+    for step in out["grads"]:
         for name, got, want in step:
             scale = want.abs().max().item()
-            torch.testing.assert_close(got, want, rtol=0, atol=tolerance * scale, msg=name)
+            torch.testing.assert_close(got, want, rtol=0, atol=3e-5 * scale, msg=name)
