@@ -8,8 +8,8 @@ starts the real stack on a local Ray cluster of its own: `learner.num_ranks` = 2
 ZeRO-3 ranks and `--engines` vLLM engines, then times `--repeats` syncs per transport after one
 warm-up sync. Prints seconds per sync and the effective bandwidth: model bytes (as the learner
 holds them) / seconds, so an engine count above 1 does not inflate it, and the learner's
-side alone: until its gathers are done and every bucket is in the object store (object store)
-or sent (collective); the engines load after that or meanwhile. Costs about a minute of
+side alone: until every rank's partitions are in the object store (object store) or rank 0
+has gathered and sent every bucket (collective); the engines load meanwhile and after. Costs about a minute of
 start-up per shape.
 """
 
