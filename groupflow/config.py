@@ -282,6 +282,14 @@ class LearnerConfig(Section):
         "A longer sequence gets a micro-batch of its own",
     )
     mini_batches_per_step: int = Field(1, ge=1, description="optimizer updates per step")
+    pack_sequences: bool = Field(
+        True,
+        description="padding-free micro-batches: several sequences share a row as wide as the "
+        "micro-batch's longest, each kept to itself by position_ids that restart at 0 "
+        "(transformers' packed-sequence attention: varlen flash attention on GPUs, a "
+        "block-causal mask otherwise), so a micro-batch computes about its real tokens instead "
+        "of rows x longest row. Checked at start: a model whose attention ignores it is refused",
+    )
     gradient_checkpointing: bool = Field(
         True,
         description="recompute each transformer layer's activations in backward instead of "

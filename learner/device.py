@@ -6,6 +6,7 @@ A config runs on CPU or GPU unchanged except for its resources: `num_gpus > 0` s
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -32,6 +33,16 @@ class Device:
     def prepare_process(self) -> None:
         """Call before importing deepspeed: it picks its accelerator at import time."""
         os.environ.setdefault("DS_ACCELERATOR", self.kind)
+        if self.kind == "cpu":
+            # DeepSpeed's CPU collective op is compiled on first use by torch's extension
+            # builder. `make setup` builds it into the environment; find that copy, and check
+            # it with the environment's ninja: another ninja reads the build log as stale and
+            # rebuilds (a minute on 2 cores), as a job started without the venv on PATH did.
+            os.environ.setdefault(
+                "TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")
+            )
+            bin_dir = os.path.dirname(sys.executable)
+            os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
 
 
 def device_for(num_gpus: float) -> Device:

@@ -19,7 +19,7 @@ from groupflow.config import AlgorithmConfig
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
-from groupflow.learner.token_head import response_positions
+from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
 from groupflow.learner.token_stats import TokenStats
 from groupflow.records import TrainSequence
@@ -41,30 +41,77 @@ class MicroBatchLoss:
     token_grads: list[Tensor]  # per sequence (n_i,) float64 dLoss/dlogp; empty unless asked
 
 
-def _padded_ids(seqs: list[TrainSequence], device: torch.device) -> tuple[Tensor, Tensor]:
-    """(B, W) input ids and attention mask, right-padded."""
-    width = max(len(s.input_ids) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attention = torch.zeros(len(seqs), width, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        ids[row, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
-        attention[row, : len(seq.input_ids)] = 1
-    return ids.to(device), attention.to(device)
+def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
+    """(row, start) of each sequence and the number of rows: longest first, each into the
+    first row with room, every row as wide as the longest sequence, so that a row's attention
+    costs no more than a padded batch's."""
+    width = max(lengths)
+    rows, starts, used = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, n in enumerate(used) if n + lengths[i] <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        rows[i], starts[i] = row, used[row]
+        used[row] += lengths[i]
+    return rows, starts, len(used)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: Tensor  # (R, W)
+    attention_mask: Tensor | None  # (R, W) padded; None packed
+    position_ids: Tensor | None  # (R, W) packed; None padded
+    positions: ResponsePositions  # where the response tokens are predicted
+
+
+def model_inputs(seqs: list[TrainSequence], device: torch.device, packed: bool) -> ModelInputs:
+    """The model's inputs for `seqs` and the response positions in them. Packed: several
+    sequences to a row, each kept to itself by its position_ids restarting at 0 (transformers'
+    packed-sequence attention: varlen flash attention on GPUs, a block-causal mask otherwise);
+    no attention mask. Padded: a sequence per row, right-padded, with an attention mask."""
+    lengths = [len(s.input_ids) for s in seqs]
+    if packed:
+        rows, starts, num_rows = pack_rows(lengths)
+    else:
+        rows, starts, num_rows = list(range(len(seqs))), [0] * len(seqs), len(seqs)
+    width = max(lengths)
+    ids = torch.zeros(num_rows, width, dtype=torch.long)
+    position_ids = torch.zeros(num_rows, width, dtype=torch.long)
+    attention = torch.zeros(num_rows, width, dtype=torch.long)
+    row_end = [0] * num_rows
+    for seq, row, start in zip(seqs, rows, starts, strict=True):
+        end = start + len(seq.input_ids)
+        ids[row, start:end] = torch.tensor(seq.input_ids)
+        attention[row, start:end] = 1
+        position_ids[row, start:end] = torch.arange(end - start)
+        row_end[row] = max(row_end[row], end)
+    for row, end in enumerate(row_end):
+        # A row's padding counts from 0 as a sequence of its own: it never joins a real one.
+        position_ids[row, end:] = torch.arange(width - end)
+    ids = ids.to(device)
+    positions = response_positions(ids, lengths, [s.prompt_len for s in seqs], rows, starts)
+    if packed:
+        return ModelInputs(ids, None, position_ids.to(device), positions)
+    return ModelInputs(ids, attention.to(device), None, positions)
 
 
 def response_token_stats(
-    model, seqs: list[TrainSequence], temperature: float, device: torch.device, entropy_grad: bool
+    model,
+    seqs: list[TrainSequence],
+    temperature: float,
+    device: torch.device,
+    entropy_grad: bool,
+    packed: bool = True,
 ) -> list[TokenStats]:
     """The statistics of each sequence's response tokens under `model` (one TokenStats each),
     through its token head (learner/token_head.py): no logits of the whole micro-batch exist.
 
     Gradient mode is the caller's; the entropy keeps its gradient only with `entropy_grad`."""
-    ids, attention = _padded_ids(seqs, device)
-    positions = response_positions(
-        ids, [len(s.input_ids) for s in seqs], [s.prompt_len for s in seqs]
+    x = model_inputs(seqs, device, packed)
+    stats = head_token_stats(
+        model, x.input_ids, x.attention_mask, x.positions, temperature, entropy_grad, x.position_ids
     )
-    stats = head_token_stats(model, ids, attention, positions, temperature, entropy_grad)
-    return stats.split(positions.sizes)
+    return stats.split(x.positions.sizes)
 
 
 def empty_micro_batch(model, device: torch.device) -> Tensor:
@@ -80,11 +127,38 @@ def empty_micro_batch(model, device: torch.device) -> Tensor:
 
 
 def forward_micro_batch(
-    model, seqs: list[TrainSequence], temperature: float, device: torch.device, entropy_grad: bool
+    model,
+    seqs: list[TrainSequence],
+    temperature: float,
+    device: torch.device,
+    entropy_grad: bool,
+    packed: bool = True,
 ) -> MicroBatchForward:
     if not seqs:
         return MicroBatchForward([], empty_loss=empty_micro_batch(model, device))
-    return MicroBatchForward(response_token_stats(model, seqs, temperature, device, entropy_grad))
+    stats = response_token_stats(model, seqs, temperature, device, entropy_grad, packed)
+    return MicroBatchForward(stats)
+
+
+def check_packing(model, vocab_size: int, device: torch.device) -> None:
+    """Raise unless `model` keeps packed sequences apart. Packing relies on the model's
+    attention taking a sequence's restart of position_ids at 0 as its start (transformers'
+    packed-sequence support); an attention that ignores it lets a sequence see the one before
+    it in its row, silently. So: the same sequence, packed behind two different ones, must
+    get the same log-probs. Every rank calls it (ZeRO-3's forwards are collective)."""
+    probe = [(7 * i + 3) % vocab_size for i in range(6)]
+    longest = [(3 * i + 1) % vocab_size for i in range(18)]  # a row of its own: width 18
+    logps = []
+    for shift in (1, 2):
+        before = [(5 * i + shift) % vocab_size for i in range(12)]  # the probe's row-mate
+        seqs = [TrainSequence(s, 2, 0.0, g, 0, []) for g, s in enumerate((longest, before, probe))]
+        with torch.no_grad():
+            logps.append(response_token_stats(model, seqs, 1.0, device, False)[2].logp)
+    if not torch.allclose(logps[0], logps[1], rtol=1e-5, atol=1e-5):
+        raise ValueError(
+            "learner.pack_sequences: this model's attention lets packed sequences see each "
+            "other (it ignores position_ids restarting at 0); set learner.pack_sequences=false"
+        )
 
 
 def _pad(rows: list[Tensor]) -> Tensor:

@@ -14,6 +14,7 @@ from groupflow.config import Config
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
+from groupflow.learner.micro_batch import check_packing
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
@@ -35,7 +36,11 @@ class LearnerRank:
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
             reducer=DistributedReducer(setup.world_size),
+            packed=cfg.learner.pack_sequences,
         )
+        if cfg.learner.pack_sequences:
+            policy = self.engines.policy
+            check_packing(policy.model, self._module.config.vocab_size, policy.device)
 
     @property
     def _module(self) -> torch.nn.Module:

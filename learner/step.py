@@ -63,6 +63,7 @@ class StepSettings:
     algorithm: AlgorithmConfig
     temperature: float  # the sampling temperature: log-probs are taken at logits / T
     reducer: Reducer
+    packed: bool = True  # several sequences to a row (learner.pack_sequences)
 
 
 def no_grad_stats(
@@ -72,7 +73,9 @@ def no_grad_stats(
     the current policy's for a plan. Empty micro-batches still run (ZeRO-3's gathers)."""
     with torch.no_grad():
         return [
-            forward_micro_batch(model, mb, settings.temperature, device, entropy_grad=False).stats
+            forward_micro_batch(
+                model, mb, settings.temperature, device, False, settings.packed
+            ).stats
             for mb in micro_batches
         ]
 
@@ -259,7 +262,7 @@ def _forward(
 ) -> MicroBatchForward:
     entropy_grad = settings.algorithm.entropy_coef != 0  # an entropy bonus backpropagates
     return forward_micro_batch(
-        policy.model, seqs, settings.temperature, policy.device, entropy_grad
+        policy.model, seqs, settings.temperature, policy.device, entropy_grad, settings.packed
     )
 
 

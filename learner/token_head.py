@@ -127,17 +127,20 @@ def install_token_head(
 def response_token_stats(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     positions: ResponsePositions,
     temperature: float,
     entropy_grad: bool = False,
+    position_ids: torch.Tensor | None = None,
 ) -> TokenStats:
     """TokenStats of `positions` (on the model's device) through a model with a TokenHead, or
-    through the DeepSpeed engine around it. Gradients flow to logp (and entropy if asked)."""
+    through the DeepSpeed engine around it. Gradients flow to logp (and entropy if asked).
+    A packed batch passes `position_ids` (restarting at each sequence) and no attention mask."""
     return TokenStats(
         *model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             response_positions=positions,
             temperature=temperature,
             entropy_grad=entropy_grad,
