@@ -142,6 +142,7 @@ class LearnerGroup:
             len(self.ranks),
             self.cfg.learner.mini_batches_per_step,
             self.cfg.learner.micro_batch_tokens,
+            packed=self.cfg.learner.pack_sequences,
         )
         shares = [
             [[[sequences[i] for i in micro] for micro in mini] for mini in rank_layout]

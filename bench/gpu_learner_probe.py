@@ -113,7 +113,12 @@ def probe(setting: str, path: str, nparams: int, seqs, micro: int, overrides: li
     init_s = time.time() - started
     lengths = [len(s.input_ids) for s in seqs]
     layout = layout_step(
-        lengths, [s.group_id for s in seqs], 1, cfg.learner.mini_batches_per_step, micro
+        lengths,
+        [s.group_id for s in seqs],
+        1,
+        cfg.learner.mini_batches_per_step,
+        micro,
+        packed=cfg.learner.pack_sequences,
     )
     share = [[[seqs[i] for i in mb] for mb in mini] for mini in layout[0]]
     times = []

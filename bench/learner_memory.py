@@ -17,7 +17,9 @@ tied head), in bf16, on the CPU:
            response positions, micro-batches packed as learner/batching.py did.
    after:  the token head (learner/token_head.py) on length-sorted micro-batches, with and
            without checkpointing of the layers.
-2. the padded share of the micro-batches for that step, before and after;
+2. the padded share of the micro-batches for that step, before and after, and after with
+   the sequences of each micro-batch packed into rows as wide as its longest
+   (learner.pack_sequences);
 3. forward+backward time of a small step on the CPU in float32 (few layers, full vocab).
 """
 
@@ -31,6 +33,7 @@ import torch
 from gpu_learner_probe import SHAPES, VOCAB, groups
 
 from groupflow.learner.batching import layout_step, padding_share
+from groupflow.learner.micro_batch import pack_rows
 from groupflow.learner.token_head import install_token_head, response_positions
 from groupflow.learner.token_stats import TokenStats, token_stats
 
@@ -191,6 +194,16 @@ def time_step(step: Step, micro: list[list[int]], layers: int, path: str, ckpt: 
     return best
 
 
+def packed_padding_share(micro: list[list[int]], lengths: list[int]) -> float:
+    """Share of the positions that is padding once each micro-batch is packed (pack_rows)."""
+    real = positions = 0
+    for indices in micro:
+        row_lengths = [lengths[i] for i in indices]
+        real += sum(row_lengths)
+        positions += pack_rows(row_lengths)[2] * max(row_lengths)
+    return 1 - real / positions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -206,13 +219,17 @@ def main() -> None:
     )
 
     print("\npadded share of the micro-batches (1 rank, 1 mini-batch)")
-    print(f"{'micro_batch_tokens':>18} {'before':>8} {'after':>8} {'micro-batches b/a':>18}")
+    print(
+        f"{'micro_batch_tokens':>18} {'before':>8} {'after':>8} {'packed':>8} "
+        f"{'micro-batches b/a':>18}"
+    )
     for budget in (16384, 8192, 4096):
         before = consecutive_micro_batches(step, budget)
         after = sorted_micro_batches(step, budget)
         print(
             f"{budget:>18} {padding_share([[before]], step.lengths):>8.1%} "
-            f"{padding_share([[after]], step.lengths):>8.1%} {len(before):>9}/{len(after)}"
+            f"{padding_share([[after]], step.lengths):>8.1%} "
+            f"{packed_padding_share(after, step.lengths):>8.1%} {len(before):>9}/{len(after)}"
         )
 
     rows = {

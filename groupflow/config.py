@@ -275,7 +275,8 @@ class LearnerConfig(Section):
     micro_batch_tokens: int = Field(
         16384,
         ge=1,
-        description="positions of one micro-batch, padding included (rows x longest row); "
+        description="positions of one micro-batch, padding included (rows x longest row, "
+        "after packing with pack_sequences); "
         "activation memory grows with it (with gradient_checkpointing, a layer's input per "
         "position and one layer's activations). Each micro-batch gathers every ZeRO-3 "
         "parameter in its forward and again in its backward, so fewer, larger ones cost less. "

@@ -8,8 +8,10 @@ Rules that the credit math relies on:
   forward gathers parameters collectively; a rank with less work gets empty micro-batches.
 
 Within a rank's share of a mini-batch, sequences of similar length share a micro-batch, so
-little of a padded micro-batch is padding; `micro_batch_tokens` bounds the padded positions
-(rows x longest row), which is what activation memory grows with.
+little of a padded micro-batch is padding; `micro_batch_tokens` bounds the positions the
+forward computes (rows x longest row), which is what activation memory grows with: a row per
+sequence, or, `packed`, the rows that learner/micro_batch.py's `pack_rows` fills, several
+sequences to a row, so that a packed micro-batch takes about `micro_batch_tokens` real tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def layout_step(
     num_ranks: int,
     mini_batches: int,
     micro_batch_tokens: int,
+    packed: bool = False,
 ) -> StepLayout:
     if len(lengths) != len(group_ids):
         raise ValueError(f"layout_step: {len(lengths)} lengths but {len(group_ids)} group ids")
@@ -39,7 +42,7 @@ def layout_step(
     for m in range(mini_batches):
         chunk = ordered[m * len(ordered) // mini_batches : (m + 1) * len(ordered) // mini_batches]
         per_rank = _balance(chunk, lengths, num_ranks)
-        micro = [_pack(indices, lengths, micro_batch_tokens) for indices in per_rank]
+        micro = [_pack(indices, lengths, micro_batch_tokens, packed) for indices in per_rank]
         depth = max(len(mb) for mb in micro)
         for rank in range(num_ranks):
             layout[rank].append(micro[rank] + [[] for _ in range(depth - len(micro[rank]))])
@@ -69,16 +72,25 @@ def _balance(groups: list[list[int]], lengths: list[int], num_ranks: int) -> lis
     return out
 
 
-def _pack(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+def _pack(indices: list[int], lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
     """Longest sequence first; a micro-batch takes the next sequence while its rows times its
-    longest row stay within `budget` (a longer sequence goes alone). On sorted lengths this
-    greedy cut gives the fewest micro-batches, and neighbours differ little in length."""
+    longest row stay within `budget` (a longer sequence goes alone). Rows: one per sequence,
+    or, `packed`, each sequence in the first row with room, as `pack_rows` places them (it
+    sees them in this same order). On sorted lengths this greedy cut gives the fewest
+    micro-batches, and neighbours differ little in length."""
     batches: list[list[int]] = []
+    used: list[int] = []  # filled positions of each row of the open micro-batch
     width = 0
     for i in sorted(indices, key=lambda i: -lengths[i]):
-        if batches and (len(batches[-1]) + 1) * width <= budget:
+        n = lengths[i]
+        row = next((r for r, u in enumerate(used) if u + n <= width), None) if packed else None
+        if batches and (len(used) + (row is None)) * width <= budget:
             batches[-1].append(i)
+            if row is None:
+                used.append(n)
+            else:
+                used[row] += n
         else:
             batches.append([i])
-            width = lengths[i]
+            used, width = [n], n
     return batches

@@ -3,6 +3,7 @@ import random
 import pytest
 
 from groupflow.learner.batching import layout_step, padding_share
+from groupflow.learner.micro_batch import pack_rows
 
 
 def _random_step(rng):
@@ -69,6 +70,26 @@ def test_micro_batches_fit_the_budget_in_padded_positions_and_are_full(trial):
                     # closed only because the next (no longer) sequence did not fit
                     assert (len(micro) + 1) * width > budget
                     assert min(lengths[i] for i in micro) >= max(lengths[i] for i in filled[k + 1])
+
+
+@pytest.mark.parametrize("trial", range(30))
+def test_packed_micro_batches_fit_the_budget_in_packed_rows_and_are_full(trial):
+    rng = random.Random()
+    lengths, group_ids, groups = _random_step(rng)
+    ranks, minis, budget = rng.randint(1, 3), rng.randint(1, groups), rng.randint(10, 120)
+    layout = layout_step(lengths, group_ids, ranks, minis, budget, packed=True)
+    padded = layout_step(lengths, group_ids, ranks, minis, budget)
+    for rank, padded_rank in zip(layout, padded, strict=True):
+        for mini, padded_mini in zip(rank, padded_rank, strict=True):
+            filled = [[lengths[i] for i in micro] for micro in mini if micro]
+            assert len(filled) <= len([m for m in padded_mini if m]), "never more than padded"
+            for k, micro in enumerate(filled):
+                # the rows the forward packs (in the order the rank gets them) within budget
+                assert pack_rows(micro)[2] * max(micro) <= budget or len(micro) == 1
+                if k + 1 < len(filled):
+                    # closed only because the next (no longer) sequence did not fit
+                    assert pack_rows([*micro, filled[k + 1][0]])[2] * max(micro) > budget
+                    assert min(micro) >= max(filled[k + 1])
 
 
 @pytest.mark.parametrize("budget", [16384, 4096])
