@@ -17,9 +17,9 @@ tied head), in bf16, on the CPU:
            response positions, micro-batches packed as learner/batching.py did.
    after:  the token head (learner/token_head.py) on length-sorted micro-batches, with and
            without checkpointing of the layers.
-2. the padded share of the micro-batches for that step, before and after, and after with
-   the sequences of each micro-batch packed into rows as wide as its longest
-   (learner.pack_sequences);
+2. the padded share of the micro-batches for that step, before and after, and packed: the
+   micro-batches cut for packed rows and each packed into rows as wide as its longest
+   (learner.pack_sequences, the learner's default);
 3. forward+backward time of a small step on the CPU in float32 (few layers, full vocab).
 """
 
@@ -75,8 +75,9 @@ def consecutive_micro_batches(step: Step, budget: int) -> list[list[int]]:
     return batches
 
 
-def sorted_micro_batches(step: Step, budget: int) -> list[list[int]]:
-    return [mb for mb in layout_step(step.lengths, step.group_ids, 1, 1, budget)[0][0] if mb]
+def sorted_micro_batches(step: Step, budget: int, packed: bool = False) -> list[list[int]]:
+    layout = layout_step(step.lengths, step.group_ids, 1, 1, budget, packed=packed)
+    return [mb for mb in layout[0][0] if mb]
 
 
 def make_model(layers: int, dtype: torch.dtype, checkpointing: bool, head: bool):
@@ -221,15 +222,17 @@ def main() -> None:
     print("\npadded share of the micro-batches (1 rank, 1 mini-batch)")
     print(
         f"{'micro_batch_tokens':>18} {'before':>8} {'after':>8} {'packed':>8} "
-        f"{'micro-batches b/a':>18}"
+        f"{'micro-batches b/a/p':>20}"
     )
     for budget in (16384, 8192, 4096):
         before = consecutive_micro_batches(step, budget)
         after = sorted_micro_batches(step, budget)
+        packed = sorted_micro_batches(step, budget, packed=True)
         print(
             f"{budget:>18} {padding_share([[before]], step.lengths):>8.1%} "
             f"{padding_share([[after]], step.lengths):>8.1%} "
-            f"{packed_padding_share(after, step.lengths):>8.1%} {len(before):>9}/{len(after)}"
+            f"{packed_padding_share(packed, step.lengths):>8.1%} "
+            f"{len(before):>9}/{len(after)}/{len(packed)}"
         )
 
     rows = {
