@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 from gpu_learner_probe import SHAPES, VOCAB, groups
 
-from groupflow.learner.batching import layout_step, padding_share
-from groupflow.learner.micro_batch import pack_rows
+from groupflow.learner.batching import layout_step, pack_rows, padding_share
 from groupflow.learner.token_head import install_token_head, response_positions
 from groupflow.learner.token_stats import TokenStats, token_stats
 

@@ -10,8 +10,9 @@ Rules that the credit math relies on:
 Within a rank's share of a mini-batch, sequences of similar length share a micro-batch, so
 little of a padded micro-batch is padding; `micro_batch_tokens` bounds the positions the
 forward computes (rows x longest row), which is what activation memory grows with: a row per
-sequence, or, `packed`, the rows that learner/micro_batch.py's `pack_rows` fills, several
-sequences to a row, so that a packed micro-batch takes about `micro_batch_tokens` real tokens.
+sequence, or, `packed`, the rows that `pack_rows` fills, several sequences to a row
+(learner/micro_batch.py packs so), so that a packed micro-batch takes about
+`micro_batch_tokens` real tokens.
 """
 
 from __future__ import annotations
@@ -72,24 +73,44 @@ def _balance(groups: list[list[int]], lengths: list[int], num_ranks: int) -> lis
     return out
 
 
+def first_fit_row(used: list[int], length: int, width: int) -> int:
+    """The first row, of rows of `width` positions with `used` filled, that has room for
+    `length` more; len(used) if none has (a new row)."""
+    return next((r for r, n in enumerate(used) if n + length <= width), len(used))
+
+
+def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
+    """(row, start) of each sequence and the number of rows: longest first, each into the
+    first row with room, every row as wide as the longest sequence, so that a row's attention
+    costs no more than a padded batch's (learner/micro_batch.py packs micro-batches so)."""
+    width = max(lengths)
+    rows, starts, used = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = first_fit_row(used, lengths[i], width)
+        if row == len(used):
+            used.append(0)
+        rows[i], starts[i] = row, used[row]
+        used[row] += lengths[i]
+    return rows, starts, len(used)
+
+
 def _pack(indices: list[int], lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
     """Longest sequence first; a micro-batch takes the next sequence while its rows times its
     longest row stay within `budget` (a longer sequence goes alone). Rows: one per sequence,
     or, `packed`, each sequence in the first row with room, as `pack_rows` places them (it
-    sees them in this same order). On sorted lengths this greedy cut gives the fewest
+    sees them in this same order, and uses the same `first_fit_row`). On sorted lengths this greedy cut gives the fewest
     micro-batches, and neighbours differ little in length."""
     batches: list[list[int]] = []
     used: list[int] = []  # filled positions of each row of the open micro-batch
     width = 0
     for i in sorted(indices, key=lambda i: -lengths[i]):
         n = lengths[i]
-        row = next((r for r, u in enumerate(used) if u + n <= width), None) if packed else None
-        if batches and (len(used) + (row is None)) * width <= budget:
+        row = first_fit_row(used, n, width) if packed else len(used)
+        if batches and max(len(used), row + 1) * width <= budget:
             batches[-1].append(i)
-            if row is None:
-                used.append(n)
-            else:
-                used[row] += n
+            if row == len(used):
+                used.append(0)
+            used[row] += n
         else:
             batches.append([i])
             used, width = [n], n

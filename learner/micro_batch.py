@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
+from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
@@ -39,21 +40,6 @@ class MicroBatchLoss:
     loss: Tensor  # scalar, to backpropagate
     figures: UpdateFigures
     token_grads: list[Tensor]  # per sequence (n_i,) float64 dLoss/dlogp; empty unless asked
-
-
-def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
-    """(row, start) of each sequence and the number of rows: longest first, each into the
-    first row with room, every row as wide as the longest sequence, so that a row's attention
-    costs no more than a padded batch's."""
-    width = max(lengths)
-    rows, starts, used = [0] * len(lengths), [0] * len(lengths), []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, n in enumerate(used) if n + lengths[i] <= width), len(used))
-        if row == len(used):
-            used.append(0)
-        rows[i], starts[i] = row, used[row]
-        used[row] += lengths[i]
-    return rows, starts, len(used)
 
 
 @dataclass

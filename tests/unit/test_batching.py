@@ -2,8 +2,7 @@ import random
 
 import pytest
 
-from groupflow.learner.batching import layout_step, padding_share
-from groupflow.learner.micro_batch import pack_rows
+from groupflow.learner.batching import layout_step, pack_rows, padding_share
 
 
 def _random_step(rng):
