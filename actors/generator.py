@@ -97,10 +97,18 @@ class Generator:
         def fetched():
             for bucket in manifest:
                 refs = arriving.get()
-                if refs is None:
-                    raise RuntimeError(f"weight sync {version}: the learner's stream failed")
+                try:
+                    if refs is None:
+                        raise RuntimeError("a rank's stream ended early")
+                    arrays = ray.get(refs)
+                except Exception as err:
+                    # The learner's failure, not this engine's: it must not read as its death.
+                    why = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    raise RuntimeError(
+                        f"weight sync {version}: the learner's stream failed: {why}"
+                    ) from None
                 dtype = getattr(torch, bucket[0][2])
-                shards = [bytes_tensor(array).view(dtype) for array in ray.get(refs)]
+                shards = [bytes_tensor(array).view(dtype) for array in arrays]
                 yield from unpack_bucket(shards, bucket)
 
         try:

@@ -48,7 +48,9 @@ class LearnerRankActor:
         soon as it is laid out, so each enters the object store on its own; nothing is
         gathered among the ranks. A partition goes as the bytes of its flat tensor in a numpy
         array: Ray writes that into the object store in one copy and an engine on the node
-        reads it in place (a torch tensor would be pickled, and copied)."""
+        reads it in place (a torch tensor would be pickled, and copied). On CPU the array is a
+        view of the live partitions (`shard_buckets`); that is safe because Ray copies each
+        yielded value before the generator resumes, and no other call runs meanwhile."""
         import torch
 
         for shard in self.rank.weight_shard_buckets(bucket_bytes):

@@ -21,6 +21,8 @@ loads the weights after the chunks already sent to it and before any sent later.
 
 from __future__ import annotations
 
+from itertools import zip_longest
+
 import ray
 
 from groupflow.actors.learner import LearnerGroup
@@ -46,16 +48,21 @@ class ObjectStoreTransport:
         loads = [e.load_streamed_weights.remote(self.buckets, version) for e in engines]
         # Each stream hands out a reference per bucket as the rank has laid it out (this
         # waits for it); wrapped in a list, the engines keep them unfetched until they load.
+        # A rank that fails ends its stream early (its last reference holds the error).
+        forwarded = 0
         try:
-            for shards in zip(*streams, strict=True):
+            for shards in zip_longest(*streams):
+                if None in shards:
+                    break
                 for engine in engines:
                     engine.add_weights.remote(version, list(shards))
-        except BaseException:
-            for engine in engines:  # or they would wait for the rest of the buckets
-                engine.add_weights.remote(version, None)
-            raise
+                forwarded += 1
+        finally:
+            if forwarded < len(self.buckets):  # or the engines would wait for the rest
+                for engine in engines:
+                    engine.add_weights.remote(version, None)
         # The buckets are in the object store once the streams complete: the learner may
-        # train on while the engines load them.
+        # train on while the engines load them. A failed rank fails its stream's handle.
         return SyncHandles([stream.completed() for stream in streams], loads)
 
 

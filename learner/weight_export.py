@@ -125,7 +125,26 @@ def shard_buckets(module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[
     optimizer step writes the new values there, so it is current between steps even where a
     full copy of the parameter is kept (persistent parameters)."""
     for bucket in _parameter_buckets(module, bucket_bytes):
-        yield torch.cat([p.ds_tensor.detach().reshape(-1) for _, p in bucket])
+        yield joined([p.ds_tensor.detach() for _, p in bucket])
+
+
+def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensors` flattened into one: a view of their memory where they lie back to back in one
+    buffer, as a rank's ZeRO-3 partitions do (DeepSpeed keeps them in one flat buffer, in
+    parameter order), so no copy is made; else a copy."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    end = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr():
+            break
+        if t.dtype != first.dtype or t.data_ptr() != end:
+            break
+        end += t.numel() * t.element_size()
+    else:
+        numel = (end - first.data_ptr()) // first.element_size()
+        return first.new_empty(0).set_(storage, first.storage_offset(), (numel,))
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def flat_buckets(

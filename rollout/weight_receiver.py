@@ -29,8 +29,20 @@ class WeightReceiver:
                 layers.add(layer_of(name))
                 yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=noting_layers())
-        self._repack_kept_cpu_weights(layers | {TIED_HEAD.get(x, x) for x in layers})
+        try:
+            self.model_runner.reload_weights(weights_iterator=noting_layers())
+        except BaseException:
+            # vLLM moves every layer's weights aside for a reload and puts them back only at
+            # its end. Put back those of the layers not loaded, so that the engine still
+            # samples: with the old weights there and the new ones in the layers loaded,
+            # until a later load (a learner rebuilt after a failed sync syncs every engine).
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            model_runner = self.model_runner
+            finalize_layerwise_reload(model_runner.get_model(), model_runner.model_config)
+            raise
+        finally:
+            self._repack_kept_cpu_weights(layers | {TIED_HEAD.get(x, x) for x in layers})
         return len(layers)
 
     def _repack_kept_cpu_weights(self, layers: set[str]) -> None:

@@ -10,6 +10,7 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
 from groupflow.config import SamplingConfig, build_config
+from groupflow.learner.weight_export import bucket_manifest
 from groupflow.records import Prompt, TrainSequence
 from groupflow.reward_workers.tasks import make_task
 
@@ -103,11 +104,22 @@ def test_engines_load_buckets_sent_while_they_sample_and_a_broken_stream_fails_t
     assert ray.get(chunk)[0].policy_version < 2, "the chunk ran before the load"
     _assert_engines_match(engines, _weights(learner))
 
-    manifest = [[("model.norm.weight", (4,), "float32")]]
-    load = engines[0].load_streamed_weights.remote(manifest, 3)
+    # A stream that breaks after its first bucket, of weights a step newer: the load fails
+    # as the learner's failure, and the engine still samples (the layers not loaded keep
+    # their weights) until a whole sync makes it exact again.
+    _train(learner, _sample_sequences(engines, seed=6))
+    streams = learner.async_stream_weights(2**20)
+    manifest = ray.get(learner.ranks[0].weight_manifest.remote())
+    load = engines[0].load_streamed_weights.remote(bucket_manifest(manifest, 2**20), 3)
+    engines[0].add_weights.remote(3, [next(stream) for stream in streams])
     engines[0].add_weights.remote(3, None)
     with pytest.raises(ray.exceptions.RayTaskError, match="weight sync 3: the learner's stream"):
         ray.get(load, timeout=120)
+    ray.get([stream.completed() for stream in streams])
+    groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SamplingConfig()))
+    assert len(groups[0].responses) == 2
+    _sync(ObjectStoreTransport(learner, engines), version=4)
+    _assert_engines_match(engines, _weights(learner))
 
 
 def _assert_engines_match(engines, after: dict[str, torch.Tensor]) -> None:
@@ -203,4 +215,23 @@ def test_collective_transport_syncs_exactly_too(stack):
     _sync(transport, version=10)
     _train(learner, _sample_sequences(engines, seed=4))
     _sync(transport, version=11)  # the group is reused
+    _assert_engines_match(engines, _weights(learner))
+
+
+def test_a_rank_dead_in_a_sync_fails_the_learners_side_as_a_death_not_the_engines(stack):
+    """A rank killed before a sync: the learner's handle fails as a death (the job rebuilds
+    the learner) and each engine's load as the stream's failure, not as the engine's own
+    death; once the learner is rebuilt, one sync makes the engines exact. (Last in this
+    module: the ranks it leaves are new ones, on the base model.)"""
+    cfg, engines, learner = stack
+    ray.kill(learner.ranks[1])
+    handles = ObjectStoreTransport(learner, engines, bucket_bytes=2**20).async_sync(5)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(handles.learner, timeout=120)
+    for load in handles.engines:
+        with pytest.raises(ray.exceptions.RayTaskError, match="learner's stream failed") as err:
+            ray.get(load, timeout=120)
+        assert not isinstance(err.value, ray.exceptions.RayActorError)
+    learner.restart()
+    _sync(ObjectStoreTransport(learner, engines), version=6)
     _assert_engines_match(engines, _weights(learner))

@@ -58,10 +58,13 @@ class FakeFutures:
             self.log.append(("get", h.label, self.clock.now))
             if h.value is DIED:
                 raise PeerDied(h.label)
+            if h.value is FAILED:
+                raise RuntimeError(h.label)
         return [h.value for h in handles]
 
 
 DIED = object()  # the value of a call on an actor that died
+FAILED = object()  # the value of a call that raised (its actor lives on)
 
 
 class Remote:
@@ -206,15 +209,26 @@ class FakeLearner:
 
 
 class FakeTransport:
-    """`skip`: (engine, version) loads that never happen (the engine keeps its weights)."""
+    """`skip`: (engine, version) loads that never happen (the engine keeps its weights);
+    `rank_dies_at`: the version whose sync a learner rank dies in: the engines' loads of it
+    fail (as an engine's load of a broken stream does), and the engines go on."""
 
-    def __init__(self, engines: list[FakeEngine], loads: bool = True, skip=frozenset()):
-        self.engines, self.loads, self.skip = engines, loads, skip
+    def __init__(
+        self, engines: list[FakeEngine], loads: bool = True, skip=frozenset(), rank_dies_at=None
+    ):
+        self.engines, self.loads, self.skip, self.rank_dies_at = engines, loads, skip, rank_dies_at
 
     def async_sync(self, version, engines=None):
         if not self.loads:
             return SyncHandles([], [])
         targets = self.engines if engines is None else engines
+        if version == self.rank_dies_at:
+            self.rank_dies_at = None
+            now = self.engines[0].clock.now
+            return SyncHandles(
+                [FakeRef(now + 0.2, DIED, "dead rank in a sync")],
+                [FakeRef(now + 0.3, FAILED, "load of a broken stream") for _ in targets],
+            )
         return SyncHandles(
             [],
             [
@@ -277,6 +291,7 @@ def run_job(
     engine_dies_at_chunk=(),
     engine_dies_at="",
     learner_dies_in_step=0,
+    rank_dies_in_sync=None,
     held_out_sets=(),
     engine_type=FakeEngine,
     starting=None,
@@ -327,7 +342,7 @@ def run_job(
         generators=pool,
         rewards=rewards,
         learner=learner,
-        transport=FakeTransport(fake_engines, loads, skip_loads),
+        transport=FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync),
         futures=futures,
         learner_figures=lambda results: {"optimizer_updates": len(results)},
         checkpointing=None
@@ -624,6 +639,31 @@ def test_a_dead_learner_rank_rebuilds_the_learner_from_the_newest_checkpoint(tmp
     assert [r["step"] for r in run.records] == [1, 2, 3, 3, 4, 5]  # the driver rewinds the file
     assert [r["learner_restarts"] for r in run.records] == [0, 0, 0, 1, 1, 1]
     assert [r["engine_restarts"] for r in run.records] == [1] * 6
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_rank_dead_in_a_weight_sync_rebuilds_the_learner_past_the_failed_loads(
+    tmp_path, staleness
+):
+    overrides = ["trainer.checkpoint_every=2"]
+    straight = run_job(steps=5, staleness=staleness, run_dir=tmp_path / "a", overrides=overrides)
+    # the sync after step 3 fails on the learner's side, and with it every engine's load
+    run = run_job(
+        steps=5,
+        staleness=staleness,
+        run_dir=tmp_path / "b",
+        overrides=overrides,
+        rank_dies_in_sync=3,
+    )
+    assert run.learner.restarts == 1
+    assert run.learner.steps.index("restarted") == 3  # after training step 3
+    # step 3 never ended: the ranks came back at step 2's checkpoint and trained 3-5 again
+    assert [r["step"] for r in run.records] == [1, 2, 3, 4, 5]
+    assert (run.learner.weights, run.learner.moment) == (
+        straight.learner.weights,
+        straight.learner.moment,
+    )
+    assert all(e.version == 5 for e in run.engines), "every engine serves the last version"
 
 
 def test_held_out_scores_greedy_and_sampled_through_the_reward_pool():

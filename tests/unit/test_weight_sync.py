@@ -14,7 +14,9 @@ from groupflow.learner.weight_export import (
     broadcast_weights,
     bucket_manifest,
     bytes_tensor,
+    joined,
     layer_of,
+    shard_buckets,
     unpack_bucket,
     weight_manifest,
 )
@@ -96,6 +98,73 @@ def test_the_ranks_partitions_put_every_parameter_back_exactly(gen, world):
     assert [n for n, _ in got] == [e[0] for e in manifest]
     for name, tensor in got:
         assert tensor.dtype == weights[name].dtype and torch.equal(tensor, weights[name]), name
+
+
+class Zero3Rank:
+    """What `shard_buckets` reads of a ZeRO-3 module on one rank: parameters in order, each
+    with its full shape (`ds_shape`) and this rank's partition (`ds_tensor`)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], world: int, rank: int, flat: bool):
+        parts = {name: zero3_partitions(w, world)[rank] for name, w in weights.items()}
+        if flat:  # DeepSpeed's layout: the rank's partitions back to back, a buffer per dtype
+            for dtype in {p.dtype for p in parts.values()}:
+                names = [n for n, p in parts.items() if p.dtype == dtype]
+                buffer = torch.cat([parts[n] for n in names])
+                parts.update(
+                    zip(names, buffer.split([parts[n].numel() for n in names]), strict=True)
+                )
+        else:  # each partition in memory of its own
+            parts = {name: p.clone() for name, p in parts.items()}
+        self.params = []
+        for name, w in weights.items():
+            param = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+            param.ds_shape, param.ds_tensor = w.shape, parts[name]
+            self.params.append((name, param))
+
+    def named_parameters(self):
+        return iter(self.params)
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["one-buffer", "scattered"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_buckets_round_trip_and_copy_nothing_from_one_buffer(gen, world, flat):
+    manifest = random_manifest(gen)
+    weights = {
+        name: torch.randn(shape, dtype=getattr(torch, dtype), generator=gen)
+        for name, shape, dtype in manifest
+    }
+    limit = int(torch.randint(100, 20_000, (), generator=gen))
+    ranks = [Zero3Rank(weights, world, r, flat) for r in range(world)]
+    assert weight_manifest(ranks[0]) == manifest
+    streams = [list(shard_buckets(rank, limit)) for rank in ranks]
+    buffers = {p.ds_tensor.untyped_storage().data_ptr() for _, p in ranks[0].params}
+    buckets = bucket_manifest(manifest, limit)
+    for bucket, shard in zip(buckets, streams[0], strict=True):
+        # a view of the partitions' own memory where they lie back to back, else a copy
+        viewed = shard.untyped_storage().data_ptr() in buffers
+        assert viewed == (flat or len(bucket) == 1)
+    got = []
+    for bucket, shards in zip(buckets, zip(*streams, strict=True), strict=True):
+        got += unpack_bucket([as_transported(s, bucket[0][2]) for s in shards], bucket)
+    assert [n for n, _ in got] == [e[0] for e in manifest]
+    for name, tensor in got:
+        assert tensor.dtype == weights[name].dtype and torch.equal(tensor, weights[name]), name
+
+
+def test_joined_views_only_tensors_back_to_back(gen):
+    buffer = torch.randn(100, dtype=torch.float64, generator=gen)
+    back_to_back = [buffer[0:12].view(3, 4), buffer[12:40], buffer[40:41]]
+    view = joined(back_to_back)
+    assert view.data_ptr() == buffer.data_ptr() and torch.equal(view, buffer[:41])
+    for tensors in (
+        [buffer[0:12], buffer[13:40]],  # a gap
+        [buffer[12:40], buffer[0:12]],  # out of order
+        [buffer[0:12], torch.randn(5, dtype=torch.float64, generator=gen)],  # another buffer
+        [buffer[0:20:2], buffer[20:30]],  # not contiguous
+    ):
+        copy = joined(tensors)
+        assert copy.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        assert torch.equal(copy, torch.cat([t.reshape(-1) for t in tensors]))
 
 
 def test_a_partition_of_the_wrong_size_is_refused(gen):
