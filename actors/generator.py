@@ -108,7 +108,9 @@ class Generator:
                         f"weight sync {version}: the learner's stream failed: {why}"
                     ) from None
                 dtype = getattr(torch, bucket[0][2])
-                shards = [bytes_tensor(array).view(dtype) for array in arrays]
+                # Put together where the engine computes: on a GPU, each partition crosses
+                # once and the parameters are cut and joined there, not by the host.
+                shards = [bytes_tensor(a).view(dtype).to(self.device.kind) for a in arrays]
                 yield from unpack_bucket(shards, bucket)
 
         try:

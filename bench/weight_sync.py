@@ -9,8 +9,10 @@ ZeRO-3 ranks and `--engines` vLLM engines, then times `--repeats` syncs per tran
 warm-up sync. Prints seconds per sync and the effective bandwidth: model bytes (as the learner
 holds them) / seconds, so an engine count above 1 does not inflate it, and the learner's
 side alone: until every rank's partitions are in the object store (object store) or rank 0
-has gathered and sent every bucket (collective); the engines load meanwhile and after. Costs about a minute of
-start-up per shape.
+has gathered and sent every bucket (collective); the engines load meanwhile and after. For the
+object store, also the engines' side alone: their load of a sync already in the object store,
+with the learner idle (on CPU, vLLM's own reload sets it). Costs about a minute of start-up per
+shape.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import make_transport
 from groupflow.config import Config, build_config
+from groupflow.learner.weight_export import bucket_manifest
 from groupflow.quickstart import quickstart_model_path
 
 TRANSPORTS = ("object_store", "collective")
@@ -77,6 +80,26 @@ def time_syncs(
     return seconds
 
 
+def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> float:
+    """Object store: seconds for the engines to load a sync whose partitions are all in the
+    object store already, the learner idle: the engines' side alone, what the end-to-end
+    figure cannot beat however fast the learner's side is."""
+    manifest = ray.get(learner.ranks[0].weight_manifest.remote())
+    streams = learner.async_stream_weights(bucket_bytes)
+    shards = list(zip(*streams, strict=True))
+    ray.get([stream.completed() for stream in streams])
+    start = time.perf_counter()
+    loads = [
+        e.load_streamed_weights.remote(bucket_manifest(manifest, bucket_bytes), version)
+        for e in engines
+    ]
+    for refs in shards:
+        for engine in engines:
+            engine.add_weights.remote(version, list(refs))
+    ray.get(loads)
+    return time.perf_counter() - start
+
+
 def bench_shape(hidden: int, layers: int, engines: int, repeats: int, bucket_mb: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         nbytes = random_model(hidden, layers, Path(tmp))
@@ -91,10 +114,17 @@ def bench_shape(hidden: int, layers: int, engines: int, repeats: int, bucket_mb:
                 times = time_syncs(kind, learner, pool.engines, repeats, bucket_mb)
                 learner_s = statistics.median(t[0] for t in times)
                 seconds = statistics.median(t[1] for t in times)
+                alone = "        -"
+                if kind == "object_store":
+                    alone_s = statistics.median(
+                        time_engines_alone(learner, pool.engines, bucket_mb * 2**20, 100 + i)
+                        for i in range(repeats)
+                    )
+                    alone = f"{alone_s:8.3f} s"
                 print(
                     f"{hidden}x{layers:<3} {nbytes / 1e6:9.1f} MB  {kind:12s} "
                     f"{seconds:8.3f} s/sync  {nbytes / seconds / 1e9:6.2f} GB/s  "
-                    f"{learner_s:8.3f} s",
+                    f"{learner_s:8.3f} s  {alone}",
                     flush=True,
                 )
         finally:
@@ -112,7 +142,8 @@ def main() -> None:
     torch.set_num_threads(1)
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
     print(
-        "shape      model bytes  transport    median time       effective  learner side",
+        "shape      model bytes  transport    median time       effective  learner side"
+        "  engines alone",
         flush=True,
     )
     try:
