@@ -88,13 +88,19 @@ class Generator:
         with self._arriving_lock:
             return self._arriving_buckets.setdefault(version, queue.Queue())
 
-    def load_streamed_weights(self, manifest: list, version: int) -> int:
+    def load_streamed_weights(self, manifest: list, version: int) -> int | None:
         """Load sync `version` in one vLLM pass, each bucket as soon as its references have
         arrived (add_weights), fetching one bucket at a time; `manifest[k]` names what bucket k
-        holds (learner/weight_export.py)."""
+        holds (learner/weight_export.py). Returns `version`, or None where the learner's
+        stream failed part-way: that failure is the learner's to report (its side of the sync
+        fails, and the job rebuilds it and syncs every engine again), so it must not read as
+        this engine's; the layers not loaded keep their weights (rollout/weight_receiver.py).
+        A failure of the engine's own raises."""
         arriving = self._arriving(version)
+        stream_failed = ""
 
         def fetched():
+            nonlocal stream_failed
             for bucket in manifest:
                 refs = arriving.get()
                 try:
@@ -102,11 +108,8 @@ class Generator:
                         raise RuntimeError("a rank's stream ended early")
                     arrays = ray.get(refs)
                 except Exception as err:
-                    # The learner's failure, not this engine's: it must not read as its death.
-                    why = str(err).splitlines()[0] if str(err) else type(err).__name__
-                    raise RuntimeError(
-                        f"weight sync {version}: the learner's stream failed: {why}"
-                    ) from None
+                    stream_failed = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    raise
                 dtype = getattr(torch, bucket[0][2])
                 # Put together where the engine computes: on a GPU, each partition crosses
                 # once and the parameters are cut and joined there, not by the host.
@@ -115,6 +118,13 @@ class Generator:
 
         try:
             self.engine.load_weights(fetched(), version)
+        except Exception:
+            if not stream_failed:
+                raise
+            log.warning(
+                "weight sync %d abandoned, the learner's stream failed: %s", version, stream_failed
+            )
+            return None
         finally:
             with self._arriving_lock:
                 del self._arriving_buckets[version]

@@ -490,8 +490,6 @@ class TrainingJob:
         after it are trained again). The rollouts in flight are let finish and dropped."""
         self._learner_between_steps = False  # no weights to send before the ranks are back
         self._limit = self._drawn  # nothing more is drawn or sent
-        # Loads of the lost learner's syncs may have failed with it; restore() syncs again.
-        self._engine_loads.clear()
         self._chunks = deque(c for c in self._chunks if c.handle is not None)
         while self.generators.in_flight():
             self._stream_until(self.generators.in_flight())

@@ -91,10 +91,10 @@ def test_weight_sync_is_exact_on_every_engine(stack):
     _assert_engines_match(engines, after)
 
 
-def test_engines_load_buckets_sent_while_they_sample_and_a_broken_stream_fails_the_load(stack):
+def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(stack):
     """The engine's load starts before the buckets arrive, behind a chunk it is sampling:
     the references reach it meanwhile (their own concurrency group) and it loads exactly.
-    A sync whose stream breaks fails the load instead of leaving the engine waiting."""
+    A sync whose stream breaks ends the load instead of leaving the engine waiting."""
     cfg, engines, learner = stack
     _train(learner, _sample_sequences(engines, seed=5))
     chunk = engines[0].sample.remote(
@@ -104,17 +104,16 @@ def test_engines_load_buckets_sent_while_they_sample_and_a_broken_stream_fails_t
     assert ray.get(chunk)[0].policy_version < 2, "the chunk ran before the load"
     _assert_engines_match(engines, _weights(learner))
 
-    # A stream that breaks after its first bucket, of weights a step newer: the load fails
-    # as the learner's failure, and the engine still samples (the layers not loaded keep
-    # their weights) until a whole sync makes it exact again.
+    # A stream that breaks after its first bucket, of weights a step newer: the engine
+    # abandons the load (the learner's side reports the failure) and still samples (the
+    # layers not loaded keep their weights) until a whole sync makes it exact again.
     _train(learner, _sample_sequences(engines, seed=6))
     streams = learner.async_stream_weights(2**20)
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
     load = engines[0].load_streamed_weights.remote(bucket_manifest(manifest, 2**20), 3)
     engines[0].add_weights.remote(3, [next(stream) for stream in streams])
     engines[0].add_weights.remote(3, None)
-    with pytest.raises(ray.exceptions.RayTaskError, match="weight sync 3: the learner's stream"):
-        ray.get(load, timeout=120)
+    assert ray.get(load, timeout=120) is None, "the load is abandoned, not failed"
     ray.get([stream.completed() for stream in streams])
     groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SamplingConfig()))
     assert len(groups[0].responses) == 2
@@ -218,20 +217,15 @@ def test_collective_transport_syncs_exactly_too(stack):
     _assert_engines_match(engines, _weights(learner))
 
 
-def test_a_rank_dead_in_a_sync_fails_the_learners_side_as_a_death_not_the_engines(stack):
+def test_a_rank_dead_in_a_sync_fails_the_learners_side_and_the_engines_abandon_it(stack):
     """A rank killed before a sync: the learner's handle fails as a death (the job rebuilds
-    the learner) and each engine's load as the stream's failure, not as the engine's own
-    death; once the learner is rebuilt, one sync makes the engines exact. (Last in this
-    module: the ranks it leaves are new ones, on the base model.)"""
+    the learner), and the engines abandon their loads rather than fail them, which would read
+    as a failure of theirs. (Last in this module: it leaves the learner a rank short; that an
+    engine samples on after an abandoned load and a later sync makes it exact is the test
+    of a broken stream above.)"""
     cfg, engines, learner = stack
     ray.kill(learner.ranks[1])
     handles = ObjectStoreTransport(learner, engines, bucket_bytes=2**20).async_sync(5)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(handles.learner, timeout=120)
-    for load in handles.engines:
-        with pytest.raises(ray.exceptions.RayTaskError, match="learner's stream failed") as err:
-            ray.get(load, timeout=120)
-        assert not isinstance(err.value, ray.exceptions.RayActorError)
-    learner.restart()
-    _sync(ObjectStoreTransport(learner, engines), version=6)
-    _assert_engines_match(engines, _weights(learner))
+    assert ray.get(handles.engines, timeout=120) == [None] * len(engines), "abandoned"

@@ -58,13 +58,10 @@ class FakeFutures:
             self.log.append(("get", h.label, self.clock.now))
             if h.value is DIED:
                 raise PeerDied(h.label)
-            if h.value is FAILED:
-                raise RuntimeError(h.label)
         return [h.value for h in handles]
 
 
 DIED = object()  # the value of a call on an actor that died
-FAILED = object()  # the value of a call that raised (its actor lives on)
 
 
 class Remote:
@@ -210,8 +207,8 @@ class FakeLearner:
 
 class FakeTransport:
     """`skip`: (engine, version) loads that never happen (the engine keeps its weights);
-    `rank_dies_at`: the version whose sync a learner rank dies in: the engines' loads of it
-    fail (as an engine's load of a broken stream does), and the engines go on."""
+    `rank_dies_at`: the version whose sync a learner rank dies in: the engines abandon their
+    loads of it (as an engine does a broken stream's), before the learner's side fails."""
 
     def __init__(
         self, engines: list[FakeEngine], loads: bool = True, skip=frozenset(), rank_dies_at=None
@@ -227,7 +224,7 @@ class FakeTransport:
             now = self.engines[0].clock.now
             return SyncHandles(
                 [FakeRef(now + 0.2, DIED, "dead rank in a sync")],
-                [FakeRef(now + 0.3, FAILED, "load of a broken stream") for _ in targets],
+                [FakeRef(now + 0.1, None, "load of a broken stream") for _ in targets],
             )
         return SyncHandles(
             [],
