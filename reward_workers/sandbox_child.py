@@ -98,7 +98,7 @@ def _frozen(function: types.FunctionType, *defaults: object) -> types.FunctionTy
 # The hook's functions take their state as two tuples, unpacked the same way everywhere:
 # policy = (refused events, refused event prefixes, refused module names, extension module
 #           directories, path events, work directory, write flags, /proc/<pid> matcher,
-#           own /proc directory, own pid, kernel-confined)
+#           own /proc directory, own pid, kernel-confined, frozen function attributes)
 # prims = (lstat, readlink, getcwd, type, str, bytes, bytes.decode, str.__str__, stat,
 #          PermissionError, OSError)
 
@@ -156,7 +156,7 @@ def _inside(resolved, root):
 
 def _check_open(path, mode, flags, policy, prims, fns):
     text, resolve, inside = fns
-    _, _, _, _, _, root, write_flags, other_proc, own_proc, _, _ = policy
+    _, _, _, _, _, root, write_flags, other_proc, own_proc, _, _, _ = policy
     _, _, _, type_, _, _, _, _, stat, refusal, os_error = prims
     if type_(path) is type_(0):  # wrapping a descriptor opened earlier (and checked then)
         return
@@ -181,7 +181,7 @@ def _check_open(path, mode, flags, policy, prims, fns):
 def _check_paths(event, args, policy, prims, fns):
     """A call that changes the filesystem: every path it names must lead inside the workdir."""
     text, resolve, inside = fns
-    _, _, _, _, path_events, root, _, _, _, _, _ = policy
+    _, _, _, _, path_events, root, _, _, _, _, _, _ = policy
     _, _, _, type_, _, _, _, _, _, refusal, _ = prims
     paths, dir_fd_positions = path_events[event]
     dir_fds = ()
@@ -206,7 +206,7 @@ def _check_import(args, policy, prims, fns):
     """Refuse ctypes (under any name) and extension modules from outside the standard
     library (a .so the program wrote, or another package's native code)."""
     text, resolve, _ = fns
-    _, _, refused_modules, dynload, _, _, _, _, _, _, _ = policy
+    _, _, refused_modules, dynload, _, _, _, _, _, _, _, _ = policy
     _, _, _, _, _, _, _, str_str, _, refusal, _ = prims
     name = str_str(args[0])  # the exact text the loader uses; a non-str raises: refused
     for part in name.split("."):
@@ -220,11 +220,15 @@ def _check_import(args, policy, prims, fns):
 
 
 def _audit_hook(event, args, policy, prims, fns, check_open, check_paths, check_import):
-    refused, prefixes, _, _, path_events, _, _, _, _, own_pid, kernel_confined = policy
-    refusal = prims[9]
+    refused, prefixes, _, _, path_events, _, _, _, _, own_pid, kernel_confined, frozen = policy
+    type_, str_, refusal = prims[3], prims[4], prims[9]
     if event in refused or event.startswith(prefixes):
         raise refusal("sandbox: " + event + " is not allowed")
-    if event == "import":
+    if event == "object.__setattr__":
+        # A traceback's frames hold the hook's helper functions: their code stays theirs.
+        if type_(args[1]) is str_ and args[1] in frozen:
+            raise refusal("sandbox: setting " + args[1] + " is not allowed")
+    elif event == "import":
         check_import(args, policy, prims, fns)
     elif event == "os.kill":
         if args[0] != own_pid:
@@ -255,6 +259,7 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: b
         f"/proc/{os.getpid()}/",
         os.getpid(),
         kernel_confined,
+        frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
     )
     # C functions and builtin types, taken before the program can replace them anywhere.
     prims = (
