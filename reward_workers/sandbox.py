@@ -18,10 +18,15 @@ Layers, outermost first (`SandboxPlatform.isolation` lists the ones active on th
   non-root user, a non-zero uid in a nested user namespace (so the program cannot unmount).
 - rlimits set in preexec: CPU seconds, address space, processes, file size, open files, no
   core dumps; a wall-clock timeout; a new session whose process group is killed on exit.
+- A seccomp filter set in preexec (build_syscall_filter): memfd, pidfds, ptrace, System V
+  IPC; without namespaces also mknod, symlink and signals to any process but the program.
 - A stripped environment (PATH, HOME, TMPDIR, LANG only) and `python -I -S -B`.
 - An audit hook inside the child (sandbox_child.py), a second layer only: sockets,
-  subprocesses (unless allowed), signals to other processes, ctypes and memfd_create; where
-  the kernel layers are missing, also writes outside the work directory.
+  subprocesses (unless allowed), signals to other processes, ctypes, native code from
+  outside the standard library; where the kernel layers are missing, also writes outside
+  the work directory. It holds no state the program could change.
+Without namespaces the work directory lives in a fresh directory of the worker's, and its
+cleanup follows no link the program planted (_remove_tree).
 
 Output is captured in unlinked temporary files, bounded by RLIMIT_FSIZE, and read back up to
 `Limits.output_bytes`.
