@@ -731,8 +731,8 @@ def _remove_quietly(remove, *args, **kwargs) -> None:
 # refused by the kernel (EPERM) whatever the program runs: memory no rlimit counts (memfd),
 # other processes (pidfds, ptrace, process_vm_*), System V IPC objects that outlive the run.
 # Without namespaces, also device nodes, FIFOs and symlinks (the audit hook's path checks see
-# none of them) and signals to any process but the program's own (its parent is the same
-# user where the worker is not root). Built in the worker, installed between fork and exec;
+# none of them), and signals, rlimits and scheduling of any process but the program's own
+# (its parent is the same user where the worker is not root). Built in the worker, installed between fork and exec;
 # it survives exec and binds every process the program starts. An architecture not listed
 # here gets no filter, and the platform says so.
 
@@ -782,6 +782,13 @@ _ARCHES = {
             "tgkill": 234,
             "rt_sigqueueinfo": 129,
             "rt_tgsigqueueinfo": 297,
+            "prlimit64": 302,
+            "sched_setaffinity": 203,
+            "sched_setscheduler": 144,
+            "sched_setparam": 142,
+            "sched_setattr": 314,
+            "setpriority": 141,
+            "ioprio_set": 251,
         },
         has_x32=True,
     ),
@@ -806,6 +813,13 @@ _ARCHES = {
             "tgkill": 131,
             "rt_sigqueueinfo": 138,
             "rt_tgsigqueueinfo": 240,
+            "prlimit64": 261,
+            "sched_setaffinity": 122,
+            "sched_setscheduler": 119,
+            "sched_setparam": 118,
+            "sched_setattr": 274,
+            "setpriority": 140,
+            "ioprio_set": 30,
         },
         has_x32=False,
     ),
@@ -823,9 +837,30 @@ _ALWAYS_REFUSED = (
     "msgget",
     "semget",
 )
-_REFUSED_WITHOUT_NAMESPACES = ("mknod", "mknodat", "symlink", "symlinkat")
-# Their first argument is the target pid (or thread group); 0 and -pid are the own group.
-_SIGNAL_CALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+# Without namespaces: device nodes, FIFOs and links, which the audit hook's path checks do not
+# see, and other processes' priorities (their target is not the first argument).
+_REFUSED_WITHOUT_NAMESPACES = (
+    "mknod",
+    "mknodat",
+    "symlink",
+    "symlinkat",
+    "setpriority",
+    "ioprio_set",
+)
+# Their first argument is the target pid (or thread group): allowed for the program itself,
+# 0 (itself, or its own process group) and -pid (its own process group).
+_PID_TARGETED_CALLS = (
+    "kill",
+    "tkill",
+    "tgkill",
+    "rt_sigqueueinfo",
+    "rt_tgsigqueueinfo",
+    "prlimit64",
+    "sched_setaffinity",
+    "sched_setscheduler",
+    "sched_setparam",
+    "sched_setattr",
+)
 
 
 class _SockFprog(ctypes.Structure):
@@ -867,15 +902,15 @@ def _prctl():
 
 
 @functools.cache
-def build_syscall_filter(confine_signals: bool) -> SyscallFilter | None:
+def build_syscall_filter(without_namespaces: bool) -> SyscallFilter | None:
     """The filter for this machine's architecture, or None where it has none.
-    `confine_signals`: no PID namespace hides other processes, so the filter must."""
+    `without_namespaces`: no PID namespace hides other processes, so the filter must."""
     arch = _ARCHES.get(os.uname().machine)
     if arch is None:
         return None
     _prctl()  # loaded now: the child only calls it
-    refused = _ALWAYS_REFUSED + (_REFUSED_WITHOUT_NAMESPACES if confine_signals else ())
-    signal_calls = _SIGNAL_CALLS if confine_signals else ()
+    refused = _ALWAYS_REFUSED + (_REFUSED_WITHOUT_NAMESPACES if without_namespaces else ())
+    pid_targeted = _PID_TARGETED_CALLS if without_namespaces else ()
     # (code, jump-if-true label, jump-if-false label, k); labels resolve to relative offsets
     program: list[tuple[int, str | None, str | None, int]] = [
         (_LOAD_WORD, None, None, _ARCH),
@@ -887,11 +922,11 @@ def build_syscall_filter(confine_signals: bool) -> SyscallFilter | None:
     program += [
         (_JUMP_IF_EQUAL, "deny", None, arch.numbers[n]) for n in refused if n in arch.numbers
     ]
-    program += [(_JUMP_IF_EQUAL, "signal", None, arch.numbers[n]) for n in signal_calls]
+    program += [(_JUMP_IF_EQUAL, "pid", None, arch.numbers[n]) for n in pid_targeted]
     program.append((_RETURN, None, None, _RET_ALLOW))
     labels = {"kill": len(program)}
     program.append((_RETURN, None, None, _RET_KILL_PROCESS))  # another ABI (i386 on x86_64)
-    labels["signal"] = len(program)
+    labels["pid"] = len(program)
     own_pid_at = len(program) + 1
     program += [
         (_LOAD_WORD, None, None, _FIRST_ARG_LOW_WORD),
@@ -913,8 +948,8 @@ def build_syscall_filter(confine_signals: bool) -> SyscallFilter | None:
     return SyscallFilter(
         instructions=instructions,
         fprog=fprog,
-        own_pid_offsets=(own_pid_at * 8 + k_field,) if signal_calls else (),
-        own_group_offsets=((own_pid_at + 1) * 8 + k_field,) if signal_calls else (),
+        own_pid_offsets=(own_pid_at * 8 + k_field,) if pid_targeted else (),
+        own_group_offsets=((own_pid_at + 1) * 8 + k_field,) if pid_targeted else (),
     )
 
 

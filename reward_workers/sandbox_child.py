@@ -38,6 +38,8 @@ _REFUSED_EVENTS = frozenset(
         "gc.get_referrers",
         "gc.get_referents",
         "code.__new__",
+        # a subinterpreter runs without this interpreter's audit hooks
+        "cpython.PyInterpreterState_New",
         # symlinks would let a path that looks inside the workdir lead outside it
         "os.symlink",
         # signals to process groups (os.kill is allowed for the program's own pid only)
@@ -60,7 +62,10 @@ _SUBPROCESS_EVENTS = frozenset(
 )
 # Any component of a dotted name counts: an extension module loads under any package name.
 # _posixshmem creates files in /dev/shm with no audit event.
-_REFUSED_MODULES = frozenset({"ctypes", "_ctypes", "_posixshmem"})
+_REFUSED_MODULES = frozenset({"ctypes", "_posixshmem"})
+# _ctypes and its test module; subinterpreters (no audit hooks there: _xxsubinterpreters,
+# _interpreters); CPython's test modules (raw memory, interpreter internals).
+_REFUSED_MODULE_PREFIXES = ("_ctypes", "_xx", "_interp", "_test")
 # event -> (positions of paths that must stay inside the workdir, positions of dir_fd args)
 _PATH_EVENTS = {
     "os.remove": ((0,), (1,)),
@@ -96,9 +101,10 @@ def _frozen(function: types.FunctionType, *defaults: object) -> types.FunctionTy
 
 
 # The hook's functions take their state as two tuples, unpacked the same way everywhere:
-# policy = (refused events, refused event prefixes, refused module names, extension module
-#           directories, path events, work directory, write flags, /proc/<pid> matcher,
-#           own /proc directory, own pid, kernel-confined, frozen function attributes)
+# policy = (refused events, refused event prefixes, (refused module names, name prefixes),
+#           extension module directories, path events, work directory, write flags,
+#           /proc/<pid> matcher, own /proc directory, own pid, kernel-confined,
+#           frozen function attributes)
 # prims = (lstat, readlink, getcwd, type, str, bytes, bytes.decode, str.__str__, stat,
 #          PermissionError, OSError)
 
@@ -206,16 +212,16 @@ def _check_import(args, policy, prims, fns):
     """Refuse ctypes (under any name) and extension modules from outside the standard
     library (a .so the program wrote, or another package's native code)."""
     text, resolve, _ = fns
-    _, _, refused_modules, dynload, _, _, _, _, _, _, _, _ = policy
+    _, _, (refused_modules, refused_prefixes), dynload, _, _, _, _, _, _, _, _ = policy
     _, _, _, _, _, _, _, str_str, _, refusal, _ = prims
     name = str_str(args[0])  # the exact text the loader uses; a non-str raises: refused
     for part in name.split("."):
-        if part in refused_modules:
+        if part in refused_modules or part.startswith(refused_prefixes):
             raise refusal("sandbox: importing " + name + " is not allowed")
     if args[1] is None:  # the import statement's own event; a loader's follows
         return
     location = resolve(str_str(args[1]), prims, text)
-    if location.rpartition("/")[2].startswith("_ctypes") or not location.startswith(dynload):
+    if location.rpartition("/")[2].startswith(refused_prefixes) or not location.startswith(dynload):
         raise refusal("sandbox: loading " + location + " is not allowed")
 
 
@@ -230,9 +236,9 @@ def _audit_hook(event, args, policy, prims, fns, check_open, check_paths, check_
             raise refusal("sandbox: setting " + args[1] + " is not allowed")
     elif event == "import":
         check_import(args, policy, prims, fns)
-    elif event == "os.kill":
-        if args[0] != own_pid:
-            raise refusal("sandbox: signalling other processes is not allowed")
+    elif event == "os.kill" or event == "resource.prlimit":
+        if args[0] != own_pid and not (event == "resource.prlimit" and args[0] == 0):
+            raise refusal("sandbox: " + event + " of other processes is not allowed")
     elif kernel_confined:  # the read-only root is the wall for writes; tempfile, unlink pass
         return
     elif event == "open":
@@ -250,7 +256,7 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: b
     policy = (
         _REFUSED_EVENTS | subprocess_events,
         _REFUSED_PREFIXES,
-        _REFUSED_MODULES | subprocess_modules,
+        (_REFUSED_MODULES | subprocess_modules, _REFUSED_MODULE_PREFIXES),
         dynload,
         types.MappingProxyType(dict(_PATH_EVENTS)),
         os.path.realpath(workdir),

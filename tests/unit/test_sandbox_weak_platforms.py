@@ -374,7 +374,25 @@ CTYPES_ROUTES = {
         "shutil.copy(src, '_json.so'); load('_json', os.path.abspath('_json.so'))"
     ),
     "sys-modules": "sys.modules['_ctypes'].dlopen",
+    "ctypes-test-module": "import _ctypes_test",
 }
+
+# Code that would run without this interpreter's audit hook, or reach its internals.
+HOOKLESS_INTERPRETERS = {
+    "subinterpreter": "import _xxsubinterpreters as i; i.run_string(i.create(), 'pass')",
+    "subinterpreter-3.13": "import _interpreters as i; i.run_string(i.create(), 'pass')",
+    "subinterpreter-by-loader": (
+        "import importlib.util\n"
+        "importlib.util.module_from_spec(importlib.util.find_spec('_xxsubinterpreters'))"
+    ),
+    "testcapi": "import _testcapi",
+    "testinternalcapi": "import _testinternalcapi",
+}
+
+
+def test_no_code_runs_without_the_hook(platform):
+    result = run_python(attempts("", HOOKLESS_INTERPRETERS), SMALL, platform=platform)
+    assert_all_refused(result, HOOKLESS_INTERPRETERS)
 
 
 def test_ctypes_cannot_be_loaded_under_any_name(platform):
@@ -420,6 +438,9 @@ def _signal_routes(target: int | str, group: int | str) -> dict[str, str]:
         "kill-all": "os.kill(-1, 0)",
         "pidfd": f"signal.pidfd_send_signal(os.pidfd_open({target}), 0)",
         "pidfd-parent": "signal.pidfd_send_signal(os.pidfd_open(os.getppid()), 0)",
+        "prlimit": f"import resource; resource.prlimit({target}, resource.RLIMIT_NOFILE, (1, 1))",
+        "renice": f"os.setpriority(os.PRIO_PROCESS, {target}, 19)",
+        "affinity": f"os.sched_setaffinity({target}, {{0}})",
         "fresh-posix-kill": (
             "import importlib.util\n"
             "importlib.util.module_from_spec(importlib.util.find_spec('posix'))"
