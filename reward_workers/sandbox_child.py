@@ -116,7 +116,7 @@ def _text(path, prims):
     if kind is bytes_:
         return decode(path, "utf-8", "surrogateescape")
     if kind is not str_:  # a str subclass or path-like would run the program's code
-        raise refusal("sandbox: outside the work directory, paths must be str or bytes")
+        raise refusal("sandbox: a path must be a str, bytes or descriptor here")
     return path
 
 

@@ -510,9 +510,11 @@ def test_a_non_root_worker_without_namespaces_cannot_be_signalled(world_readable
     assert_all_refused(result, routes)
 
 
-def test_a_program_may_still_signal_itself(platform):
+def test_a_program_may_still_signal_and_limit_itself(platform):
     program = (
-        "import os, signal, threading\n"
+        "import os, resource, signal, threading\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+        "resource.prlimit(os.getpid(), resource.RLIMIT_CORE, (0, 0))\n"
         "os.kill(os.getpid(), 0)\n"
         "signal.pthread_kill(threading.get_ident(), 0)\n"
         "signal.signal(signal.SIGUSR1, lambda *a: print('ok'))\n"
@@ -525,3 +527,6 @@ def test_a_program_may_still_signal_itself(platform):
 def test_weak_platforms_say_what_they_lack():
     assert {"minimal-root", "ipc-namespace", "memory-cgroup"} <= set(_no_namespaces().missing)
     assert "memory-cgroup" in _platform("no-cgroup").missing
+    if os.uname().machine in ("x86_64", "aarch64"):
+        assert "syscall-filter" in _no_namespaces().isolation
+        assert "syscall-filter" in sandbox.default_platform().isolation
