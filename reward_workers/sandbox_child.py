@@ -61,8 +61,14 @@ _SUBPROCESS_EVENTS = frozenset(
     }
 )
 # Any component of a dotted name counts: an extension module loads under any package name.
-# _posixshmem creates files in /dev/shm with no audit event.
-_REFUSED_MODULES = frozenset({"ctypes", "_posixshmem"})
+# _posixshmem creates files in /dev/shm with no audit event; Tcl (_tkinter) opens files and
+# runs commands of its own.
+_REFUSED_MODULES = frozenset({"ctypes", "_posixshmem", "_tkinter"})
+# Where the hook guards the filesystem: C code that writes files with no audit event
+# (semaphores in /dev/shm, dbm files, readline history, SQLite's ATTACH, the system log).
+_UNAUDITED_WRITERS = frozenset(
+    {"_multiprocessing", "_dbm", "_gdbm", "readline", "_sqlite3", "syslog"}
+)
 # _ctypes and its test module; subinterpreters (no audit hooks there: _xxsubinterpreters,
 # _interpreters); CPython's test modules (raw memory, interpreter internals).
 _REFUSED_MODULE_PREFIXES = ("_ctypes", "_xx", "_interp", "_test")
@@ -253,10 +259,11 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: b
     )
     subprocess_events = frozenset() if allow_subprocess else _SUBPROCESS_EVENTS
     subprocess_modules = frozenset() if allow_subprocess else frozenset({"_posixsubprocess"})
+    writer_modules = frozenset() if kernel_confined else _UNAUDITED_WRITERS
     policy = (
         _REFUSED_EVENTS | subprocess_events,
         _REFUSED_PREFIXES,
-        (_REFUSED_MODULES | subprocess_modules, _REFUSED_MODULE_PREFIXES),
+        (_REFUSED_MODULES | subprocess_modules | writer_modules, _REFUSED_MODULE_PREFIXES),
         dynload,
         types.MappingProxyType(dict(_PATH_EVENTS)),
         os.path.realpath(workdir),

@@ -248,6 +248,17 @@ OUTSIDE_WRITES = {
     "sqlite": "import sqlite3; sqlite3.connect({tmp!r} + '/db').execute('create table t(x)')",
     "symlink-then-write": "os.symlink({tmp!r}, 'out'); open('out/via-link', 'w').write('x')",
     "rename-workdir-away": "os.rename(os.getcwd(), os.getcwd() + '-moved')",
+    # C code that writes files with no audit event
+    "semaphore": "import _multiprocessing; _multiprocessing.SemLock(1, 1, 1, '/gf-test-sem', False)",
+    "dbm": "import _dbm; _dbm.open({tmp!r} + '/dbm', 'c')",
+    "readline-history": "import readline; readline.write_history_file({tmp!r} + '/history')",
+    "sqlite-attach": (
+        "import sqlite3\n"
+        "db = sqlite3.connect(':memory:')\n"
+        "db.execute('attach database ? as outside', ({tmp!r} + '/attached',))\n"
+        "db.execute('create table outside.t(x)')"
+    ),
+    "tcl": "import _tkinter; _tkinter.create(None, 'x', 'Tk', 0, 0, 0, 0).eval('close [open {tmp}/tcl w]')",
 }
 
 
@@ -266,6 +277,7 @@ def test_writes_outside_the_work_directory_are_refused(platform, writable_outsid
     assert_all_refused(result, tries)
     assert list(writable_outside.iterdir()) == []
     assert not os.path.exists("/dev/shm/gf-test-escape")
+    assert not os.path.exists("/dev/shm/sem.gf-test-sem")
 
 
 # --- the cleanup follows no link ------------------------------------------------------------
