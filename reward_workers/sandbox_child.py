@@ -110,14 +110,14 @@ def _frozen(function: types.FunctionType, *defaults: object) -> types.FunctionTy
 # policy = (refused events, refused event prefixes, (refused module names, name prefixes),
 #           extension module directories, path events, work directory, write flags,
 #           /proc/<pid> matcher, own /proc directory, own pid, kernel-confined,
-#           frozen function attributes)
+#           the code objects of the hook's own functions)
 # prims = (lstat, readlink, getcwd, type, str, bytes, bytes.decode, str.__str__, stat,
-#          PermissionError, OSError)
+#          PermissionError, OSError, FunctionType)
 
 
 def _text(path, prims):
     """A path given as str or bytes, as an exact str; anything else is refused."""
-    _, _, _, type_, str_, bytes_, decode, _, _, refusal, _ = prims
+    _, _, _, type_, str_, bytes_, decode, _, _, refusal, _, _ = prims
     kind = type_(path)
     if kind is bytes_:
         return decode(path, "utf-8", "surrogateescape")
@@ -129,7 +129,7 @@ def _text(path, prims):
 def _resolve(path, prims, text):
     """Where `path` (a str, bytes or descriptor) leads, all links followed, computed from
     lstat and readlink alone (os.path.realpath is Python code the program could patch)."""
-    lstat, readlink, getcwd, type_, str_, _, _, _, _, refusal, os_error = prims
+    lstat, readlink, getcwd, type_, str_, _, _, _, _, refusal, os_error, _ = prims
     if type_(path) is type_(0):
         return readlink("/proc/self/fd/" + str_(path))
     path = text(path, prims)
@@ -169,10 +169,15 @@ def _inside(resolved, root):
 def _check_open(path, mode, flags, policy, prims, fns):
     text, resolve, inside = fns
     _, _, _, _, _, root, write_flags, other_proc, own_proc, _, _, _ = policy
-    _, _, _, type_, _, _, _, _, stat, refusal, os_error = prims
+    _, _, _, type_, _, _, _, _, stat, refusal, os_error, _ = prims
     if type_(path) is type_(0):  # wrapping a descriptor opened earlier (and checked then)
         return
-    resolved = resolve(path, prims, text)
+    name = text(path, prims)
+    if not name.startswith("/") and ".." in name.split("/"):
+        # os.open's dir_fd is not in the event: "../.." could climb from another directory
+        # than the current one, which the path is resolved against here.
+        raise refusal("sandbox: a relative path with '..' is not allowed here")
+    resolved = resolve(name, prims, text)
     writing = flags & write_flags or (
         mode is not None and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)
     )
@@ -194,7 +199,7 @@ def _check_paths(event, args, policy, prims, fns):
     """A call that changes the filesystem: every path it names must lead inside the workdir."""
     text, resolve, inside = fns
     _, _, _, _, path_events, root, _, _, _, _, _, _ = policy
-    _, _, _, type_, _, _, _, _, _, refusal, _ = prims
+    _, _, _, type_, _, _, _, _, _, refusal, _, _ = prims
     paths, dir_fd_positions = path_events[event]
     dir_fds = ()
     for i in dir_fd_positions:
@@ -219,7 +224,7 @@ def _check_import(args, policy, prims, fns):
     library (a .so the program wrote, or another package's native code)."""
     text, resolve, _ = fns
     _, _, (refused_modules, refused_prefixes), dynload, _, _, _, _, _, _, _, _ = policy
-    _, _, _, _, _, _, _, str_str, _, refusal, _ = prims
+    _, _, _, _, _, _, _, str_str, _, refusal, _, _ = prims
     name = str_str(args[0])  # the exact text the loader uses; a non-str raises: refused
     for part in name.split("."):
         if part in refused_modules or part.startswith(refused_prefixes):
@@ -232,14 +237,15 @@ def _check_import(args, policy, prims, fns):
 
 
 def _audit_hook(event, args, policy, prims, fns, check_open, check_paths, check_import):
-    refused, prefixes, _, _, path_events, _, _, _, _, own_pid, kernel_confined, frozen = policy
-    type_, str_, refusal = prims[3], prims[4], prims[9]
+    refused, prefixes, _, _, path_events, _, _, _, _, own_pid, kernel_confined, own = policy
+    _, _, _, type_, _, _, _, _, _, refusal, _, function_type = prims
     if event in refused or event.startswith(prefixes):
         raise refusal("sandbox: " + event + " is not allowed")
     if event == "object.__setattr__":
-        # A traceback's frames hold the hook's helper functions: their code stays theirs.
-        if type_(args[1]) is str_ and args[1] in frozen:
-            raise refusal("sandbox: setting " + args[1] + " is not allowed")
+        # A traceback's frames hold the hook's helper functions: their code and defaults
+        # stay theirs (only these function attributes raise this event).
+        if type_(args[0]) is function_type and args[0].__code__ in own:
+            raise refusal("sandbox: changing the audit hook is not allowed")
     elif event == "import":
         check_import(args, policy, prims, fns)
     elif event == "os.kill" or event == "resource.prlimit":
@@ -251,6 +257,9 @@ def _audit_hook(event, args, policy, prims, fns, check_open, check_paths, check_
         check_open(args[0], args[1], args[2], policy, prims, fns)
     elif event in path_events:
         check_paths(event, args, policy, prims, fns)
+
+
+_HOOK_FUNCTIONS = (_text, _resolve, _inside, _check_open, _check_paths, _check_import, _audit_hook)
 
 
 def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: bool) -> None:
@@ -272,7 +281,7 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: b
         f"/proc/{os.getpid()}/",
         os.getpid(),
         kernel_confined,
-        frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
+        frozenset(f.__code__ for f in _HOOK_FUNCTIONS),
     )
     # C functions and builtin types, taken before the program can replace them anywhere.
     prims = (
@@ -287,6 +296,7 @@ def _install_audit_hook(workdir: str, allow_subprocess: bool, kernel_confined: b
         os.stat,
         PermissionError,
         OSError,
+        types.FunctionType,
     )
     fns = (_frozen(_text), _frozen(_resolve), _frozen(_inside))
     checks = (_frozen(_check_open), _frozen(_check_paths), _frozen(_check_import))

@@ -55,11 +55,13 @@ def platform(request):
 
 
 def attempts(setup: str, tries: dict[str, str]) -> str:
-    """A program that runs `setup`, then each attempt, printing DID or refused for each."""
-    parts = [textwrap.dedent(setup)]
-    for name, code in tries.items():
+    """A program that runs `setup`, then each attempt, printing DID or refused for each.
+    Each attempt starts in a directory of its own in the work directory."""
+    parts = [textwrap.dedent(setup), "import os as _os\n_start = _os.getcwd()\n"]
+    for i, (name, code) in enumerate(tries.items()):
         body = textwrap.indent(textwrap.dedent(code).strip(), "    ")
         parts.append(
+            f"_os.chdir(_start)\n_os.mkdir('attempt-{i}')\n_os.chdir('attempt-{i}')\n"
             f"try:\n{body}\n    print('DID', {name!r}, flush=True)\n"
             f"except BaseException as err:\n    print('refused', {name!r}, type(err).__name__)\n"
         )
@@ -202,6 +204,34 @@ def test_the_audit_hook_cannot_be_relaxed(relaxation, platform, tmp_path):
     assert not outside.exists()
 
 
+ORDINARY_PROGRAM = """
+import collections, dataclasses, functools, logging, pathlib, tempfile, traceback, typing
+Point = collections.namedtuple('Point', 'x y', defaults=(0,))
+def f(a=1):
+    return a
+f.__defaults__ = (2,)
+@dataclasses.dataclass
+class Box:
+    size: int = 3
+try:
+    raise ValueError('shown')
+except ValueError:
+    shown = traceback.format_exc().count('shown')
+logging.getLogger('x').warning('logged')
+with tempfile.TemporaryDirectory() as d:
+    open(d + '/f', 'w').write('x')
+print(Point(1).y, f(), Box().size, shown, typing.get_type_hints(Box)['size'].__name__,
+      pathlib.Path('.').resolve() == pathlib.Path.cwd())
+"""
+
+
+def test_ordinary_programs_still_run(platform):
+    # Reaching the hook's state is refused; what the standard library does to its own
+    # functions, frames and tracebacks is not.
+    result = run_python(ORDINARY_PROGRAM, SMALL, platform=platform)
+    assert result.stdout == "0 2 3 1 int True\n", result.stderr
+
+
 def test_the_hook_reads_no_global_or_builtin_name():
     """Its code and helpers take everything from their arguments (see sandbox_child.py)."""
     import dis
@@ -241,13 +271,23 @@ OUTSIDE_WRITES = {
                 return {tmp!r} + '/flip' if Flip.calls % 2 else 'inside'
         open(Flip(), 'w').write('x')
     """,
-    "bytes-path-dotdot": "open(os.getcwd().encode() + b'/../../' + {tmp!r}.encode()[1:] + b'/b', 'w')",
+    "bytes-path-dotdot": (
+        "open(os.getcwd().encode() + b'/..' * os.getcwd().count('/') + {tmp!r}.encode() + b'/b', 'w')"
+    ),
     "posix-shm": "import _posixshmem; _posixshmem.shm_open('/gf-test-escape', os.O_CREAT | os.O_RDWR, 0o600)",
     "dev-shm": "open('/dev/shm/gf-test-escape', 'w').write('x')",
     "hard-link-out": "open('a', 'w').close(); os.link('a', {tmp!r} + '/hard')",
     "sqlite": "import sqlite3; sqlite3.connect({tmp!r} + '/db').execute('create table t(x)')",
     "symlink-then-write": "os.symlink({tmp!r}, 'out'); open('out/via-link', 'w').write('x')",
-    "rename-workdir-away": "os.rename(os.getcwd(), os.getcwd() + '-moved')",
+    "dir-fd-climb": """
+        work = os.getcwd()
+        os.makedirs('a/b/c/d/e/f/g/h')
+        os.chdir('a/b/c/d/e/f/g/h')
+        fd = os.open(work, os.O_RDONLY)
+        climb = '../' * work.count('/') + {tmp!r}[1:] + '/climbed'
+        os.close(os.open(climb, os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    """,
+    "rename-workdir-away": "os.rename(_start, _start + '-moved')",
     # C code that writes files with no audit event
     "semaphore": "import _multiprocessing; _multiprocessing.SemLock(1, 1, 1, '/gf-test-sem', False)",
     "dbm": "import _dbm; _dbm.open({tmp!r} + '/dbm', 'c')",
