@@ -926,18 +926,20 @@ def build_syscall_filter(without_namespaces: bool) -> SyscallFilter | None:
     program.append((_RETURN, None, None, _RET_ALLOW))
     labels = {"kill": len(program)}
     program.append((_RETURN, None, None, _RET_KILL_PROCESS))  # another ABI (i386 on x86_64)
-    labels["pid"] = len(program)
     own_pid_at = len(program) + 1
-    program += [
-        (_LOAD_WORD, None, None, _FIRST_ARG_LOW_WORD),
-        (_JUMP_IF_EQUAL, "allow", None, 0),  # placeholder: the own pid
-        (_JUMP_IF_EQUAL, "allow", None, 0),  # placeholder: -pid, the own process group
-        (_JUMP_IF_EQUAL, "allow", None, 0),  # the caller's own process group
-    ]
+    if pid_targeted:
+        labels["pid"] = len(program)
+        program += [
+            (_LOAD_WORD, None, None, _FIRST_ARG_LOW_WORD),
+            (_JUMP_IF_EQUAL, "allow", None, 0),  # placeholder: the program's pid
+            (_JUMP_IF_EQUAL, "allow", None, 0),  # placeholder: -pid, its process group
+            (_JUMP_IF_EQUAL, "allow", None, 0),  # 0: the caller itself or its group
+        ]
     labels["deny"] = len(program)
     program.append((_RETURN, None, None, _RET_EPERM))
-    labels["allow"] = len(program)
-    program.append((_RETURN, None, None, _RET_ALLOW))
+    if pid_targeted:  # BPF jumps only forward: the pid checks' allow comes last
+        labels["allow"] = len(program)
+        program.append((_RETURN, None, None, _RET_ALLOW))
     encoded = b"".join(
         struct.pack("=HBBI", code, _offset(labels, yes, i), _offset(labels, no, i), k)
         for i, (code, yes, no, k) in enumerate(program)
