@@ -543,7 +543,7 @@ def _remove_cgroup(path: str) -> None:
 
 def _works_with_or_without_filter(platform: SandboxPlatform) -> SandboxPlatform | None:
     """The platform with the syscall filter if that works here, else without, else None."""
-    for syscall_filter in (build_syscall_filter(False) is not None, False):
+    for syscall_filter in dict.fromkeys((build_syscall_filter(False) is not None, False)):
         candidate = replace(platform, syscall_filter=syscall_filter)
         if _works(candidate):
             return candidate
