@@ -10,6 +10,7 @@ are then the same user, and only the filter and the hook stand between them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -40,13 +41,9 @@ def _platform(kind: str) -> sandbox.SandboxPlatform:
     raise ValueError(kind)
 
 
-_weak: list[sandbox.SandboxPlatform] = []
-
-
+@functools.cache
 def _no_namespaces() -> sandbox.SandboxPlatform:
-    if not _weak:
-        _weak.append(sandbox.probe_platform(namespaces=False))
-    return _weak[0]
+    return sandbox.probe_platform(namespaces=False)
 
 
 @pytest.fixture(params=["strongest", "no-cgroup", "no-namespaces"])
