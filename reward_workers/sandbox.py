@@ -18,10 +18,15 @@ Layers, outermost first (`SandboxPlatform.isolation` lists the ones active on th
   non-root user, a non-zero uid in a nested user namespace (so the program cannot unmount).
 - rlimits set in preexec: CPU seconds, address space, processes, file size, open files, no
   core dumps; a wall-clock timeout; a new session whose process group is killed on exit.
+- A seccomp filter set in preexec (build_syscall_filter): memfd, pidfds, ptrace, System V
+  IPC; without namespaces also mknod, symlink and signals to any process but the program.
 - A stripped environment (PATH, HOME, TMPDIR, LANG only) and `python -I -S -B`.
 - An audit hook inside the child (sandbox_child.py), a second layer only: sockets,
-  subprocesses (unless allowed), signals to other processes, ctypes and memfd_create; where
-  the kernel layers are missing, also writes outside the work directory.
+  subprocesses (unless allowed), signals to other processes, ctypes, native code from
+  outside the standard library; where the kernel layers are missing, also writes outside
+  the work directory. It holds no state the program could change.
+Without namespaces the work directory lives in a fresh directory of the worker's, and its
+cleanup follows no link the program planted (_remove_tree).
 
 Output is captured in unlinked temporary files, bounded by RLIMIT_FSIZE, and read back up to
 `Limits.output_bytes`.
@@ -29,6 +34,7 @@ Output is captured in unlinked temporary files, bounded by RLIMIT_FSIZE, and rea
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import glob
 import json
@@ -38,11 +44,12 @@ import resource
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -88,6 +95,7 @@ class SandboxPlatform:
     visible: tuple[str, ...] = ()  # host paths bound read-only into the new root
     masked: tuple[str, ...] = ()  # paths inside those hidden again (site-packages, ctypes)
     links: tuple[tuple[str, str], ...] = ()  # symlinks to recreate in the new root
+    syscall_filter: bool = False  # seccomp works here (see build_syscall_filter)
 
     @property
     def isolation(self) -> tuple[str, ...]:
@@ -106,6 +114,8 @@ class SandboxPlatform:
             layers.append("parent-death-signal")
         if self.memory_cgroup:
             layers.append("memory-cgroup")
+        if self.syscall_filter:
+            layers.append("syscall-filter")
         return tuple(layers)
 
     @property
@@ -140,10 +150,7 @@ def run_python(
     platform = platform or default_platform()
     namespaces = bool(platform.namespace_prefix)
     uid, gid = _fresh_ids() if platform.drop_privileges else (None, None)
-    host_workdir = None if namespaces else tempfile.mkdtemp(prefix="gf-sandbox-")
-    workdir = host_workdir or _NAMESPACE_WORKDIR
-    if host_workdir and uid is not None:
-        os.chown(host_workdir, uid, gid)
+    host_dir, workdir = (None, _NAMESPACE_WORKDIR) if namespaces else _make_host_workdir(uid, gid)
     config = {
         "workdir": workdir,
         "new_root": _NEW_ROOT if namespaces and uid is not None else None,
@@ -166,6 +173,7 @@ def run_python(
     command = with_parent_death(platform.pdeathsig_prefix, command)
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
     cgroup = _make_cgroup(platform, limits)
+    syscall_filter = build_syscall_filter(not namespaces) if platform.syscall_filter else None
     try:
         with (
             tempfile.TemporaryFile() as stdin,
@@ -183,13 +191,13 @@ def run_python(
                 env=env,
                 start_new_session=True,
                 preexec_fn=functools.partial(
-                    _enter_child, limits, _nproc_limit(limits, uid), cgroup
+                    _enter_child, limits, _nproc_limit(limits, uid), cgroup, syscall_filter
                 ),
             )
             timed_out = _wait(proc, limits.wall_s)
             if cgroup is not None:
                 _kill_cgroup(cgroup)
-            elif host_workdir is not None and uid is not None:
+            elif host_dir is not None and uid is not None:
                 _kill_all_processes_of(uid, gid)  # no PID namespace to take them down
             returncode = proc.returncode
             if namespaces and 128 < returncode < 128 + signal.NSIG:
@@ -203,8 +211,8 @@ def run_python(
     finally:
         if cgroup is not None:
             _remove_cgroup(cgroup)
-        if host_workdir is not None:
-            _remove_tree(host_workdir)
+        if host_dir is not None:
+            _remove_tree(host_dir)
 
 
 def _namespace_init(platform: SandboxPlatform, limits: Limits, nested_user: bool) -> str:
@@ -314,14 +322,14 @@ def probe_platform(namespaces: bool = True) -> SandboxPlatform:
                 masked=masked,
                 links=links,
             )
-            if _works(candidate):
-                return candidate
+            if working := _works_with_or_without_filter(candidate):
+                return working
     for python in _python_candidates():
         candidate = SandboxPlatform(
             python=python, namespace_prefix=(), drop_privileges=drop, pdeathsig_prefix=pdeathsig
         )
-        if _works(candidate):
-            return candidate
+        if working := _works_with_or_without_filter(candidate):
+            return working
     raise SandboxUnavailable(
         "sandbox: no Python interpreter runs here under the sandbox (as an unprivileged user "
         "it needs a world-readable standard library, e.g. /usr/bin/python3)"
@@ -533,13 +541,22 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.01)
 
 
+def _works_with_or_without_filter(platform: SandboxPlatform) -> SandboxPlatform | None:
+    """The platform with the syscall filter if that works here, else without, else None."""
+    for syscall_filter in dict.fromkeys((build_syscall_filter(False) is not None, False)):
+        candidate = replace(platform, syscall_filter=syscall_filter)
+        if _works(candidate):
+            return candidate
+    return None
+
+
 def _works(platform: SandboxPlatform) -> bool:
     # Importing after the privilege drop proves the standard library is readable.
     probe = "import fractions, json\nprint(json.dumps(str(fractions.Fraction(1, 2))))"
     limits = Limits(wall_s=10.0, cpu_s=5)
     try:
         result = run_python(probe, limits, platform=platform)
-    except OSError:
+    except (OSError, subprocess.SubprocessError):  # SubprocessError: seccomp refused
         return False
     return result.returncode == 0 and result.stdout.strip() == '"1/2"'
 
@@ -587,7 +604,9 @@ def _nproc_limit(limits: Limits, uid: int | None) -> int:
     return existing + limits.max_processes
 
 
-def _enter_child(limits: Limits, nproc: int, cgroup: str | None) -> None:
+def _enter_child(
+    limits: Limits, nproc: int, cgroup: str | None, syscall_filter: SyscallFilter | None
+) -> None:
     # preexec_fn runs in the child between fork and exec, where a lock held by another
     # thread of the worker at fork time could deadlock it: only raw system calls here.
     if cgroup is not None:
@@ -607,6 +626,8 @@ def _enter_child(limits: Limits, nproc: int, cgroup: str | None) -> None:
         (resource.RLIMIT_CORE, (0, 0)),
     ):
         resource.setrlimit(kind, value)
+    if syscall_filter is not None:
+        syscall_filter.install()
 
 
 def _wait(proc: subprocess.Popen, wall_s: float) -> bool:
@@ -644,12 +665,295 @@ def _read_back(stream: IO[bytes], limit: int) -> str:
     return stream.read(limit).decode("utf-8", errors="replace")
 
 
+def _make_host_workdir(uid: int | None, gid: int | None) -> tuple[str, str]:
+    """Without a mount namespace: a fresh directory of the worker's holding the program's
+    work directory. Under a sandbox uid the program cannot write that parent, so it cannot
+    rename its work directory away or put a link in its place for the cleanup to follow."""
+    parent = tempfile.mkdtemp(prefix="gf-sandbox-")
+    workdir = os.path.join(parent, "work")
+    os.mkdir(workdir, 0o700)
+    if uid is not None:
+        os.chmod(parent, 0o711)  # the sandbox uid may pass through it, not list or change it
+        os.chown(workdir, uid, gid)
+    return parent, workdir
+
+
 def _remove_tree(path: str) -> None:
-    # The program may have made its directories unreadable; restore access first.
-    for dirpath, dirnames, _ in os.walk(path):
-        for name in dirnames:
-            try:
-                os.chmod(os.path.join(dirpath, name), 0o700)
-            except OSError:
-                pass
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a host work directory without following any link the program planted: every
+    step goes through a descriptor opened O_NOFOLLOW, so a link is removed, never entered,
+    and a mode is only ever changed on a directory of the tree itself."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # gone, or no longer a directory: nothing of ours is there to remove
+    try:
+        _empty_directory(fd)
+    except RecursionError:
+        pass  # nested past Python's stack: left behind like any entry that cannot go
+    finally:
+        os.close(fd)
+    _remove_quietly(os.rmdir, path)
+
+
+def _empty_directory(fd: int) -> None:
+    for name in os.listdir(fd):
+        try:
+            child = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
+        except OSError:  # a file, a link, a fifo: unlinked as it is
+            _remove_quietly(os.unlink, name, dir_fd=fd)
+            continue
+        try:
+            # The program may have made its directories unreadable to the worker (the same
+            # user where it is not root): chmod through the descriptor, which is that very
+            # directory whatever its name leads to by now.
+            os.chmod(f"/proc/self/fd/{child}", 0o700)
+            readable = os.open(f"/proc/self/fd/{child}", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        finally:
+            os.close(child)
+        try:
+            _empty_directory(readable)
+        finally:
+            os.close(readable)
+        _remove_quietly(os.rmdir, name, dir_fd=fd)
+
+
+def _remove_quietly(remove, *args, **kwargs) -> None:
+    try:
+        remove(*args, **kwargs)
+    except OSError:
+        pass  # an entry left behind is not worth failing a verdict over
+
+
+# --- The syscall filter ---------------------------------------------------------------------
+# System calls no sandboxed program needs that reach past the rlimits or out of the sandbox,
+# refused by the kernel (EPERM) whatever the program runs: memory no rlimit counts (memfd),
+# other processes (pidfds, ptrace, process_vm_*), System V IPC objects that outlive the run.
+# Without namespaces, also device nodes, FIFOs and symlinks (the audit hook's path checks see
+# none of them), and signals, rlimits and scheduling of any process but the program's own
+# (its parent is the same user where the worker is not root). Built in the worker, installed between fork and exec;
+# it survives exec and binds every process the program starts. An architecture not listed
+# here gets no filter, and the platform says so.
+
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_RET_ALLOW = 0x7FFF0000
+_RET_EPERM = 0x00050000 | 1
+_RET_KILL_PROCESS = 0x80000000
+_LOAD_WORD = 0x20  # BPF_LD | BPF_W | BPF_ABS
+_JUMP_IF_EQUAL = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+_JUMP_IF_AT_LEAST = 0x35  # BPF_JMP | BPF_JGE | BPF_K
+_RETURN = 0x06  # BPF_RET | BPF_K
+# struct seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6]
+_NR, _ARCH, _FIRST_ARG_LOW_WORD = 0, 4, 16
+_X32_SYSCALL_BIT = 0x40000000
+
+
+@dataclass(frozen=True)
+class _Arch:
+    audit_arch: int
+    numbers: dict[str, int]
+    has_x32: bool  # x86_64 also takes x32 calls, numbered from _X32_SYSCALL_BIT
+
+
+_ARCHES = {
+    "x86_64": _Arch(
+        0xC000003E,
+        {
+            "memfd_create": 319,
+            "memfd_secret": 447,
+            "pidfd_open": 434,
+            "pidfd_send_signal": 424,
+            "pidfd_getfd": 438,
+            "process_vm_readv": 310,
+            "process_vm_writev": 311,
+            "ptrace": 101,
+            "shmget": 29,
+            "msgget": 68,
+            "semget": 64,
+            "mknod": 133,
+            "mknodat": 259,
+            "symlink": 88,
+            "symlinkat": 266,
+            "kill": 62,
+            "tkill": 200,
+            "tgkill": 234,
+            "rt_sigqueueinfo": 129,
+            "rt_tgsigqueueinfo": 297,
+            "prlimit64": 302,
+            "sched_setaffinity": 203,
+            "sched_setscheduler": 144,
+            "sched_setparam": 142,
+            "sched_setattr": 314,
+            "setpriority": 141,
+            "ioprio_set": 251,
+        },
+        has_x32=True,
+    ),
+    "aarch64": _Arch(
+        0xC00000B7,
+        {
+            "memfd_create": 279,
+            "memfd_secret": 447,
+            "pidfd_open": 434,
+            "pidfd_send_signal": 424,
+            "pidfd_getfd": 438,
+            "process_vm_readv": 270,
+            "process_vm_writev": 271,
+            "ptrace": 117,
+            "shmget": 194,
+            "msgget": 186,
+            "semget": 190,
+            "mknodat": 33,
+            "symlinkat": 36,
+            "kill": 129,
+            "tkill": 130,
+            "tgkill": 131,
+            "rt_sigqueueinfo": 138,
+            "rt_tgsigqueueinfo": 240,
+            "prlimit64": 261,
+            "sched_setaffinity": 122,
+            "sched_setscheduler": 119,
+            "sched_setparam": 118,
+            "sched_setattr": 274,
+            "setpriority": 140,
+            "ioprio_set": 30,
+        },
+        has_x32=False,
+    ),
+}
+_ALWAYS_REFUSED = (
+    "memfd_create",
+    "memfd_secret",
+    "pidfd_open",
+    "pidfd_send_signal",
+    "pidfd_getfd",
+    "process_vm_readv",
+    "process_vm_writev",
+    "ptrace",
+    "shmget",
+    "msgget",
+    "semget",
+)
+# Without namespaces: device nodes, FIFOs and links, which the audit hook's path checks do not
+# see, and other processes' priorities (their target is not the first argument).
+_REFUSED_WITHOUT_NAMESPACES = (
+    "mknod",
+    "mknodat",
+    "symlink",
+    "symlinkat",
+    "setpriority",
+    "ioprio_set",
+)
+# Their first argument is the target pid (or thread group): allowed for the program itself,
+# 0 (itself, or its own process group) and -pid (its own process group).
+_PID_TARGETED_CALLS = (
+    "kill",
+    "tkill",
+    "tgkill",
+    "rt_sigqueueinfo",
+    "rt_tgsigqueueinfo",
+    "prlimit64",
+    "sched_setaffinity",
+    "sched_setscheduler",
+    "sched_setparam",
+    "sched_setattr",
+)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class SyscallFilter:
+    """A BPF program ready to install; the program's own pid is filled in at install time
+    (it is only known in the forked child)."""
+
+    instructions: ctypes.Array
+    fprog: _SockFprog
+    own_pid_offsets: tuple[int, ...]  # byte offsets of the k fields compared with the pid
+    own_group_offsets: tuple[int, ...]  # ... and with -pid
+
+    def install(self) -> None:
+        """Install in the calling process (the forked child, before exec). Raw calls only:
+        this runs between fork and exec."""
+        pid = os.getpid()
+        for offset in self.own_pid_offsets:
+            struct.pack_into("=I", self.instructions, offset, pid)
+        for offset in self.own_group_offsets:
+            struct.pack_into("=I", self.instructions, offset, -pid & 0xFFFFFFFF)
+        prctl = _prctl()
+        if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        address = ctypes.addressof(self.fprog)
+        if prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, address, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+
+
+@functools.cache
+def _prctl():
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+@functools.cache
+def build_syscall_filter(without_namespaces: bool) -> SyscallFilter | None:
+    """The filter for this machine's architecture, or None where it has none.
+    `without_namespaces`: no PID namespace hides other processes, so the filter must."""
+    arch = _ARCHES.get(os.uname().machine)
+    if arch is None:
+        return None
+    _prctl()  # loaded now: the child only calls it
+    refused = _ALWAYS_REFUSED + (_REFUSED_WITHOUT_NAMESPACES if without_namespaces else ())
+    pid_targeted = _PID_TARGETED_CALLS if without_namespaces else ()
+    # (code, jump-if-true label, jump-if-false label, k); labels resolve to relative offsets
+    program: list[tuple[int, str | None, str | None, int]] = [
+        (_LOAD_WORD, None, None, _ARCH),
+        (_JUMP_IF_EQUAL, None, "kill", arch.audit_arch),
+        (_LOAD_WORD, None, None, _NR),
+    ]
+    if arch.has_x32:
+        program.append((_JUMP_IF_AT_LEAST, "deny", None, _X32_SYSCALL_BIT))
+    program += [
+        (_JUMP_IF_EQUAL, "deny", None, arch.numbers[n]) for n in refused if n in arch.numbers
+    ]
+    program += [(_JUMP_IF_EQUAL, "pid", None, arch.numbers[n]) for n in pid_targeted]
+    program.append((_RETURN, None, None, _RET_ALLOW))
+    labels = {"kill": len(program)}
+    program.append((_RETURN, None, None, _RET_KILL_PROCESS))  # another ABI (i386 on x86_64)
+    own_pid_at = len(program) + 1
+    if pid_targeted:
+        labels["pid"] = len(program)
+        program += [
+            (_LOAD_WORD, None, None, _FIRST_ARG_LOW_WORD),
+            (_JUMP_IF_EQUAL, "allow", None, 0),  # placeholder: the program's pid
+            (_JUMP_IF_EQUAL, "allow", None, 0),  # placeholder: -pid, its process group
+            (_JUMP_IF_EQUAL, "allow", None, 0),  # 0: the caller itself or its group
+        ]
+    labels["deny"] = len(program)
+    program.append((_RETURN, None, None, _RET_EPERM))
+    if pid_targeted:  # BPF jumps only forward: the pid checks' allow comes last
+        labels["allow"] = len(program)
+        program.append((_RETURN, None, None, _RET_ALLOW))
+    encoded = b"".join(
+        struct.pack("=HBBI", code, _offset(labels, yes, i), _offset(labels, no, i), k)
+        for i, (code, yes, no, k) in enumerate(program)
+    )
+    instructions = ctypes.create_string_buffer(encoded, len(encoded))
+    fprog = _SockFprog(len(program), ctypes.addressof(instructions))
+    k_field = 4  # within an 8-byte instruction
+    return SyscallFilter(
+        instructions=instructions,
+        fprog=fprog,
+        own_pid_offsets=(own_pid_at * 8 + k_field,) if pid_targeted else (),
+        own_group_offsets=((own_pid_at + 1) * 8 + k_field,) if pid_targeted else (),
+    )
+
+
+def _offset(labels: dict[str, int], label: str | None, at: int) -> int:
+    return 0 if label is None else labels[label] - at - 1
