@@ -2,19 +2,24 @@
 
 Training cycles through the train split in a fresh seeded order each epoch; evaluation takes
 the first n held-out prompts. The split is either explicit (a built-in table, or a separate
-eval file) or by a stable hash of the prompt text (is_held_out).
+eval file) or by a stable hash of the whole prompt (split_key): a prompt's side depends on
+that prompt alone, so it stays put across runs and as rows are added, and copies of a prompt
+(as text or as the same conversation) never land on both sides. A pool has at least one
+prompt on each side, or it is refused.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable, Iterator, Mapping
+from itertools import islice
 from typing import Any
 
 from groupflow.records import Prompt
 from groupflow.reward_workers.datasets import load_prompts
-from groupflow.reward_workers.tasks.base import is_held_out
+from groupflow.reward_workers.tasks.base import Task, hash_position, is_held_out
 from groupflow.reward_workers.tasks.options import check_number
 
 logger = logging.getLogger(__name__)
@@ -24,9 +29,16 @@ POOL_OPTIONS = ("dataset", "eval_dataset", "fields", "skip_bad", "eval_fraction"
 
 
 class PromptPool:
-    def __init__(self, task: str, train: list[Prompt], held_out: list[Prompt]):
+    def __init__(
+        self, task: str, train: list[Prompt], held_out: list[Prompt], source: str = "built-in"
+    ):
         if not train:
-            raise ValueError(f"{task}: no training prompts")
+            raise ValueError(f"{task}: no training prompts in {source}")
+        if not held_out:
+            raise ValueError(
+                f"{task}: no held-out prompts in {source} to evaluate on (a dataset needs two "
+                "different prompts, or an eval_dataset)"
+            )
         self.task, self.train, self.held_out = task, train, held_out
 
     @classmethod
@@ -51,11 +63,10 @@ class PromptPool:
         prompts = load(dataset)
         if eval_dataset is not None:
             held_out = load(eval_dataset)
-            held_texts = {p.text for p in held_out}
-            return cls(task, [p for p in prompts if p.text not in held_texts], held_out)
-        train = [p for p in prompts if not is_held_out(p.text, eval_fraction)]
-        held_out = [p for p in prompts if is_held_out(p.text, eval_fraction)]
-        return cls(task, train, held_out)
+            held_keys = {split_key(p) for p in held_out}
+            train = [p for p in prompts if split_key(p) not in held_keys]
+            return cls(task, train, held_out, f"{dataset} and {eval_dataset}")
+        return cls(task, *hash_split(prompts, eval_fraction), dataset)
 
     def map(self, fn: Callable[[Prompt], Prompt]) -> PromptPool:
         """The same pool with every prompt rewritten (e.g. an instruction appended)."""
@@ -71,6 +82,31 @@ class PromptPool:
     def eval_prompts(self, n: int) -> list[Prompt]:
         """Up to n held-out prompts (fewer when the set is smaller)."""
         return self.held_out[:n]
+
+
+def split_key(prompt: Prompt) -> str:
+    """What the split hashes: the whole prompt. A text prompt and a lone user turn with the
+    same text are the same prompt; the key of a text prompt is its text, as it always was."""
+    turns = prompt.messages
+    if turns is None:
+        return prompt.text
+    if len(turns) == 1 and turns[0]["role"] == "user":
+        return turns[0]["content"]
+    return json.dumps(turns, ensure_ascii=False, sort_keys=True)
+
+
+def hash_split(prompts: list[Prompt], fraction: float) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out) by the hash of each prompt's split_key. When the hash leaves a side
+    empty and there are two different prompts, the key nearest the cut moves across, so a
+    small dataset still has something to train on and something to evaluate."""
+    keys = {split_key(p) for p in prompts}
+    held = {k for k in keys if is_held_out(k, fraction)}
+    if len(keys) > 1 and not held:
+        held = {min(keys, key=hash_position)}
+    elif len(keys) > 1 and held == keys:
+        held = keys - {max(keys, key=hash_position)}
+    train = [p for p in prompts if split_key(p) not in held]
+    return train, [p for p in prompts if split_key(p) in held]
 
 
 class PooledTask:
@@ -131,3 +167,18 @@ class PooledTask:
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         return self.pool.eval_prompts(n)
+
+
+def drawable_prompts(task: Task, sample: int) -> list[Prompt]:
+    """Every prompt a task can hand out when its prompts are a finite pool (each of a
+    mixture's tasks in turn), else the first `sample` of each of its streams."""
+    if isinstance(task, PooledTask):
+        return task.pool.train + task.pool.held_out
+    members = getattr(task, "tasks", None)  # a mixture
+    if members is not None:
+        return [
+            task.tagged(p, label)
+            for label, t in members.items()
+            for p in drawable_prompts(t, sample)
+        ]
+    return task.eval_prompts(sample) + list(islice(task.train_prompts(0), sample))

@@ -152,15 +152,18 @@ def test_malformed_messages_name_the_field(tmp_path, chat, message):
 def test_a_task_instructs_the_last_user_turn_of_a_conversation(tmp_path):
     from groupflow.reward_workers.tasks import make_task
 
-    turns = [
-        {"role": "user", "content": "Hi."},
-        {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "What is 6*7?"},
-    ]
-    rows = [{"chat": turns, "answer": str(i), "uid": i} for i in range(20)]
+    def turns(i):
+        return [
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": f"What is 6*{i}?"},
+        ]
+
+    rows = [{"chat": turns(i), "answer": str(6 * i), "uid": i} for i in range(20)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     task = make_task("math", {"dataset": str(path), "fields": {"messages": "chat"}})
     prompt = next(task.train_prompts(seed=0))
-    assert prompt.messages[:2] == turns[:2]
-    assert prompt.messages[2]["content"] == f"What is 6*7?\n{task.instruction}"
-    assert turns[2]["content"] == "What is 6*7?"  # the loaded rows are not changed in place
+    i = int(prompt.uid)
+    assert prompt.messages[:2] == turns(i)[:2]
+    assert prompt.messages[2]["content"] == f"What is 6*{i}?\n{task.instruction}"
+    assert rows[i]["chat"][2]["content"] == f"What is 6*{i}?"  # the rows are not changed
