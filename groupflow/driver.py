@@ -39,9 +39,9 @@ from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.reward_workers.tasks import make_task
-from groupflow.reward_workers.tasks.prompt_pool import drawable_prompts
+from groupflow.reward_workers.tasks.prompt_pool import fit_to_engines, job_prompt_sources
 from groupflow.rollout.engine import engine_settings
-from groupflow.rollout.prompt_render import PromptRenderer, check_prompt_lengths
+from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.sample_log import SampleLog
 from groupflow.scaling import Scaler, limits_for, policy_for
 from groupflow.trackers import check_trackers, open_trackers
@@ -157,16 +157,13 @@ def _tokenizer(model_path: str):
 
 def check_prompt_rendering(cfg: Config, model_path: str) -> None:
     """Before any actor starts: the chat settings against the model's tokenizer, the chat
-    template vetted on every prompt the job can draw (its own and its eval sets'), and each
-    prompt's length against the engines' context (rollout/prompt_render.py)."""
+    template vetted on every prompt the job can draw (rollout/prompt_render.py), and the
+    prompts too long for the engines left out of their datasets, or the job refused
+    (reward_workers/tasks/prompt_pool.py)."""
     renderer = PromptRenderer(_tokenizer(model_path), engine_settings(cfg, model_path, 0).chat)
-    prompts = drawable_prompts(make_task(cfg.task.name, cfg.task.options), cfg.task.eval_size)
-    for eval_set in cfg.task.eval_sets:
-        prompts += make_task(eval_set.task, eval_set.options).eval_prompts(eval_set.size)
-    lengths = renderer.vetted_lengths(prompts)
-    check_prompt_lengths(
-        prompts, lengths, cfg.rollout.max_model_len, cfg.rollout.sampling.max_tokens
-    )
+    sources = job_prompt_sources(cfg)
+    lengths = renderer.vetted_lengths([p for source in sources for p in source.prompts])
+    fit_to_engines(sources, lengths, cfg.rollout.max_model_len, cfg.rollout.sampling.max_tokens)
 
 
 def open_run(cfg: Config) -> OpenRun:

@@ -175,21 +175,32 @@ class PromptRenderer:
 def check_prompt_lengths(
     prompts: Sequence[Prompt], lengths: Sequence[int], max_model_len: int, max_tokens: int
 ) -> None:
-    """Every prompt must leave room for a whole response in the engine's context
-    (prompt_fits); PromptRenderError naming the first that does not, and how many."""
-    too_long = [
+    """PromptRenderError naming the first prompt that does not fit (prompt_fits), if any."""
+    overlong = too_long(prompts, lengths, max_model_len, max_tokens)
+    if overlong:
+        raise PromptRenderError(too_long_message(overlong, len(prompts), max_model_len, max_tokens))
+
+
+def too_long(
+    prompts: Sequence[Prompt], lengths: Sequence[int], max_model_len: int, max_tokens: int
+) -> list[tuple[Prompt, int]]:
+    """(prompt, its token count) of each prompt that does not fit (prompt_fits)."""
+    return [
         (p, n)
         for p, n in zip(prompts, lengths, strict=True)
         if not prompt_fits(n, p.max_tokens or max_tokens, max_model_len)
     ]
-    if too_long:
-        prompt, n = too_long[0]
-        raise PromptRenderError(
-            f"prompt {prompt.uid!r}: {n} tokens leave no room for "
-            f"{prompt.max_tokens or max_tokens} response tokens in rollout.max_model_len="
-            f"{max_model_len} ({len(too_long)} of {len(prompts)} prompts are too long: drop "
-            "them from the dataset, or raise rollout.max_model_len)"
-        )
+
+
+def too_long_message(
+    overlong: Sequence[tuple[Prompt, int]], total: int, max_model_len: int, max_tokens: int
+) -> str:
+    prompt, n = overlong[0]
+    return (
+        f"prompt {prompt.uid!r}: {n} tokens leave no room for {prompt.max_tokens or max_tokens} "
+        f"response tokens in rollout.max_model_len={max_model_len} ({len(overlong)} of {total} "
+        "prompts are too long)"
+    )
 
 
 def prompt_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:

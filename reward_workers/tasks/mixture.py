@@ -93,7 +93,7 @@ class MixtureTask:
         labels, weights = self.labels, list(self.weights.values())
         while True:
             label = rng.choices(labels, weights)[0]
-            yield self.tagged(next(streams[label]), label)
+            yield self._tagged(next(streams[label]), label)
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """Each task's held-out prompts, in proportion to its weight (at least one each)."""
@@ -101,7 +101,7 @@ class MixtureTask:
         out = []
         for label, task in self.tasks.items():
             share = max(1, round(n * self.weights[label] / total))
-            out += [self.tagged(p, label) for p in task.eval_prompts(share)]
+            out += [self._tagged(p, label) for p in task.eval_prompts(share)]
         return out
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
@@ -110,7 +110,7 @@ class MixtureTask:
             return Verdict(0.0, f"no task {prompt.task!r} in this mixture", error="error")
         return task.verify(prompt, response)
 
-    def tagged(self, prompt: Prompt, label: str) -> Prompt:
+    def _tagged(self, prompt: Prompt, label: str) -> Prompt:
         # The uid stays unique across tasks: two tasks may number their prompts alike.
         uid = f"{label}/{prompt.uid}"
         return replace(prompt, uid=uid, task=label, max_tokens=self.max_tokens[label])

@@ -92,3 +92,83 @@ def test_a_tasks_chat_wording_is_used_only_with_a_template(tokenizer):
         )
     finally:
         tokenizer.chat_template = None
+
+
+# ----- hostile chat templates ------------------------------------------------------------------
+LOOPS = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"
+HOSTILE_TEMPLATES = {
+    "attribute-escape": "{{ ''.__class__.__mro__ }}",
+    "globals-escape": "{{ cycler.__init__.__globals__ }}",
+    "mutating-the-messages": "{{ messages.append(1) }}{{ messages }}",
+    "nested-loops": LOOPS,
+    "three-nested-loops": "{% for i in range(1000) %}" * 3 + "{% endfor %}" * 3,
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "mutual-recursion": (
+        "{% macro a(n) %}{{ b(n) }}{% endmacro %}{% macro b(n) %}{{ a(n) }}{% endmacro %}{{ a(1) }}"
+    ),
+    "huge-allocation": "{{ 'a' * 10**10 }}",
+    "huge-output": "{% for i in range(3000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "raise": "{{ raise_exception('no thanks') }}",
+    "undefined": "{{ nothing.at.all }}",
+    "type-error": "{{ 1 + 'a' }}",
+    "syntax-error": "{% for %}",
+    "only-with-an-assistant-turn": (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.__class__.__mro__ }}{% endif %}"
+        "{% endfor %}"
+    ),
+    "only-on-one-prompt": (
+        "{% for m in messages %}{% if 'boom' in m.content %}" + LOOPS + "{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("template", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES)
+def test_a_hostile_template_is_refused_quickly_in_one_line(tokenizer, tmp_path, template):
+    import time
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    renderer = PromptRenderer(tokenizer, ChatSettings(str(path)))
+    prompts = [Prompt(f"p{i}", f"{i}+1", None) for i in range(50)] + [Prompt("b", "boom", None)]
+    started = time.monotonic()
+    with pytest.raises(PromptRenderError, match=f"task.chat_template {path}") as err:
+        renderer.vetted_lengths(prompts, stall_s=1.0)
+    assert time.monotonic() - started < 5
+    assert "\n" not in str(err.value)
+
+
+QWEN_LIKE = (
+    "{%- if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
+    "{%- endif %}{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content | trim }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, QWEN_LIKE], ids=["conftest", "qwen-like"])
+def test_a_normal_template_renders_as_transformers_does(tokenizer, tmp_path, template):
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    renderer = PromptRenderer(tokenizer, ChatSettings(str(path), "be brief"))
+    rng = random.Random()
+    prompts = [Prompt(f"p{i}", _text(rng, 10), None) for i in range(20)]
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt.text}],
+            chat_template=template,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        assert renderer.ids(prompt) == tokenizer.encode(text, add_special_tokens=False)
+    assert renderer.vetted_lengths(prompts) == [len(renderer.ids(p)) for p in prompts]
+
+
+def test_a_template_that_fails_in_the_engine_names_itself_and_the_prompt(tokenizer, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% if messages|length > 1 %}{{ raise_exception('two') }}{% endif %}x")
+    renderer = PromptRenderer(tokenizer, ChatSettings(str(path)))
+    renderer.ids(Prompt("ok", "1", None))
+    turns = [{"role": "user", "content": "1"}, {"role": "user", "content": "2"}]
+    with pytest.raises(PromptRenderError, match=f"{path}: fails on prompt 'q9'.*two"):
+        renderer.ids(Prompt("q9", "", None, messages=turns))
