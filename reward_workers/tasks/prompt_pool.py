@@ -41,7 +41,7 @@ class PromptPool:
             raise ValueError(f"{task}: no training prompts in {source}")
         if not held_out:
             raise ValueError(
-                f"{task}: no held-out prompts in {source} to evaluate on (a dataset needs two "
+                f"{task}: no held-out prompts to evaluate on in {source} (a dataset needs two "
                 "different prompts, or an eval_dataset)"
             )
         self.task, self.train, self.held_out = task, train, held_out
@@ -253,8 +253,8 @@ def fit_to_engines(
 def leave_out(source: PromptSource, overlong: list[Prompt], error: str) -> None:
     """Leave the prompts out of a dataset (skip_prompts in its options) when they are at most
     MAX_TOO_LONG_SHARE of it and both sides of its split keep a prompt, else ValueError."""
-    dataset = source.options.get("dataset")
-    if dataset is None or len(overlong) > MAX_TOO_LONG_SHARE * len(source.prompts):
+    files = [source.options[k] for k in ("dataset", "eval_dataset") if source.options.get(k)]
+    if not files or len(overlong) > MAX_TOO_LONG_SHARE * len(source.prompts):
         raise ValueError(f"{error}: shorten or drop them, or raise rollout.max_model_len")
     uids = {p.uid for p in overlong}
     pool = source.task.pool
@@ -262,7 +262,7 @@ def leave_out(source: PromptSource, overlong: list[Prompt], error: str) -> None:
         source.name,
         [p for p in pool.train if p.uid not in uids],
         [p for p in pool.held_out if p.uid not in uids],
-        f"{dataset} once its prompts too long for the engines are left out",
+        f"{' and '.join(files)} once the prompts too long for the engines are left out",
     )
     source.options["skip_prompts"] = sorted(uids | set(source.options.get("skip_prompts", ())))
     logger.warning("%s: left out of training and evaluation", error)

@@ -267,7 +267,9 @@ def test_a_split_has_both_sides_and_never_splits_one_prompt(tmp_path, rows, eval
 )
 def test_a_dataset_of_one_prompt_is_refused_in_one_line(tmp_path, rows):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    with pytest.raises(ValueError, match=r"math: no held-out prompts in .*d.jsonl") as err:
+    with pytest.raises(
+        ValueError, match=r"math: no held-out prompts to evaluate on in .*d.jsonl"
+    ) as err:
         math_task(path)
     assert "\n" not in str(err.value)
 
@@ -283,5 +285,5 @@ def test_an_eval_dataset_of_conversations_holds_out_only_its_own(tmp_path):
 def test_an_empty_eval_dataset_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "answer": "1"}] * 3)
     eval_path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "bad"}])
-    with pytest.raises(ValueError, match="no held-out prompts in .*e.jsonl"):
+    with pytest.raises(ValueError, match="no held-out prompts to evaluate on in .*e.jsonl"):
         math_task(path, eval_dataset=str(eval_path), skip_bad=True)

@@ -1,12 +1,18 @@
 """Prompt rendering: chat templates, system prompts, message lists and raw text."""
 
+import json
 import random
 
 import pytest
 
 from groupflow.quickstart import CHARACTERS, build_tokenizer
 from groupflow.records import Prompt
-from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, PromptRenderError
+from groupflow.rollout.prompt_render import (
+    ChatSettings,
+    PromptRenderer,
+    PromptRenderError,
+    check_prompt_lengths,
+)
 
 # A template in the quickstart tokenizer's alphabet: "S(...) U(...) A(" for a generation prompt.
 TEMPLATE = (
@@ -172,3 +178,102 @@ def test_a_template_that_fails_in_the_engine_names_itself_and_the_prompt(tokeniz
     turns = [{"role": "user", "content": "1"}, {"role": "user", "content": "2"}]
     with pytest.raises(PromptRenderError, match=f"{path}: fails on prompt 'q9'.*two"):
         renderer.ids(Prompt("q9", "", None, messages=turns))
+
+
+# ----- prompts too long for the engines --------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def dataset(path, lengths: list[int]):
+    """Rows whose raw text is that many tokens (the quickstart tokenizer: one per character)."""
+    rows = [{"prompt": f"{i:03d}" + "x" * (n - 3), "answer": "1"} for i, n in enumerate(lengths)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def job_config(task: dict | list, **sections):
+    from groupflow.config import build_config
+
+    raw = {"task": task, "rollout": {"max_model_len": 64, "sampling": {"max_tokens": 16}}}
+    cfg = build_config(raw | sections)
+    cfg.task.chat_template = "none"  # the raw text: one token a character
+    return cfg
+
+
+def check(cfg, tokenizer_dir):
+    from groupflow.driver import check_prompt_rendering
+
+    check_prompt_rendering(cfg, tokenizer_dir)
+
+
+def test_a_few_rows_too_long_are_left_out_and_logged(tmp_path, tokenizer_dir, caplog):
+    from groupflow.reward_workers.tasks import make_task
+
+    # 48 tokens + 16 for the response fit 64 exactly; 49 do not.
+    path = dataset(tmp_path / "d.jsonl", [10] * 200 + [48, 49, 300])
+    cfg = job_config({"name": "math", "options": {"dataset": path, "instruction": ""}})
+    check(cfg, tokenizer_dir)
+    assert cfg.task.options["skip_prompts"] == ["d.jsonl:202", "d.jsonl:203"]
+    task = make_task("math", cfg.task.options)  # as every process of the job builds it
+    uids = {p.uid for p in task.pool.train + task.pool.held_out}
+    assert len(uids) == 201 and "d.jsonl:201" in uids
+    (line,) = [r.getMessage() for r in caplog.records if "too long" in r.getMessage()]
+    assert "'d.jsonl:202': 49 tokens" in line and "2 of 203 prompts" in line
+
+
+@pytest.mark.parametrize(
+    ("task", "culprit"),
+    [
+        (
+            {"name": "math", "options": {"dataset": "LONG"}},
+            r"task: prompt 'long.jsonl:5\d'.*\(5 of 55 prompts",
+        ),
+        ({"name": "arithmetic", "options": {"terms": 40}}, "task: prompt '7-1-0"),  # built in
+        (
+            {"name": "math", "options": {"dataset": "SHORT", "eval_dataset": "ONE_LONG"}},
+            "task: no held-out prompts to evaluate on in .*short.jsonl and .*one_long.jsonl",
+        ),
+        (
+            [{"name": "math", "max_tokens": 40, "options": {"dataset": "MID"}}],
+            "task math: prompt 'mid.jsonl:1': 30 tokens leave no room for 40",
+        ),
+    ],
+    ids=["many-rows", "built-in-task", "held-out-emptied", "mixture-max-tokens"],
+)
+def test_prompts_too_long_are_refused_in_one_line(tmp_path, tokenizer_dir, task, culprit):
+    paths = {
+        "LONG": dataset(tmp_path / "long.jsonl", [10] * 50 + [60] * 5),
+        "SHORT": dataset(tmp_path / "short.jsonl", [10] * 200),
+        "ONE_LONG": dataset(tmp_path / "one_long.jsonl", [60]),
+        "MID": dataset(tmp_path / "mid.jsonl", [30] * 10),
+    }
+    for entry in task if isinstance(task, list) else [task]:
+        options = entry["options"]
+        options.update({k: paths[v] for k, v in options.items() if v in paths})
+        if entry["name"] == "math":
+            options["instruction"] = ""
+    with pytest.raises(ValueError, match=culprit) as err:
+        check(job_config(task), tokenizer_dir)
+    assert "\n" not in str(err.value)
+
+
+def test_an_eval_set_too_long_is_named(tmp_path, tokenizer_dir):
+    path = dataset(tmp_path / "d.jsonl", [60] * 10)
+    eval_sets = [{"name": "hard", "task": "math", "options": {"dataset": path, "instruction": ""}}]
+    task = {"name": "arithmetic", "eval_sets": eval_sets}
+    with pytest.raises(ValueError, match="task.eval_sets hard: prompt 'd.jsonl:"):
+        check(job_config(task), tokenizer_dir)
+
+
+@pytest.mark.parametrize(("tokens", "fits"), [(47, True), (48, True), (49, False)])
+def test_the_engine_takes_no_prompt_that_leaves_no_room_for_a_response(tokens, fits):
+    prompts = [Prompt("a", "", None), Prompt("z9", "", None, max_tokens=16)]
+    if fits:
+        check_prompt_lengths(prompts, [1, tokens], 64, 8)
+    else:
+        with pytest.raises(PromptRenderError, match="prompt 'z9': 49 tokens .* 16 response"):
+            check_prompt_lengths(prompts, [1, tokens], 64, 8)
