@@ -7,8 +7,8 @@ trains on exactly the ids vLLM generated from: no second rendering can drift fro
 A chat template is code from a model directory. Jinja's sandbox stops attribute escapes, but
 not a template that loops without end, recurses until the interpreter dies or builds a huge
 string. So the driver vets the template before any actor starts (`vetted_lengths`): a forked
-child renders a sample conversation and every prompt the job can draw, under a memory limit,
-and is killed when one prompt takes longer than STALL_S; a template that fails, stalls,
+child renders every prompt the job can draw (no made-up conversation, which a strict template
+may rightly refuse), under a memory limit, and is killed when one prompt takes over STALL_S; a template that fails, stalls,
 crashes or writes more than MAX_RENDERED_CHARS is refused in one line naming it. The engines
 then render in-process at full speed: the prompts they get are the ones vetted. Vetting in a
 child, not bounding every render, is what bounds CPU time at no cost per training prompt: a
@@ -30,19 +30,6 @@ STALL_S = 5.0  # the longest one prompt may take to render (and tokenize) when v
 MAX_RENDERED_CHARS = 1_000_000  # far past any prompt that fits an engine
 VET_MEMORY_BYTES = 2 << 30  # what a vetting child may allocate beyond the driver's size
 PROGRESS_EVERY_S = 0.2  # how often a vetting child reports the lengths measured so far
-
-# Renders every role and the generation prompt, for a job whose prompts are all one turn.
-SAMPLE_CONVERSATION = Prompt(
-    "a sample conversation",
-    "",
-    None,
-    messages=[
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 2+2?"},
-        {"role": "assistant", "content": "4"},
-        {"role": "user", "content": "And 3+3?"},
-    ],
-)
 
 
 class PromptRenderError(ValueError):
@@ -124,7 +111,8 @@ class PromptRenderer:
                     kind, value = receiver.recv()
                 except EOFError:
                     child.join(1)
-                    raise self._refused(f"the renderer died ({child.exitcode})", lengths) from None
+                    why = f"the renderer died (exit status {child.exitcode})"
+                    raise self._refused(why, lengths) from None
                 if kind == "refused":
                     raise PromptRenderError(value)
                 lengths += value
@@ -136,15 +124,14 @@ class PromptRenderer:
             receiver.close()
 
     def _refused(self, why: str, lengths: list[int]) -> PromptRenderError:
-        where = f"after {len(lengths)} prompts" if lengths else "on its first prompt"
-        return PromptRenderError(f"{self.template_name}: refused: {why} {where}")
+        return PromptRenderError(
+            f"{self.template_name}: refused: {why} ({len(lengths)} rendered before it)"
+        )
 
     def _measure(self, prompts: Sequence[Prompt], sender) -> None:
         """The child: every prompt's token count, sent every PROGRESS_EVERY_S."""
         _limit_memory(VET_MEMORY_BYTES)
         try:
-            if self.template is not None:
-                self._vetted_text(SAMPLE_CONVERSATION)
             lengths, sent = [], time.monotonic()
             for prompt in prompts:
                 lengths.append(len(self._vetted_ids(prompt)))

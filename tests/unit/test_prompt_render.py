@@ -136,7 +136,13 @@ def test_a_hostile_template_is_refused_quickly_in_one_line(tokenizer, tmp_path, 
     path = tmp_path / "chat.jinja"
     path.write_text(template)
     renderer = PromptRenderer(tokenizer, ChatSettings(str(path)))
-    prompts = [Prompt(f"p{i}", f"{i}+1", None) for i in range(50)] + [Prompt("b", "boom", None)]
+    conversation = [
+        {"role": "user", "content": "1+1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2"},
+    ]
+    prompts = [Prompt(f"p{i}", f"{i}+1", None) for i in range(50)]
+    prompts += [Prompt("b", "boom", None), Prompt("c", "", None, messages=conversation)]
     started = time.monotonic()
     with pytest.raises(PromptRenderError, match=f"task.chat_template {path}") as err:
         renderer.vetted_lengths(prompts, stall_s=1.0)
