@@ -227,3 +227,5 @@ def _template(tokenizer, choice: str) -> str | None:
         raise PromptRenderError(
             f"task.chat_template: cannot read {path} ({err.strerror})"
         ) from None
+    except UnicodeDecodeError:
+        raise PromptRenderError(f"task.chat_template: {path} is not UTF-8 text") from None

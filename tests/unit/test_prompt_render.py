@@ -176,6 +176,14 @@ def test_a_normal_template_renders_as_transformers_does(tokenizer, tmp_path, tem
     assert renderer.vetted_lengths(prompts) == [len(renderer.ids(p)) for p in prompts]
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe{{ x }}", b"{{ 'a' }}\xc3"], ids=["bom", "cut"])
+def test_a_template_file_that_is_not_text_is_named(tokenizer, tmp_path, content):
+    path = tmp_path / "chat.jinja"
+    path.write_bytes(content)
+    with pytest.raises(PromptRenderError, match=f"task.chat_template: {path} is not UTF-8"):
+        PromptRenderer(tokenizer, ChatSettings(str(path)))
+
+
 def test_a_template_that_fails_in_the_engine_names_itself_and_the_prompt(tokenizer, tmp_path):
     path = tmp_path / "chat.jinja"
     path.write_text("{% if messages|length > 1 %}{{ raise_exception('two') }}{% endif %}x")
