@@ -105,14 +105,15 @@ def hash_split(prompts: list[Prompt], fraction: float) -> tuple[list[Prompt], li
     """(train, held-out) by the hash of each prompt's split_key. When the hash leaves a side
     empty and there are two different prompts, the key nearest the cut moves across, so a
     small dataset still has something to train on and something to evaluate."""
-    keys = {split_key(p) for p in prompts}
+    row_keys = [split_key(p) for p in prompts]
+    keys = set(row_keys)
     held = {k for k in keys if is_held_out(k, fraction)}
     if len(keys) > 1 and not held:
         held = {min(keys, key=hash_position)}
     elif len(keys) > 1 and held == keys:
         held = keys - {max(keys, key=hash_position)}
-    train = [p for p in prompts if split_key(p) not in held]
-    return train, [p for p in prompts if split_key(p) in held]
+    train = [p for p, key in zip(prompts, row_keys, strict=True) if key not in held]
+    return train, [p for p, key in zip(prompts, row_keys, strict=True) if key in held]
 
 
 class PooledTask:

@@ -287,3 +287,10 @@ def test_an_empty_eval_dataset_is_refused(tmp_path):
     eval_path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "bad"}])
     with pytest.raises(ValueError, match="no held-out prompts to evaluate on in .*e.jsonl"):
         math_task(path, eval_dataset=str(eval_path), skip_bad=True)
+
+
+@pytest.mark.parametrize("skip", ["d.jsonl:1", [1], {"d.jsonl:1": True}])
+def test_skip_prompts_must_be_a_list_of_uids(tmp_path, skip):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(3)])
+    with pytest.raises(ValueError, match="math: skip_prompts must be a list of prompt uids"):
+        math_task(path, skip_prompts=skip)
