@@ -102,8 +102,8 @@ class RolloutEngine:
 
     def _generate(self, prompts: list[Prompt], params, max_tokens: int) -> list[SampledGroup]:
         prompt_ids = [self.renderer.ids(p) for p in prompts]
-        # The driver measured every prompt before the job started; this guard keeps a prompt
-        # it could not see (e.g. `groupflow eval`) from reaching vLLM, which would fail on it.
+        # The driver measured every prompt it could draw before the job started; this guard
+        # keeps any other prompt (a caller's own) from reaching vLLM, which would fail on it.
         check_prompt_lengths(
             prompts, [len(ids) for ids in prompt_ids], self.max_model_len, max_tokens
         )
