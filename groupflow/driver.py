@@ -39,6 +39,7 @@ from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.reward_workers.tasks import make_task
+from groupflow.reward_workers.tasks.prompt_pool import fit_to_engines, job_prompt_sources
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.sample_log import SampleLog
@@ -155,8 +156,14 @@ def _tokenizer(model_path: str):
 
 
 def check_prompt_rendering(cfg: Config, model_path: str) -> None:
-    """The chat settings against the model's tokenizer, before any actor starts."""
-    PromptRenderer(_tokenizer(model_path), engine_settings(cfg, model_path, 0).chat)
+    """Before any actor starts: the chat settings against the model's tokenizer, the chat
+    template vetted on every prompt the job can draw (rollout/prompt_render.py), and the
+    prompts too long for the engines left out of their datasets, or the job refused
+    (reward_workers/tasks/prompt_pool.py)."""
+    renderer = PromptRenderer(_tokenizer(model_path), engine_settings(cfg, model_path, 0).chat)
+    sources = job_prompt_sources(cfg)
+    lengths = renderer.vetted_lengths([p for source in sources for p in source.prompts])
+    fit_to_engines(sources, lengths, cfg.rollout.max_model_len, cfg.rollout.sampling.max_tokens)
 
 
 def open_run(cfg: Config) -> OpenRun:

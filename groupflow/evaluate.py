@@ -37,10 +37,12 @@ def greedy_share(rewards: list[list[float]]) -> float:
 def evaluate_model(cfg: Config, model_path: str) -> dict:
     """One in-process vLLM engine on the task's held-out prompts; the answers are scored as
     the reward workers score them, in scorer processes killed at their deadline."""
+    from groupflow.driver import check_prompt_rendering
     from groupflow.reward_workers.scorer import Scorer
     from groupflow.reward_workers.tasks import make_task
     from groupflow.rollout.engine import RolloutEngine, engine_settings
 
+    check_prompt_rendering(cfg, model_path)  # the template vetted, prompts too long left out
     prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
     engine = RolloutEngine(engine_settings(cfg, model_path, seed=cfg.trainer.seed))
     reward = cfg.reward

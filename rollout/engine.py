@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from groupflow.records import Prompt, Response, SampledGroup
-from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
+from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 
 if TYPE_CHECKING:
     from groupflow.config import SamplingConfig
@@ -61,6 +61,7 @@ class RolloutEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.renderer = PromptRenderer(self.tokenizer, settings.chat)
+        self.max_model_len = settings.max_model_len
         self.policy_version = 0
 
     def sample_groups(
@@ -83,7 +84,7 @@ class RolloutEngine:
                 logprobs=0,
             )
 
-        return self._generate(prompts, [params(p) for p in prompts])
+        return self._generate(prompts, [params(p) for p in prompts], sampling.max_tokens)
 
     def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
@@ -96,11 +97,16 @@ class RolloutEngine:
                 SamplingParams(n=1, temperature=0.0, max_tokens=p.max_tokens or sampling.max_tokens)
                 for p in prompts
             ]
-            return self._generate(prompts, params)
+            return self._generate(prompts, params, sampling.max_tokens)
         return self.sample_groups(prompts, n, sampling)
 
-    def _generate(self, prompts: list[Prompt], params) -> list[SampledGroup]:
+    def _generate(self, prompts: list[Prompt], params, max_tokens: int) -> list[SampledGroup]:
         prompt_ids = [self.renderer.ids(p) for p in prompts]
+        # The driver measured every prompt it could draw before the job started; this guard
+        # keeps any other prompt (a caller's own) from reaching vLLM, which would fail on it.
+        check_prompt_lengths(
+            prompts, [len(ids) for ids in prompt_ids], self.max_model_len, max_tokens
+        )
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
         )

@@ -3,14 +3,33 @@ one (`task.chat_template`, `task.system_prompt`).
 
 The engine renders every prompt once and hands the ids on with its samples, so the learner
 trains on exactly the ids vLLM generated from: no second rendering can drift from the first.
+
+A chat template is code from a model directory. Jinja's sandbox stops attribute escapes, but
+not a template that loops without end, recurses until the interpreter dies or builds a huge
+string. So the driver vets the template before any actor starts (`vetted_lengths`): a forked
+child renders every prompt the job can draw (no made-up conversation, which a strict template
+may rightly refuse), under a memory limit, and is killed when one prompt takes over STALL_S; a template that fails, stalls,
+crashes or writes more than MAX_RENDERED_CHARS is refused in one line naming it. The engines
+then render in-process at full speed: the prompts they get are the ones vetted. Vetting in a
+child, not bounding every render, is what bounds CPU time at no cost per training prompt: a
+Python thread cannot be stopped, and an alarm signal reaches only a main thread.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import resource
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from groupflow.records import Prompt
+
+STALL_S = 5.0  # the longest one prompt may take to render (and tokenize) when vetted
+MAX_RENDERED_CHARS = 1_000_000  # far past any prompt that fits an engine
+VET_MEMORY_BYTES = 2 << 30  # what a vetting child may allocate beyond the driver's size
+PROGRESS_EVERY_S = 0.2  # how often a vetting child reports the lengths measured so far
 
 
 class PromptRenderError(ValueError):
@@ -30,6 +49,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.system_prompt = settings.system_prompt
         self.template = _template(tokenizer, settings.chat_template)
+        self.template_name = _template_name(tokenizer, settings.chat_template)
         if self.template is None and settings.system_prompt is not None:
             raise PromptRenderError(
                 "task.system_prompt: needs a chat template, and the tokenizer has none "
@@ -56,14 +76,143 @@ class PromptRenderer:
                     "no chat template (set task.chat_template)"
                 )
             return self.tokenizer.encode(prompt.text)
-        text = self.tokenizer.apply_chat_template(
-            self.messages(prompt),
-            chat_template=self.template,
-            add_generation_prompt=True,
-            tokenize=False,
-        )
         # The template writes any BOS itself; the tokenizer must not add a second one.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(self.chat_text(prompt), add_special_tokens=False)
+
+    def chat_text(self, prompt: Prompt) -> str:
+        """The prompt through the chat template; whatever the template raises is its fault,
+        one line naming it."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                self.messages(prompt),
+                chat_template=self.template,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except Exception as err:  # a template is foreign code: it may raise anything
+            raise PromptRenderError(
+                f"{self.template_name}: fails on prompt {prompt.uid!r} ({_one_line(err)})"
+            ) from None
+
+    def vetted_lengths(self, prompts: Sequence[Prompt], stall_s: float = STALL_S) -> list[int]:
+        """The token count of each prompt, rendered in a forked child (see the module's doc);
+        PromptRenderError naming the template when it fails, stalls or runs away."""
+        context = multiprocessing.get_context("fork")  # the child shares the loaded tokenizer
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(target=self._measure, args=(prompts, sender), daemon=True)
+        child.start()
+        sender.close()
+        lengths: list[int] = []
+        try:
+            while True:
+                if not receiver.poll(stall_s):
+                    raise self._refused(f"a prompt took over {stall_s:g}s to render", lengths)
+                try:
+                    kind, value = receiver.recv()
+                except EOFError:
+                    child.join(1)
+                    why = f"the renderer died (exit status {child.exitcode})"
+                    raise self._refused(why, lengths) from None
+                if kind == "refused":
+                    raise PromptRenderError(value)
+                lengths += value
+                if kind == "done":
+                    return lengths
+        finally:
+            child.kill()
+            child.join()
+            receiver.close()
+
+    def _refused(self, why: str, lengths: list[int]) -> PromptRenderError:
+        return PromptRenderError(
+            f"{self.template_name}: refused: {why} ({len(lengths)} rendered before it)"
+        )
+
+    def _measure(self, prompts: Sequence[Prompt], sender) -> None:
+        """The child: every prompt's token count, sent every PROGRESS_EVERY_S."""
+        _limit_memory(VET_MEMORY_BYTES)
+        try:
+            lengths, sent = [], time.monotonic()
+            for prompt in prompts:
+                lengths.append(len(self._vetted_ids(prompt)))
+                if time.monotonic() - sent > PROGRESS_EVERY_S:
+                    sender.send(("lengths", lengths))
+                    lengths, sent = [], time.monotonic()
+            sender.send(("done", lengths))
+        except PromptRenderError as err:
+            sender.send(("refused", str(err)))
+        except BaseException as err:  # MemoryError, RecursionError, ...: the template's doing
+            sender.send(("refused", f"{self.template_name}: refused: {_one_line(err)}"))
+
+    def _vetted_ids(self, prompt: Prompt) -> list[int]:
+        if self.template is None:
+            return self.ids(prompt)
+        return self.tokenizer.encode(self._vetted_text(prompt), add_special_tokens=False)
+
+    def _vetted_text(self, prompt: Prompt) -> str:
+        text = self.chat_text(prompt)
+        if len(text) > MAX_RENDERED_CHARS:
+            raise PromptRenderError(
+                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to {len(text)} "
+                f"characters (at most {MAX_RENDERED_CHARS})"
+            )
+        return text
+
+
+def check_prompt_lengths(
+    prompts: Sequence[Prompt], lengths: Sequence[int], max_model_len: int, max_tokens: int
+) -> None:
+    """PromptRenderError naming the first prompt that does not fit (prompt_fits), if any."""
+    overlong = too_long(prompts, lengths, max_model_len, max_tokens)
+    if overlong:
+        raise PromptRenderError(too_long_message(overlong, len(prompts), max_model_len, max_tokens))
+
+
+def too_long(
+    prompts: Sequence[Prompt], lengths: Sequence[int], max_model_len: int, max_tokens: int
+) -> list[tuple[Prompt, int]]:
+    """(prompt, its token count) of each prompt that does not fit (prompt_fits)."""
+    return [
+        (p, n)
+        for p, n in zip(prompts, lengths, strict=True)
+        if not prompt_fits(n, p.max_tokens or max_tokens, max_model_len)
+    ]
+
+
+def too_long_message(
+    overlong: Sequence[tuple[Prompt, int]], total: int, max_model_len: int, max_tokens: int
+) -> str:
+    prompt, n = overlong[0]
+    return (
+        f"prompt {prompt.uid!r}: {n} tokens leave no room for {prompt.max_tokens or max_tokens} "
+        f"response tokens in rollout.max_model_len={max_model_len} ({len(overlong)} of {total} "
+        "prompts are too long)"
+    )
+
+
+def prompt_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
+    """A prompt an engine may take: its longest response still fits the context."""
+    return prompt_tokens + max_tokens <= max_model_len
+
+
+def _limit_memory(extra: int) -> None:
+    """Cap the address space at its size now plus `extra`, so a runaway allocation fails
+    with MemoryError instead of swapping the machine."""
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _template_name(tokenizer, choice: str) -> str:
+    if choice == "auto":
+        return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
+    return f"task.chat_template {choice}"
 
 
 def _template(tokenizer, choice: str) -> str | None:
@@ -78,3 +227,5 @@ def _template(tokenizer, choice: str) -> str | None:
         raise PromptRenderError(
             f"task.chat_template: cannot read {path} ({err.strerror})"
         ) from None
+    except UnicodeDecodeError:
+        raise PromptRenderError(f"task.chat_template: {path} is not UTF-8 text") from None

@@ -27,10 +27,15 @@ class Task(Protocol):
         with a short reason when it is malformed."""
 
 
+def hash_position(key: str) -> float:
+    """A key's stable place in [0, 1), the same in every run and process."""
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 def is_held_out(key: str, fraction: float = 0.1) -> bool:
     """Stable split: a problem belongs to the held-out set by a hash of its text."""
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+    return hash_position(key) < fraction
 
 
 class GeneratedTask:

@@ -8,7 +8,7 @@ set, or from a dataset file whose answer field holds {"entry_point": ..., "tests
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
@@ -164,6 +164,7 @@ class CodeTask(PooledTask):
         fields: Mapping[str, str] | None = None,
         skip_bad: bool = False,
         eval_fraction: float = 0.1,
+        skip_prompts: Sequence[str] = (),
         instruction: str = DEFAULT_INSTRUCTION,
         timeout_s: float = 10.0,
         case_timeout_s: float = 2.0,
@@ -178,7 +179,7 @@ class CodeTask(PooledTask):
         self.format_weight = check_format_weight(self.name, format_weight)
         # No usable sandbox, or one without the kernel layers: fail now, not mid-training.
         require_strong(default_platform(), allow_weak_sandbox is True, "code task")
-        self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction)
+        self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction, skip_prompts)
 
     def _builtin_split(self) -> tuple[list[Prompt], list[Prompt]]:
         train, held_out = [], []

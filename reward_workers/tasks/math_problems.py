@@ -6,7 +6,7 @@ reward_workers.datasets) with `dataset=...` and a field mapping.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
@@ -78,6 +78,7 @@ class MathTask(PooledTask):
         fields: Mapping[str, str] | None = None,
         skip_bad: bool = False,
         eval_fraction: float = 0.1,
+        skip_prompts: Sequence[str] = (),
         instruction: str = DEFAULT_INSTRUCTION,
         timeout_s: float = 5.0,
         format_weight: float = 0.0,
@@ -85,7 +86,7 @@ class MathTask(PooledTask):
         check_positive_seconds(self.name, "timeout_s", timeout_s)
         self.instruction, self.timeout_s = instruction, timeout_s
         self.format_weight = check_format_weight(self.name, format_weight)
-        self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction)
+        self._load_pool(dataset, eval_dataset, fields, skip_bad, eval_fraction, skip_prompts)
 
     def _builtin_split(self) -> tuple[list[Prompt], list[Prompt]]:
         train, held_out = [], []

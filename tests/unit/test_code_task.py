@@ -259,6 +259,7 @@ def test_dataset_driven_code_task(tmp_path):
         row % json.dumps(GCD_SPEC)
         + row % json.dumps(json.dumps(GCD_SPEC))
         + '{"q": "x", "spec": {"tests": []}}\n'
+        + json.dumps({"q": "Write gcd(a, b) in Python.", "spec": GCD_SPEC})
     )
     with pytest.raises(ValueError, match=r"code.jsonl:3: field 'spec' \(answer\)"):
         CodeTask(dataset=str(path), fields={"prompt": "q", "answer": "spec"})
@@ -268,5 +269,6 @@ def test_dataset_driven_code_task(tmp_path):
         skip_bad=True,
         eval_fraction=0.01,
     )
-    assert len(task.pool.train) == 2
+    # The two copies of a prompt stay on one side; the other prompt is on the other.
+    assert sorted([len(task.pool.train), len(task.pool.held_out)]) == [1, 2]
     assert task.verify(task.pool.train[0], fenced(GCD)).reward == 1.0

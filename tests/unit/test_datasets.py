@@ -152,15 +152,145 @@ def test_malformed_messages_name_the_field(tmp_path, chat, message):
 def test_a_task_instructs_the_last_user_turn_of_a_conversation(tmp_path):
     from groupflow.reward_workers.tasks import make_task
 
-    turns = [
-        {"role": "user", "content": "Hi."},
-        {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "What is 6*7?"},
-    ]
-    rows = [{"chat": turns, "answer": str(i), "uid": i} for i in range(20)]
+    def turns(i):
+        return [
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": f"What is 6*{i}?"},
+        ]
+
+    rows = [{"chat": turns(i), "answer": str(6 * i), "uid": i} for i in range(20)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     task = make_task("math", {"dataset": str(path), "fields": {"messages": "chat"}})
     prompt = next(task.train_prompts(seed=0))
-    assert prompt.messages[:2] == turns[:2]
-    assert prompt.messages[2]["content"] == f"What is 6*7?\n{task.instruction}"
-    assert turns[2]["content"] == "What is 6*7?"  # the loaded rows are not changed in place
+    i = int(prompt.uid)
+    assert prompt.messages[:2] == turns(i)[:2]
+    assert prompt.messages[2]["content"] == f"What is 6*{i}?\n{task.instruction}"
+    assert rows[i]["chat"][2]["content"] == f"What is 6*{i}?"  # the rows are not changed
+
+
+# ----- the train/held-out split ----------------------------------------------------------------
+def conversation(i: int) -> list[dict]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": f"What is {i}*7?"},
+    ]
+
+
+def split_uids(task) -> tuple[set[str], set[str]]:
+    return {p.uid for p in task.pool.train}, {p.uid for p in task.pool.held_out}
+
+
+def math_task(path, **options):
+    from groupflow.reward_workers.tasks import make_task
+
+    return make_task("math", {"dataset": str(path), "fields": {"messages": "chat"}, **options})
+
+
+def test_messages_only_rows_split_into_both_sides_the_same_every_time(tmp_path):
+    rows = [{"chat": conversation(i), "answer": str(7 * i), "uid": i} for i in range(200)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    train, held_out = split_uids(math_task(path))
+    assert train and held_out and not train & held_out
+    assert len(train | held_out) == 200
+    assert 5 <= len(held_out) <= 40  # about eval_fraction = 0.1 of them
+    # Another load, rows reordered and others added: each row keeps its side.
+    more = [{"chat": conversation(i), "answer": "0", "uid": i} for i in range(200, 300)]
+    again = write_jsonl(tmp_path / "again.jsonl", more + rows[::-1])
+    train_again, held_again = split_uids(math_task(again))
+    assert train <= train_again and held_out <= held_again
+
+
+def test_the_split_is_the_same_in_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    rows = [{"chat": conversation(i), "answer": str(i), "uid": i} for i in range(100)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    script = (
+        "import sys; from groupflow.reward_workers.tasks.prompt_pool import PromptPool\n"
+        "pool = PromptPool.from_dataset('t', sys.argv[1], eval_dataset=None, "
+        "fields={'messages': 'chat'}, skip_bad=False, eval_fraction=0.1, parse_answer=str)\n"
+        "print(sorted(p.uid for p in pool.held_out))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    ).stdout
+    assert out.strip() == str(sorted(split_uids(math_task(path))[1]))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        # duplicates: two conversations, fifteen copies each
+        [{"chat": conversation(i % 2), "answer": "1", "uid": i} for i in range(30)],
+        # two rows
+        [{"chat": conversation(i), "answer": "1", "uid": i} for i in range(2)],
+        # text rows and conversations, a text row the same prompt as a lone user turn
+        [{"prompt": f"q{i}", "answer": "1", "uid": f"t{i}"} for i in range(10)]
+        + [
+            {"chat": [{"role": "user", "content": f"q{i}"}], "answer": "1", "uid": f"m{i}"}
+            for i in range(10)
+        ]
+        + [{"chat": conversation(i), "answer": "1", "uid": f"c{i}"} for i in range(10)],
+        # a lone surrogate in a prompt
+        [{"prompt": f"q{i}\ud800", "answer": "1", "uid": i} for i in range(5)],
+    ],
+    ids=["duplicates", "two-rows", "text-and-messages", "lone-surrogate"],
+)
+@pytest.mark.parametrize("eval_fraction", [0.001, 0.1, 0.999])
+def test_a_split_has_both_sides_and_never_splits_one_prompt(tmp_path, rows, eval_fraction):
+    from groupflow.reward_workers.tasks.prompt_pool import split_key
+
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task = math_task(path, eval_fraction=eval_fraction, instruction="")
+    train, held_out = task.pool.train, task.pool.held_out
+    assert train and held_out and len(train) + len(held_out) == len(rows)
+    assert not {split_key(p) for p in train} & {split_key(p) for p in held_out}
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [{"chat": conversation(1), "answer": "7"}],
+        [{"chat": conversation(1), "answer": "7"}] * 20,
+        [
+            {"prompt": "q", "answer": "1"},
+            {"chat": [{"role": "user", "content": "q"}], "answer": "1"},
+        ],
+    ],
+    ids=["one-row", "one-prompt-twenty-times", "one-prompt-as-text-and-turn"],
+)
+def test_a_dataset_of_one_prompt_is_refused_in_one_line(tmp_path, rows):
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(
+        ValueError, match=r"math: no held-out prompts to evaluate on in .*d.jsonl"
+    ) as err:
+        math_task(path)
+    assert "\n" not in str(err.value)
+
+
+def test_an_eval_dataset_of_conversations_holds_out_only_its_own(tmp_path):
+    rows = [{"chat": conversation(i), "answer": "1", "uid": i} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    eval_path = write_jsonl(tmp_path / "e.jsonl", rows[:3])
+    train, held_out = split_uids(math_task(path, eval_dataset=str(eval_path)))
+    assert train == {str(i) for i in range(3, 10)} and held_out == {"0", "1", "2"}
+
+
+def test_an_empty_eval_dataset_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "answer": "1"}] * 3)
+    eval_path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "bad"}])
+    with pytest.raises(ValueError, match="no held-out prompts to evaluate on in .*e.jsonl"):
+        math_task(path, eval_dataset=str(eval_path), skip_bad=True)
+
+
+@pytest.mark.parametrize("skip", ["d.jsonl:1", [1], {"d.jsonl:1": True}])
+def test_skip_prompts_must_be_a_list_of_uids(tmp_path, skip):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(3)])
+    with pytest.raises(ValueError, match="math: skip_prompts must be a list of prompt uids"):
+        math_task(path, skip_prompts=skip)

@@ -127,11 +127,15 @@ def test_dataset_prompts_with_field_mapping(tmp_path):
 
 def test_dataset_with_a_bad_answer_is_refused(tmp_path):
     path = tmp_path / "math.jsonl"
-    path.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": [4]}\n')
+    path.write_text(
+        '{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": [4]}\n'
+        '{"prompt": "3+3?", "answer": "6"}\n'
+    )
     with pytest.raises(ValueError, match=r"math.jsonl:2: field 'answer'"):
         MathTask(dataset=str(path))
     task = MathTask(dataset=str(path), skip_bad=True, eval_fraction=0.01)
-    assert [p.answer for p in task.pool.train] == ["2"]
+    assert len(task.pool.train) == len(task.pool.held_out) == 1  # one of each side
+    assert sorted(p.answer for p in task.pool.train + task.pool.held_out) == ["2", "6"]
 
 
 def test_parse_answer():
