@@ -8,22 +8,39 @@ refused up front, so that they cost a refusal instead of a timeout and a process
 
 Extraction looks only at the last MAX_EXTRACTION_CHARS of a response (where a final answer
 is) and runs in linear time: no regex or scan restarts at every candidate.
+
+The answer rules (docs/verifiers.md): a final answer is ONE value. A hedge (`6 \\lor 7`,
+"3 (or 4)", `6 \\approx 7`, `x \\le 6`, `6 \\pm 1`, "maybe 6") or a list where the gold answer
+is a single value is refused, unless the gold answer itself is written that way. An integer
+or fraction gold answer is matched exactly (as rationals, never through a float); a decimal
+or irrational one to a relative tolerance of REL_TOL.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import re
 
 import sympy
 from math_verify import parse, verify
+from sympy.sets.sets import Set
 
 MAX_EXTRACTION_CHARS = 20_000
 MAX_ANSWER_CHARS = 200
 MAX_NESTING = 16
 MAX_EXPONENT = 1000
 MAX_FACTORIAL = 1000
+# Decimal or irrational gold answers: |answer - gold| <= REL_TOL * |gold| (ABS_TOL at zero).
+# Nine significant digits: a full-precision float passes, a rounded approximation does not.
+REL_TOL = 1e-9
+ABS_TOL = 1e-12
+# Inside tuples, sets and intervals math-verify compares floats rounded to this many decimals.
+FLOAT_DECIMALS = 9
+# Plain integers and decimals this long are compared digit by digit; Python refuses to
+# convert longer digit strings (sys.int_max_str_digits) and nothing needs them.
+MAX_LITERAL_DIGITS = 4000
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
@@ -34,6 +51,36 @@ _FACTORIAL_LIKE = {"factorial", "factorial2", "subfactorial", "gamma", "binomial
 
 class AnswerTooCostly(ValueError):
     pass
+
+
+class AnswerRefused(ValueError):
+    """Not one value: a hedge, a relation other than `=`, or several candidate answers."""
+
+
+# Ways of naming more than one value (or an approximate one). A label is refused in an answer
+# only when the gold answer does not use it (`x \\le 3` may be the gold answer).
+_HEDGES = {
+    "a disjunction": re.compile(r"\b(?:or|either)\b|\\(?:lor|vee)(?![a-zA-Z])|∨", re.I),
+    "an approximation": re.compile(
+        r"\\(?:approx|simeq|sim|thickapprox|cong|doteq)(?![a-zA-Z])|[≈∼≃≅]"
+        r"|\b(?:approx(?:imately)?|about|around|roughly|nearly|almost)\b",
+        re.I,
+    ),
+    "an inequality": re.compile(
+        r"\\(?:le|leq|ge|geq|lt|gt|ne|neq|leqslant|geqslant|lesssim|gtrsim|nless|ngtr)"
+        r"(?![a-zA-Z])|[<>≤≥≠]|!=",
+    ),
+    "plus-or-minus": re.compile(r"\\(?:pm|mp)(?![a-zA-Z])|[±∓]"),
+    "a guess": re.compile(
+        r"\b(?:maybe|perhaps|possibly|probably|likely|alternatively|otherwise|unsure)\b", re.I
+    ),
+    "an alternative in parentheses": re.compile(r"\d\s*\(\s*[-+]?\d[\d.,]*\s*\)"),
+    "a chain of equalities": re.compile(r"=[^=]*="),
+}
+# What marks a hedge in a sentence around a bare last number (relations there are reasoning).
+_HEDGES_IN_PROSE = ("a disjunction", "a guess", "an approximation")
+_SPACES = re.compile(r"\s+|\\[,;:! ]|\\q?quad(?![a-zA-Z])|\\(?:left|right)(?![a-zA-Z])")
+_PLAIN_NUMBER = re.compile(r"([-+]?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?", re.ASCII)
 
 
 class _HideDisabledTimeoutWarning(logging.Filter):
@@ -87,18 +134,68 @@ def extract_answer(response: str) -> tuple[str, str] | None:
         answer = stated[-1].strip().strip("*").rstrip(".").strip().strip("$").strip()
         if answer:
             return answer, "stated"
-    numbers = _NUMBER.findall(response)
-    if numbers:
-        return numbers[-1].replace(",", ""), "last number"
-    return None
+    last = collections.deque(_NUMBER.finditer(response), maxlen=1)
+    if not last:
+        return None
+    number = last[0]
+    line = _line_around(response, number.start())
+    if any(_HEDGES[what].search(line) for what in _HEDGES_IN_PROSE):
+        return line, "last line"  # "so it is 6 or 7": the hedge check refuses it
+    return number.group(0).replace(",", ""), "last number"
+
+
+def _line_around(text: str, position: int) -> str:
+    end = text.find("\n", position)
+    return text[text.rfind("\n", 0, position) + 1 : len(text) if end < 0 else end].strip()
 
 
 def equivalent(gold: str, candidate: str) -> bool:
-    """Whether the candidate answer equals the gold one, per math-verify.
+    """Whether the candidate answer equals the gold one: the same text, the same plain number,
+    else per math-verify with the numeric rules above.
 
-    Raises AnswerTooCostly for answers refused up front."""
+    Raises AnswerRefused for a hedge, AnswerTooCostly for answers refused up front."""
+    if _normal_text(gold) == _normal_text(candidate):
+        return True
+    _check_one_value(gold, candidate)
+    gold_number, number = _plain_number(gold), _plain_number(candidate)
+    if gold_number is not None and number is not None:
+        return _numbers_match(*gold_number, number[0])
+    if len(gold) > MAX_ANSWER_CHARS:
+        # Parsing and comparing a long gold answer can outlast the deadline; the same text
+        # (checked above) is the only way to match it.
+        return False
     _check_shape(candidate)
     return _compare(gold, candidate)
+
+
+def _normal_text(answer: str) -> str:
+    return _SPACES.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+
+
+def _check_one_value(gold: str, candidate: str) -> None:
+    for what, pattern in _HEDGES.items():
+        if pattern.search(candidate) and not pattern.search(gold):
+            raise AnswerRefused(f"not one value: {what}")
+
+
+def _plain_number(answer: str) -> tuple[sympy.Rational, bool] | None:
+    """(exact value, whether written as a decimal) of an answer that is only a number such as
+    -1,234.50 (no conversion through float); None for anything else."""
+    match = _PLAIN_NUMBER.fullmatch(answer.strip().strip("$").strip())
+    if match is None or len(match.group(0)) > MAX_LITERAL_DIGITS:
+        return None
+    sign, whole, decimals = match.groups()
+    text = f"{sign}{whole.replace(',', '')}.{decimals or '0'}"
+    return sympy.Rational(text), decimals is not None
+
+
+def _numbers_match(gold: sympy.Expr, is_decimal: bool, value: sympy.Expr) -> bool:
+    """Exact for a rational gold answer (an integer or a fraction); within REL_TOL for a
+    decimal or irrational one."""
+    if gold.is_Rational and not is_decimal:
+        return value.is_Rational and value == gold
+    difference = abs(sympy.N(value - gold, 30))
+    return bool(difference <= max(REL_TOL * abs(sympy.N(gold, 30)), ABS_TOL))
 
 
 def _check_shape(candidate: str) -> None:
@@ -113,10 +210,37 @@ def _check_shape(candidate: str) -> None:
 
 
 def _compare(gold: str, candidate: str) -> bool:
-    parsed = _parse(candidate)
-    for expr in parsed:
+    parsed, gold_parsed = _parse(candidate), _parse(gold)
+    for expr in (*parsed, *gold_parsed):
         _check_cost(expr)
-    return verify(_parse(gold), parsed, timeout_seconds=None)
+    value, gold_value = _first_expression(parsed), _first_expression(gold_parsed)
+    if _is_collection(value) and not _is_collection(gold_value):
+        raise AnswerRefused("not one value: several answers")
+    if _is_number(value) and _is_number(gold_value):
+        exact_gold = _rationalize(gold_value)
+        return _numbers_match(exact_gold, exact_gold is not gold_value, _rationalize(value))
+    return verify(gold_parsed, parsed, float_rounding=FLOAT_DECIMALS, timeout_seconds=None)
+
+
+def _first_expression(parsed: list) -> object:
+    return next((expr for expr in parsed if isinstance(expr, sympy.Basic)), None)
+
+
+def _is_collection(expr: object) -> bool:
+    return isinstance(expr, Set | sympy.Tuple)
+
+
+def _is_number(expr: object) -> bool:
+    return isinstance(expr, sympy.Expr) and bool(expr.is_number)
+
+
+def _rationalize(expr: sympy.Expr) -> sympy.Expr:
+    """The expression with each decimal replaced by the exact rational its digits spell, so
+    0.75 is 3/4 and not the binary float nearest to it; the same object when it has none."""
+    floats = expr.atoms(sympy.Float)
+    if not floats:
+        return expr
+    return expr.xreplace({f: sympy.Rational(str(f)) for f in floats})
 
 
 @functools.lru_cache(maxsize=4096)
