@@ -25,7 +25,6 @@ import re
 
 import sympy
 from math_verify import parse, verify
-from sympy.sets.sets import Set
 
 MAX_EXTRACTION_CHARS = 20_000
 MAX_ANSWER_CHARS = 200
@@ -77,6 +76,8 @@ _HEDGES = {
     "an alternative in parentheses": re.compile(r"\d\s*\(\s*[-+]?\d[\d.,]*\s*\)"),
     "a chain of equalities": re.compile(r"=[^=]*="),
 }
+# A gold interval may be answered as an inequality (`(-\\infty, 3]` as `x \\le 3`).
+_INTERVAL = re.compile(r"\\infty|\\cup|^\s*[\[(][^,]*,[^,]*[\])]\s*$")
 # What marks a hedge in a sentence around a bare last number (relations there are reasoning).
 _HEDGES_IN_PROSE = ("a disjunction", "a guess", "an approximation")
 _SPACES = re.compile(r"\s+|\\[,;:! ]|\\q?quad(?![a-zA-Z])|\\(?:left|right)(?![a-zA-Z])")
@@ -174,7 +175,8 @@ def _normal_text(answer: str) -> str:
 
 def _check_one_value(gold: str, candidate: str) -> None:
     for what, pattern in _HEDGES.items():
-        if pattern.search(candidate) and not pattern.search(gold):
+        allowed = pattern.search(gold) or (what == "an inequality" and _INTERVAL.search(gold))
+        if pattern.search(candidate) and not allowed:
             raise AnswerRefused(f"not one value: {what}")
 
 
@@ -191,11 +193,14 @@ def _plain_number(answer: str) -> tuple[sympy.Rational, bool] | None:
 
 def _numbers_match(gold: sympy.Expr, is_decimal: bool, value: sympy.Expr) -> bool:
     """Exact for a rational gold answer (an integer or a fraction); within REL_TOL for a
-    decimal or irrational one."""
+    decimal or irrational one (complex numbers too; NaN and infinities match nothing)."""
     if gold.is_Rational and not is_decimal:
-        return value.is_Rational and value == gold
-    difference = abs(sympy.N(value - gold, 30))
-    return bool(difference <= max(REL_TOL * abs(sympy.N(gold, 30)), ABS_TOL))
+        return bool(value.is_Rational) and value == gold
+    try:
+        difference, size = complex(sympy.N(value - gold, 30)), complex(sympy.N(gold, 30))
+    except (TypeError, ValueError):  # zoo, oo: no finite value
+        return False
+    return abs(difference) <= max(REL_TOL * abs(size), ABS_TOL)
 
 
 def _check_shape(candidate: str) -> None:
@@ -219,7 +224,15 @@ def _compare(gold: str, candidate: str) -> bool:
     if _is_number(value) and _is_number(gold_value):
         exact_gold = _rationalize(gold_value)
         return _numbers_match(exact_gold, exact_gold is not gold_value, _rationalize(value))
-    return verify(gold_parsed, parsed, float_rounding=FLOAT_DECIMALS, timeout_seconds=None)
+    # Relations and sets compared both ways: an inequality reaches here only against a gold
+    # inequality or interval (_check_one_value).
+    return verify(
+        gold_parsed,
+        parsed,
+        float_rounding=FLOAT_DECIMALS,
+        allow_set_relation_comp=True,
+        timeout_seconds=None,
+    )
 
 
 def _first_expression(parsed: list) -> object:
@@ -227,11 +240,18 @@ def _first_expression(parsed: list) -> object:
 
 
 def _is_collection(expr: object) -> bool:
-    return isinstance(expr, Set | sympy.Tuple)
+    """Several values: a list, tuple or set of them (an interval is one answer)."""
+    return isinstance(expr, sympy.FiniteSet | sympy.Tuple)
 
 
 def _is_number(expr: object) -> bool:
-    return isinstance(expr, sympy.Expr) and bool(expr.is_number)
+    # A percentage (10\% is 10 * UnevaluatedExpr(1/100)) is left to math-verify, for which
+    # 10\% equals both 10 and 0.1.
+    return (
+        isinstance(expr, sympy.Expr)
+        and bool(expr.is_number)
+        and not expr.has(sympy.UnevaluatedExpr)
+    )
 
 
 def _rationalize(expr: sympy.Expr) -> sympy.Expr:

@@ -198,6 +198,11 @@ def test_an_answer_naming_several_values_is_refused(response):
         ("1, 2", "\\boxed{2, 1}"),
         ("(1, 2)", "\\boxed{(1,2)}"),
         ("\\text{red or blue}", "\\boxed{\\text{red or blue}}"),
+        ("(-\\infty, 3]", "\\boxed{x \\le 3}"),  # an interval answered as an inequality
+        ("x \\le 3", "\\boxed{(-\\infty, 3]}"),
+        ("[2, 5)", "\\boxed{2 \\le x < 5}"),
+        ("10\\%", "\\boxed{10}"),  # percentages: math-verify's rule
+        ("2+3i", "\\boxed{3i+2}"),
     ],
 )
 def test_one_value_in_any_legitimate_spelling_is_accepted(gold, response):
@@ -226,6 +231,11 @@ def test_one_value_in_any_legitimate_spelling_is_accepted(gold, response):
         ("9\\pi", "28.2743", 0.0),
         ("5\\sqrt{2}", "7.0710678", 0.0),
         ("5\\sqrt{2}", "7.0710678118654755", 1.0),
+        ("\\pi", "\\frac{0}{0}", 0.0),  # NaN, infinities: no exception, no match
+        ("\\pi", "\\frac{1}{0}", 0.0),
+        ("\\pi", "\\infty", 0.0),
+        ("(-\\infty, 3]", "x < 3", 0.0),
+        ("2+3i", "2+3.0000001i", 0.0),
     ],
 )
 def test_numeric_tolerance_is_exact_for_rationals_and_relative_for_reals(gold, answer, reward):
