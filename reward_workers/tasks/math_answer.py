@@ -57,7 +57,7 @@ class AnswerRefused(ValueError):
 
 
 # Ways of naming more than one value (or an approximate one). A label is refused in an answer
-# only when the gold answer does not use it (`x \\le 3` may be the gold answer).
+# only when the gold answer does not use it (`x \le 3` may be the gold answer).
 _HEDGES = {
     "a disjunction": re.compile(r"\b(?:or|either)\b|\\(?:lor|vee)(?![a-zA-Z])|∨", re.I),
     "an approximation": re.compile(
@@ -74,10 +74,18 @@ _HEDGES = {
         r"\b(?:maybe|perhaps|possibly|probably|likely|alternatively|otherwise|unsure)\b", re.I
     ),
     "an alternative in parentheses": re.compile(r"\d\s*\(\s*[-+]?\d[\d.,]*\s*\)"),
-    "a chain of equalities": re.compile(r"=[^=]*="),
+    # `x = 6 = 7`; not `x = 1, x = 2` or `x = 1 \lor x = 2` (judged as lists, disjunctions)
+    "a chain of equalities": re.compile(r"=(?:(?!\\lor|\\vee|\bor\b)[^=,;])*="),
 }
-# A gold interval may be answered as an inequality (`(-\\infty, 3]` as `x \\le 3`).
-_INTERVAL = re.compile(r"\\infty|\\cup|^\s*[\[(][^,]*,[^,]*[\])]\s*$")
+# Hedge forms that a gold answer of another form makes legitimate: a gold interval may be
+# answered as an inequality (`(-\infty, 3]` as `x \le 3`), several gold values as a
+# disjunction (`1, 2` as `x = 1 \text{ or } x = 2`; 1,000 is one value).
+_ALLOWED_BY_GOLD = {
+    "an inequality": re.compile(r"\\infty|\\cup|^\s*[\[(][^,]*,[^,]*[\])]\s*$"),
+    "a disjunction": re.compile(r"(?<!\d),|,(?!\d{3}(?!\d))|;"),
+}
+_NEVER = re.compile(r"(?!)")
+_OR_SYMBOL = re.compile(r"\\(?:lor|vee)(?![a-zA-Z])|∨")
 # What marks a hedge in a sentence around a bare last number (relations there are reasoning).
 _HEDGES_IN_PROSE = ("a disjunction", "a guess", "an approximation")
 _SPACES = re.compile(r"\s+|\\[,;:! ]|\\q?quad(?![a-zA-Z])|\\(?:left|right)(?![a-zA-Z])")
@@ -175,7 +183,7 @@ def _normal_text(answer: str) -> str:
 
 def _check_one_value(gold: str, candidate: str) -> None:
     for what, pattern in _HEDGES.items():
-        allowed = pattern.search(gold) or (what == "an inequality" and _INTERVAL.search(gold))
+        allowed = pattern.search(gold) or _ALLOWED_BY_GOLD.get(what, _NEVER).search(gold)
         if pattern.search(candidate) and not allowed:
             raise AnswerRefused(f"not one value: {what}")
 
@@ -266,6 +274,8 @@ def _rationalize(expr: sympy.Expr) -> sympy.Expr:
 @functools.lru_cache(maxsize=4096)
 def _parse(answer: str) -> list:
     # Wrapping in $...$ makes math-verify read the text as LaTeX (plain numbers work too).
+    # It reads `a \lor b` as b alone, and `a \text{ or } b` as both.
+    answer = _OR_SYMBOL.sub(lambda _: r" \text{ or } ", answer)
     return parse(f"${answer}$", parsing_timeout=None)
 
 

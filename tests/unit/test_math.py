@@ -176,12 +176,29 @@ HEDGES = [
     "it could be 5, or maybe 6",
     "so it is 6 or 7",
     "roughly 6",
+    "\\boxed{x = 6, x = 7}",
+    "\\boxed{1,000 \\text{ or } 6}",
 ]
 
 
 @pytest.mark.parametrize("response", HEDGES)
 def test_an_answer_naming_several_values_is_refused(response):
     verdict = MathTask().verify(_gold("6"), response)
+    assert verdict.reward == 0.0, verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("gold", "response"),
+    [
+        ("1, 2", "\\boxed{x = 1 \\text{ or } x = 3}"),
+        ("1,000", "\\boxed{1000 \\text{ or } 1}"),  # 1,000 is one value: no disjunction
+        ("(-\\infty, 3]", "\\boxed{x \\le 3 \\text{ or } x = 7}"),
+        ("\\frac{1}{2}", "\\boxed{\\frac{1}{2} \\approx 0.5}"),
+        ("3", "\\boxed{3 \\text{ or } \\pi}"),
+    ],
+)
+def test_a_hedge_is_refused_whatever_the_gold_answer_is(gold, response):
+    verdict = MathTask().verify(_gold(gold), response)
     assert verdict.reward == 0.0, verdict.reason
 
 
@@ -203,6 +220,10 @@ def test_an_answer_naming_several_values_is_refused(response):
         ("[2, 5)", "\\boxed{2 \\le x < 5}"),
         ("10\\%", "\\boxed{10}"),  # percentages: math-verify's rule
         ("2+3i", "\\boxed{3i+2}"),
+        ("1, 2", "\\boxed{x = 1 \\text{ or } x = 2}"),  # several gold values: roots
+        ("1, 2", "\\boxed{x = 2 \\lor x = 1}"),
+        ("1, 2", "\\boxed{x = 1, x = 2}"),
+        ("x = 1 \\lor x = 2", "\\boxed{x = 2 \\text{ or } x = 1}"),
     ],
 )
 def test_one_value_in_any_legitimate_spelling_is_accepted(gold, response):
