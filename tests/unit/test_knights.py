@@ -208,6 +208,10 @@ RIGHT_ANSWERS = [
     "<answer>Zoey, Ethan are both knights. Oliver: knave.</answer>",
     "<answer>Both Zoey and Ethan are knights, while Oliver is definitely a knave.</answer>",
     "If Zoey were a knave ... Therefore neither Zoey nor Ethan is a knave, and Oliver is a knave.",
+    "<answer>Zoey is a knight, not a knave. Oliver is a knave. Ethan is a knight.</answer>",
+    "<answer>Zoey: Knight (truth-teller)\nOliver: Knave (liar)\nEthan: Knight</answer>",
+    "<answer>Zoey is a knight and Oliver is a knave and Ethan is a knight</answer>",
+    "Is Zoey a knave or a knight? Check both. So Zoey is a knight, Oliver is a knave, Ethan is a knight.",
 ]
 
 
