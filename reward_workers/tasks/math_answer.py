@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import re
+from collections.abc import Iterator
 
 import sympy
 from math_verify import parse, verify
@@ -105,6 +107,12 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 def last_boxed(text: str) -> str | None:
     """Content of the last well-formed \\boxed{...} (nested braces allowed) or \\boxed 5."""
+    return next((content for _, _, content in _boxed_from_the_end(text)), None)
+
+
+def _boxed_from_the_end(text: str) -> Iterator[tuple[int, int, str]]:
+    """(start, end, content) of each well-formed box in the text's last MAX_EXTRACTION_CHARS,
+    last first; positions are in that window."""
     text = text[-MAX_EXTRACTION_CHARS:]
     closing = _matching_braces(text)
     for match in reversed(list(_BOXED.finditer(text))):
@@ -112,12 +120,11 @@ def last_boxed(text: str) -> str | None:
         if text.startswith("{", start):
             end = closing.get(start)
             if end is not None:
-                return text[start + 1 : end].strip()
+                yield match.start(), end + 1, text[start + 1 : end].strip()
         else:
             token = _TOKEN.match(text, start)
             if token:
-                return token.group(0)
-    return None
+                yield match.start(), token.end(), token.group(0)
 
 
 def _matching_braces(text: str) -> dict[int, int]:
@@ -135,9 +142,9 @@ def extract_answer(response: str) -> tuple[str, str] | None:
     """(answer text, how it was found): the last \\boxed{}, else 'the answer is ...', else
     the last number in the response (its last MAX_EXTRACTION_CHARS)."""
     response = response[-MAX_EXTRACTION_CHARS:]
-    boxed = last_boxed(response)
-    if boxed:
-        return boxed, "boxed"
+    boxes = list(itertools.islice(_boxed_from_the_end(response), 2))
+    if boxes and boxes[0][2]:
+        return _hedged_boxes(response, boxes) or boxes[0][2], "boxed"
     stated = _ANSWER_IS.findall(response)
     if stated:
         answer = stated[-1].strip().strip("*").rstrip(".").strip().strip("$").strip()
@@ -151,6 +158,20 @@ def extract_answer(response: str) -> tuple[str, str] | None:
     if any(_HEDGES[what].search(line) for what in _HEDGES_IN_PROSE):
         return line, "last line"  # "so it is 6 or 7": the hedge check refuses it
     return number.group(0).replace(",", ""), "last number"
+
+
+def _hedged_boxes(response: str, boxes: list[tuple[int, int, str]]) -> str | None:
+    """`\\boxed{6} or \\boxed{7}`: the two boxes and what joins them, as one answer for the
+    hedge check; None when the last box stands alone."""
+    if len(boxes) < 2:
+        return None
+    (start, _, last), (_, end, before) = boxes
+    joint = response[end:start].replace("$", "")
+    if "\n" in joint or _normal_text(before) == _normal_text(last):
+        return None
+    if any(_HEDGES[what].search(joint) for what in _HEDGES_IN_PROSE):
+        return f"{before}{joint}{last}"
+    return None
 
 
 def _line_around(text: str, position: int) -> str:

@@ -178,6 +178,9 @@ HEDGES = [
     "roughly 6",
     "\\boxed{x = 6, x = 7}",
     "\\boxed{1,000 \\text{ or } 6}",
+    "\\boxed{7} or \\boxed{6}",
+    "$\\boxed{7}$ (or maybe $\\boxed{6}$)",
+    "\\boxed{7}, perhaps \\boxed{6}",
 ]
 
 
@@ -210,6 +213,10 @@ def test_a_hedge_is_refused_whatever_the_gold_answer_is(gold, response):
         ("6", "\\boxed{\\frac{12}{2}}"),
         ("6", "**Final answer:** $6$"),
         ("6", "Since x > 0 we keep x = 6"),
+        ("6", "first \\boxed{3}\nthen \\boxed{6}"),
+        ("6", "we get \\boxed{3}, so the total is \\boxed{6}"),
+        ("6", "\\boxed{6} or equivalently \\boxed{6}"),
+        ("1, 2", "\\boxed{1} or \\boxed{2}"),
         ("x \\le 3", "\\boxed{x \\leq 3}"),  # a relation in the gold answer is allowed
         ("3 \\pm \\sqrt{2}", "\\boxed{3 \\pm \\sqrt{2}}"),
         ("1, 2", "\\boxed{2, 1}"),
