@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,16 +139,18 @@ _NOT = r"(?:n['’]t\b|\s+not\b)"  # "isn't", "is not", "aren't"
 # Words that make a claim a guess rather than an answer.
 _HEDGE = r"(?:maybe|perhaps|probably|possibly|likely|either|might\s+be|could\s+be|may\s+be)"
 _HEDGE_BEFORE = re.compile(r"\b(?:maybe|perhaps|probably|possibly|either|or|nor)\W*$", re.I)
-# "... a knight or a knave", "knight/knave", "knight (or knave)", "a knight and a knave"
-_ALTERNATIVE = rf"{_EMPHASIS}\s*\(?\s*(?:or|and|/)\s*(?:an?\s+)?{_EMPHASIS}{_ROLE}\b"
+# "... a knight or a knave", "knight/knave", "knight (or knave)", "a knight and a knave",
+# "a knight?"
+_ALTERNATIVE = rf"{_EMPHASIS}\s*(?:\(?\s*(?:or|and|/)\s*(?:an?\s+)?{_EMPHASIS}{_ROLE}\b|\?)"
 
 
 @dataclass(frozen=True)
 class _Patterns:
-    person: (
-        re.Pattern
-    )  # "Zoey is a knight", "Zoey: knave", "| Zoey | Knight |", "Zoey isn't a liar"
-    group: re.Pattern  # "Zoey, Oliver and Ethan are (all) knights", "... aren't knaves"
+    # "Zoey is a knight", "Zoey: knave", "| Zoey | Knight |", "Zoey isn't a liar"
+    person: re.Pattern
+    # "Zoey, Oliver and Ethan" followed by group_role: "are (all) knights", "aren't knaves"
+    names_run: re.Pattern
+    group_role: re.Pattern
     neither: re.Pattern  # "neither Zoey nor Oliver is a knight"
     name: re.Pattern
 
@@ -161,9 +164,12 @@ def _claim_patterns(names: list[str]) -> _Patterns:
         rf"{_EMPHASIS}(?P<role>{_ROLE})\b(?P<alt>{_ALTERNATIVE})?",
         re.IGNORECASE,
     )
-    group = re.compile(
-        rf"\b(?P<names>(?:{name})(?:\s*,\s*(?:and\s+)?(?:{name})|\s+and\s+(?:{name}))+)\s+"
-        rf"(?:are|were)(?P<neg1>{_NOT})?\s+(?P<hedge>{_HEDGE}\s+)?(?:both\s+|all\s+)?"
+    # Possessive: each run of names is matched once, whole (no restart at every name in it).
+    names_run = re.compile(
+        rf"\b(?:{name})\b(?:(?:\s*,\s*(?:and\s+)?|\s+and\s+)(?:{name})\b)*+", re.IGNORECASE
+    )
+    group_role = re.compile(
+        rf"\s+(?:are|were)(?P<neg1>{_NOT})?\s+(?P<hedge>{_HEDGE}\s+)?(?:both\s+|all\s+)?"
         rf"(?P<role>{_ROLE})\b(?P<alt>{_ALTERNATIVE})?",
         re.IGNORECASE,
     )
@@ -172,7 +178,7 @@ def _claim_patterns(names: list[str]) -> _Patterns:
         rf"(?:an?\s+)?(?P<role>{_ROLE})\b",
         re.IGNORECASE,
     )
-    return _Patterns(person, group, neither, re.compile(name, re.IGNORECASE))
+    return _Patterns(person, names_run, group_role, neither, re.compile(name, re.IGNORECASE))
 
 
 def read_assignment(text: str, names: list[str]) -> dict[str, list[bool | None]]:
@@ -183,11 +189,9 @@ def read_assignment(text: str, names: list[str]) -> dict[str, list[bool | None]]
     canonical = {n.lower(): n for n in names}
     claims: list[tuple[int, str, bool | None]] = []
     covered: list[tuple[int, int]] = []  # group statements; a name inside one is not a claim
-    for match in (*patterns.group.finditer(text), *patterns.neither.finditer(text)):
-        covered.append(match.span())
-        is_knight = _claimed_role(match, negated=match.re is patterns.neither)
-        for person in patterns.name.findall(match.group("names")):
-            claims.append((match.start(), canonical[person.lower()], is_knight))
+    for start, end, people, is_knight in _group_claims(text, patterns):
+        covered.append((start, end))
+        claims.extend((start, canonical[person.lower()], is_knight) for person in people)
     for match in patterns.person.finditer(text):
         if any(start <= match.start() < end for start, end in covered):
             continue
@@ -198,6 +202,20 @@ def read_assignment(text: str, names: list[str]) -> dict[str, list[bool | None]]
     for _, person, is_knight in sorted(claims, key=lambda c: c[0]):
         found.setdefault(person, []).append(is_knight)
     return found
+
+
+def _group_claims(
+    text: str, patterns: _Patterns
+) -> Iterator[tuple[int, int, list[str], bool | None]]:
+    """(start, end, people, role) of each statement about several people at once."""
+    for run in patterns.names_run.finditer(text):
+        people = patterns.name.findall(run.group())
+        role = patterns.group_role.match(text, run.end()) if len(people) > 1 else None
+        if role is not None:
+            yield run.start(), role.end(), people, _claimed_role(role)
+    for match in patterns.neither.finditer(text):
+        people = patterns.name.findall(match.group("names"))
+        yield match.start(), match.end(), people, _claimed_role(match, negated=True)
 
 
 def _claimed_role(match: re.Match, negated: bool = False) -> bool | None:

@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -183,6 +184,8 @@ HEDGED = [
     "<answer>Zoey and Ethan are probably knights, Oliver is a knave</answer>",
     "<answer>| Name | Role |\n|---|---|\n| Zoey | knight or knave |\n| Oliver | knave |\n"
     "| Ethan | knight |</answer>",
+    "<answer>Zoey: knight?\nOliver: knave\nEthan: knight</answer>",
+    f"<answer>Zoey is a **knight**?, {REST}</answer>",
     f"So in the end Zoey is a knight or a knave, {REST}.",  # free text: the last claim hedges
     f"Zoey is a knight. Final: Zoey is perhaps a knight, {REST}.",
 ]
@@ -232,3 +235,15 @@ def test_group_statements_read_as_claims_about_each_person():
         "Ethan": [False],
     }
     assert read_assignment("Zoey or Oliver is a knight", names) == {"Oliver": [None]}
+
+
+@pytest.mark.parametrize(
+    "unit", ["Zoey, ", "Zoey and ", "Zoey, and ", "neither Zoey nor ", "Zoey is maybe ", "Zoey | "]
+)
+def test_reading_claims_is_linear(unit):
+    # A run of names was rescanned from each name in it: 2.5 s on a 20,000-character answer.
+    response = "<answer>" + unit * (20_000 // len(unit)) + "</answer>"
+    start = time.perf_counter()
+    verdict = KnightsAndKnavesTask().verify(Prompt("kk", "puzzle", ANSWER), response)
+    assert verdict.reward == 0.0
+    assert time.perf_counter() - start < 0.5
