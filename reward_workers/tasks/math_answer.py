@@ -250,9 +250,13 @@ def _compare(gold: str, candidate: str) -> bool:
     value, gold_value = _first_expression(parsed), _first_expression(gold_parsed)
     if _is_collection(value) and not _is_collection(gold_value):
         raise AnswerRefused("not one value: several answers")
-    if _is_number(value) and _is_number(gold_value):
+    if _is_number(value) and _is_number(gold_value) and _has_decimal(value, gold_value):
+        # math-verify would round both to 6 decimal places; without a decimal on either side
+        # its comparison is exact already.
         exact_gold = _rationalize(gold_value)
-        return _numbers_match(exact_gold, exact_gold is not gold_value, _rationalize(value))
+        is_decimal = exact_gold is not gold_value
+        # doit: the parser leaves 2^{10} or \sqrt{36} unevaluated, which is not yet a Rational
+        return _numbers_match(exact_gold.doit(), is_decimal, _rationalize(value).doit())
     # Relations and sets compared both ways: an inequality reaches here only against a gold
     # inequality or interval (_check_one_value).
     return verify(
@@ -281,6 +285,10 @@ def _is_number(expr: object) -> bool:
         and bool(expr.is_number)
         and not expr.has(sympy.UnevaluatedExpr)
     )
+
+
+def _has_decimal(*exprs: sympy.Expr) -> bool:
+    return any(expr.has(sympy.Float) for expr in exprs)
 
 
 def _rationalize(expr: sympy.Expr) -> sympy.Expr:

@@ -213,6 +213,12 @@ def test_a_hedge_is_refused_whatever_the_gold_answer_is(gold, response):
         ("6", "\\boxed{\\frac{12}{2}}"),
         ("6", "**Final answer:** $6$"),
         ("6", "Since x > 0 we keep x = 6"),
+        ("6", "\\boxed{3!}"),  # exact expressions of the value
+        ("6", "\\boxed{2^{3}-2}"),
+        ("6", "\\boxed{\\sqrt{36}}"),
+        ("6", "\\boxed{\\log_2 64}"),
+        ("6", "\\boxed{\\binom{4}{2}}"),
+        ("6", "\\boxed{0.5 \\cdot 12}"),
         ("6", "first \\boxed{3}\nthen \\boxed{6}"),
         ("6", "we get \\boxed{3}, so the total is \\boxed{6}"),
         ("6", "\\boxed{6} or equivalently \\boxed{6}"),
@@ -255,10 +261,18 @@ def test_one_value_in_any_legitimate_spelling_is_accepted(gold, response):
         ("1234567", "1234568", 0.0),
         ("1234567", "1234567.0000001", 0.0),  # integers are exact
         ("1234567", "1,234,567", 1.0),
+        ("2^{10}", "1024.0000001", 0.0),  # an exact gold expression is exact too
+        ("2^{10}", "1024.0", 1.0),
+        ("\\sqrt{36}", "6.0000000001", 0.0),
         ("9\\pi", "28.274333882308138", 1.0),  # irrational: within REL_TOL
         ("9\\pi", "28.2743", 0.0),
         ("5\\sqrt{2}", "7.0710678", 0.0),
         ("5\\sqrt{2}", "7.0710678118654755", 1.0),
+        ("\\pi", "\\frac{355}{113}", 0.0),
+        ("2", "\\sqrt{4.000001}", 0.0),
+        ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("\\frac{\\sqrt{2}}{2}", "0.7071067811865476", 1.0),
+        ("\\frac{\\sqrt{2}}{2}", "0.7071068", 0.0),
         ("\\pi", "\\frac{0}{0}", 0.0),  # NaN, infinities: no exception, no match
         ("\\pi", "\\frac{1}{0}", 0.0),
         ("\\pi", "\\infty", 0.0),
