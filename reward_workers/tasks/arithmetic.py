@@ -10,7 +10,14 @@ from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import GeneratedTask
 from groupflow.reward_workers.tasks.options import check_int
 
-_LEADING_INT = re.compile(r"\s*(-?\d{1,40})(?!\d)")
+_LEADING_INT = re.compile(r"\s*(-?)(\d+)")
+# What after the integer makes it one of several values or not an integer: "82 or 83",
+# "82 (or 83)", "82/83", "82-83", "82, 83", "82 to 83", "82?", "82ish", "82.5", "82,5".
+_NOT_ONE_INTEGER = re.compile(
+    r"[.,]\d|[ \t]*(?:\(?[ \t]*(?:or|and|to|/|,|;|\||±|\+/-|-|–|—)?[ \t]*\(?[ \t]*-?\d"
+    r"|\?|\(?[ \t]*(?:or\b|ish\b|maybe\b|perhaps\b|probably\b|approx|roughly\b|about\b))",
+    re.IGNORECASE,
+)
 
 
 class ArithmeticTask(GeneratedTask):
@@ -46,10 +53,18 @@ class ArithmeticTask(GeneratedTask):
         return raw
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
+        """The integer the response starts with, compared exactly; digits are never converted
+        past the answer's length, so a huge number costs no more than a short one."""
         match = _LEADING_INT.match(response)
         if match is None:
             return Verdict(0.0, "no number at the start of the response")
-        got = int(match.group(1))
+        if _NOT_ONE_INTEGER.match(response, match.end()):
+            return Verdict(0.0, f"not one integer: {response[: match.end() + 20].strip()!r}")
+        sign, digits = match.groups()
+        significant = digits.lstrip("0") or "0"
+        if len(significant) > len(str(abs(prompt.answer))):
+            return Verdict(0.0, f"wrong: a {len(significant)}-digit number")
+        got = int(sign + significant)
         if got == prompt.answer:
             return Verdict(1.0, f"correct: {got}")
         return Verdict(0.0, f"wrong: {got} != {prompt.answer}")

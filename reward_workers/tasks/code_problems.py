@@ -198,7 +198,7 @@ class CodeTask(PooledTask):
         return parse_spec(raw)
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
-        code = extract_code(response)
+        code = extract_code(response, prompt.answer["entry_point"])
         well_formatted = "```" in response and code is not None
         if code is None or not code.strip():
             return blend_format(Verdict(0.0, "no code found"), well_formatted, self.format_weight)

@@ -2,7 +2,7 @@
 
 A test case is {"args": [...], "expected": ...} in JSON terms. The function runs in the
 sandbox (reward_workers.sandbox) on every case's arguments; its return values come back as
-JSON and are compared here, floats with a small tolerance.
+JSON and are compared here, floats with a small tolerance (docs/verifiers.md).
 """
 
 from __future__ import annotations
@@ -55,13 +55,26 @@ def parse_spec(raw: Any) -> dict[str, Any]:
     return {"entry_point": entry_point, "tests": tests}
 
 
-def extract_code(response: str) -> str | None:
-    """The last fenced code block (an unclosed one at the end counts, as generation may stop
-    mid-block), else the whole response if it defines a function."""
+def extract_code(response: str, entry_point: str | None = None) -> str | None:
+    """The last fenced code block that defines `entry_point` (a usage example or the printed
+    output in a later block is not the solution), else the last fenced block (an unclosed one
+    at the end counts, as generation may stop mid-block), else the whole response if it
+    defines a function. Line endings are normalised: a CRLF fence still opens a block."""
+    response = response.replace("\r\n", "\n").replace("\r", "\n")
     blocks = _FENCED.findall(response)
-    if blocks:
-        return blocks[-1]
-    return response if "def " in response else None
+    if not blocks:
+        return response if "def " in response else None
+    if entry_point is not None:
+        name = re.escape(entry_point)
+        defines = re.compile(
+            rf"^[ \t]*(?:(?:async[ \t]+)?def[ \t]+{name}[ \t]*\(|class[ \t]+{name}\b"
+            rf"|{name}[ \t]*=(?!=))",
+            re.MULTILINE,
+        )
+        defining = [block for block in blocks if defines.search(block)]
+        if defining:
+            return defining[-1]
+    return blocks[-1]
 
 
 def run_tests(
@@ -107,22 +120,39 @@ def run_tests(
 
 
 def same_value(got: Any, expected: Any) -> bool:
-    """JSON values equal: an expected integer exactly, an expected float to a
-    relative/absolute tolerance of 1e-9; booleans never equal to numbers."""
+    """JSON values equal, element by element at any depth (no recursion: a value nested as
+    deep as JSON allows still compares): an expected integer exactly, an expected float to a
+    relative/absolute tolerance of 1e-9, an expected NaN by a NaN; booleans never equal to
+    numbers."""
+    pending = [(got, expected)]
+    while pending:
+        got, expected = pending.pop()
+        if isinstance(got, list) and isinstance(expected, list):
+            if len(got) != len(expected):
+                return False
+            pending.extend(zip(got, expected, strict=True))
+        elif isinstance(got, dict) and isinstance(expected, dict):
+            if got.keys() != expected.keys():
+                return False
+            pending.extend((got[key], expected[key]) for key in got)
+        elif not _same_scalar(got, expected):
+            return False
+    return True
+
+
+def _same_scalar(got: Any, expected: Any) -> bool:
     if isinstance(got, bool) or isinstance(expected, bool):
         return type(got) is type(expected) and got == expected
     if isinstance(got, int | float) and isinstance(expected, int | float):
         if isinstance(expected, int):
             # Exact: a float near a large integer (1e20 for 10**20 + 1) is not that integer.
             return got == expected
+        if math.isnan(expected):
+            return isinstance(got, float) and math.isnan(got)
         try:
             return math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9)
         except OverflowError:  # an integer too large for a float is not near any float
             return False
-    if isinstance(got, list) and isinstance(expected, list):
-        return len(got) == len(expected) and all(map(same_value, got, expected))
-    if isinstance(got, dict) and isinstance(expected, dict):
-        return got.keys() == expected.keys() and all(same_value(got[k], expected[k]) for k in got)
     return type(got) is type(expected) and got == expected
 
 

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,43 +133,97 @@ def puzzle_text(puzzle: Puzzle, rng: random.Random) -> str:
     return "\n".join(lines)
 
 
-def _claim_patterns(names: list[str]) -> tuple[re.Pattern, re.Pattern]:
+_ROLE = r"(?:knights?|knaves?|truth[- ]?tellers?|liars?)"
+_EMPHASIS = r"[*_]*"  # markdown bold/italics around names and roles
+_NOT = r"(?:n['’]t\b|\s+not\b)"  # "isn't", "is not", "aren't"
+# Words that make a claim a guess rather than an answer.
+_HEDGE = r"(?:maybe|perhaps|probably|possibly|likely|either|might\s+be|could\s+be|may\s+be)"
+_HEDGE_BEFORE = re.compile(r"\b(?:maybe|perhaps|probably|possibly|either|or|nor)\W*$", re.I)
+# "... a knight or a knave", "knight/knave", "knight (or knave)", "a knight and a knave",
+# "a knight?"
+_ALTERNATIVE = rf"{_EMPHASIS}\s*(?:\(?\s*(?:or|and|/)\s*(?:an?\s+)?{_EMPHASIS}{_ROLE}\b|\?)"
+
+
+@dataclass(frozen=True)
+class _Patterns:
+    # "Zoey is a knight", "Zoey: knave", "| Zoey | Knight |", "Zoey isn't a liar"
+    person: re.Pattern
+    # "Zoey, Oliver and Ethan" followed by group_role: "are (all) knights", "aren't knaves"
+    names_run: re.Pattern
+    group_role: re.Pattern
+    neither: re.Pattern  # "neither Zoey nor Oliver is a knight"
+    name: re.Pattern
+
+
+def _claim_patterns(names: list[str]) -> _Patterns:
     name = "|".join(re.escape(n) for n in names)
-    role = r"(knights?|knaves?|truth[- ]?tellers?|liars?)"
-    emphasis = r"[*_]*"  # markdown bold/italics around names and roles
-    single = re.compile(
-        rf"\b({name})\b{emphasis}\s*(?:is|was|:|-|=|–|—|→|->)?{emphasis}\s*(?:definitely\s+)?"
-        rf"(not\s+)?(?:an?\s+)?{emphasis}{role}\b",
+    copula = rf"(?:(?:is|was)(?P<neg1>{_NOT})?|must\s+be|:|-|=|–|—|→|->|\|)"
+    person = re.compile(
+        rf"\b(?P<name>{name})\b{_EMPHASIS}\s*{copula}?{_EMPHASIS}\s*(?P<hedge>{_HEDGE}\s+)?"
+        rf"(?:(?:definitely|certainly|clearly|indeed|also)\s+)?(?P<neg2>not\s+)?(?:an?\s+)?"
+        rf"{_EMPHASIS}(?P<role>{_ROLE})\b(?P<alt>{_ALTERNATIVE})?",
         re.IGNORECASE,
     )
-    group = re.compile(
-        rf"\b((?:{name})(?:\s*,\s*(?:and\s+)?(?:{name})|\s+and\s+(?:{name}))+)\s+are\s+"
-        rf"(?:both\s+|all\s+)?{role}\b",
+    # Possessive: each run of names is matched once, whole (no restart at every name in it).
+    names_run = re.compile(
+        rf"\b(?:{name})\b(?:(?:\s*,\s*(?:and\s+)?|\s+and\s+)(?:{name})\b)*+", re.IGNORECASE
+    )
+    group_role = re.compile(
+        rf"\s+(?:are|were)(?P<neg1>{_NOT})?\s+(?P<hedge>{_HEDGE}\s+)?(?:both\s+|all\s+)?"
+        rf"(?P<role>{_ROLE})\b(?P<alt>{_ALTERNATIVE})?",
         re.IGNORECASE,
     )
-    return single, group
+    neither = re.compile(
+        rf"\bneither\s+(?P<names>(?:{name})\s*,?\s+nor\s+(?:{name}))\s+(?:is|are|was|were)\s+"
+        rf"(?:an?\s+)?(?P<role>{_ROLE})\b",
+        re.IGNORECASE,
+    )
+    return _Patterns(person, names_run, group_role, neither, re.compile(name, re.IGNORECASE))
 
 
-def read_assignment(text: str, names: list[str]) -> dict[str, list[bool]]:
-    """Every claim the text makes, per person (True = knight), in order of appearance."""
-    single, group = _claim_patterns(names)
+def read_assignment(text: str, names: list[str]) -> dict[str, list[bool | None]]:
+    """Every claim the text makes, per person, in order of appearance: True = knight,
+    False = knave, None = a hedge ("a knight or a knave", "maybe a knight", "Zoey or Oliver
+    is a knight"), which never counts as an answer."""
+    patterns = _claim_patterns(names)
     canonical = {n.lower(): n for n in names}
-    claims: list[tuple[int, str, bool]] = []
-    for match in single.finditer(text):
-        is_knight = match.group(3).lower().startswith(("knight", "truth"))
-        claims.append(
-            (match.start(), canonical[match.group(1).lower()], is_knight != bool(match.group(2)))
-        )
-    for match in group.finditer(text):
-        is_knight = match.group(2).lower().startswith(("knight", "truth"))
-        for person in re.findall(
-            "|".join(re.escape(n) for n in names), match.group(1), re.IGNORECASE
-        ):
-            claims.append((match.start(), canonical[person.lower()], is_knight))
-    found: dict[str, list[bool]] = {}
+    claims: list[tuple[int, str, bool | None]] = []
+    covered: list[tuple[int, int]] = []  # group statements; a name inside one is not a claim
+    for start, end, people, is_knight in _group_claims(text, patterns):
+        covered.append((start, end))
+        claims.extend((start, canonical[person.lower()], is_knight) for person in people)
+    for match in patterns.person.finditer(text):
+        if any(start <= match.start() < end for start, end in covered):
+            continue
+        hedged_before = _HEDGE_BEFORE.search(text, max(0, match.start() - 12), match.start())
+        is_knight = None if hedged_before else _claimed_role(match)
+        claims.append((match.start(), canonical[match.group("name").lower()], is_knight))
+    found: dict[str, list[bool | None]] = {}
     for _, person, is_knight in sorted(claims, key=lambda c: c[0]):
         found.setdefault(person, []).append(is_knight)
     return found
+
+
+def _group_claims(
+    text: str, patterns: _Patterns
+) -> Iterator[tuple[int, int, list[str], bool | None]]:
+    """(start, end, people, role) of each statement about several people at once."""
+    for run in patterns.names_run.finditer(text):
+        people = patterns.name.findall(run.group())
+        role = patterns.group_role.match(text, run.end()) if len(people) > 1 else None
+        if role is not None:
+            yield run.start(), role.end(), people, _claimed_role(role)
+    for match in patterns.neither.finditer(text):
+        people = patterns.name.findall(match.group("names"))
+        yield match.start(), match.end(), people, _claimed_role(match, negated=True)
+
+
+def _claimed_role(match: re.Match, negated: bool = False) -> bool | None:
+    groups = match.groupdict()
+    if groups.get("hedge") or groups.get("alt"):
+        return None
+    negated ^= bool(groups.get("neg1")) ^ bool(groups.get("neg2"))
+    return match.group("role").lower().startswith(("knight", "truth")) != negated
 
 
 class KnightsAndKnavesTask(GeneratedTask):
@@ -216,6 +271,8 @@ class KnightsAndKnavesTask(GeneratedTask):
         wrong = []
         for name, role in answer.items():
             said = claims[name]
+            if None in (said if strict else said[-1:]):
+                return Verdict(0.0, f"hedged role for {name}")
             if strict and len(set(said)) > 1:
                 return Verdict(0.0, f"contradictory roles for {name}")
             if said[-1] != (role == "knight"):

@@ -8,13 +8,22 @@ refused up front, so that they cost a refusal instead of a timeout and a process
 
 Extraction looks only at the last MAX_EXTRACTION_CHARS of a response (where a final answer
 is) and runs in linear time: no regex or scan restarts at every candidate.
+
+The answer rules (docs/verifiers.md): a final answer is ONE value. A hedge (`6 \\lor 7`,
+"3 (or 4)", `6 \\approx 7`, `x \\le 6`, `6 \\pm 1`, "maybe 6") or a list where the gold answer
+is a single value is refused, unless the gold answer itself is written that way. An integer
+or fraction gold answer is matched exactly (as rationals, never through a float); a decimal
+or irrational one to a relative tolerance of REL_TOL.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
 import re
+from collections.abc import Iterator
 
 import sympy
 from math_verify import parse, verify
@@ -24,6 +33,15 @@ MAX_ANSWER_CHARS = 200
 MAX_NESTING = 16
 MAX_EXPONENT = 1000
 MAX_FACTORIAL = 1000
+# Decimal or irrational gold answers: |answer - gold| <= REL_TOL * |gold| (ABS_TOL at zero).
+# Nine significant digits: a full-precision float passes, a rounded approximation does not.
+REL_TOL = 1e-9
+ABS_TOL = 1e-12
+# Inside tuples, sets and intervals math-verify compares floats rounded to this many decimals.
+FLOAT_DECIMALS = 9
+# Plain integers and decimals this long are compared digit by digit; Python refuses to
+# convert longer digit strings (sys.int_max_str_digits) and nothing needs them.
+MAX_LITERAL_DIGITS = 4000
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
@@ -34,6 +52,46 @@ _FACTORIAL_LIKE = {"factorial", "factorial2", "subfactorial", "gamma", "binomial
 
 class AnswerTooCostly(ValueError):
     pass
+
+
+class AnswerRefused(ValueError):
+    """Not one value: a hedge, a relation other than `=`, or several candidate answers."""
+
+
+# Ways of naming more than one value (or an approximate one). A label is refused in an answer
+# only when the gold answer does not use it (`x \le 3` may be the gold answer).
+_HEDGES = {
+    "a disjunction": re.compile(r"\b(?:or|either)\b|\\(?:lor|vee)(?![a-zA-Z])|∨", re.I),
+    "an approximation": re.compile(
+        r"\\(?:approx|simeq|sim|thickapprox|cong|doteq)(?![a-zA-Z])|[≈∼≃≅]"
+        r"|\b(?:approx(?:imately)?|about|around|roughly|nearly|almost)\b",
+        re.I,
+    ),
+    "an inequality": re.compile(
+        r"\\(?:le|leq|ge|geq|lt|gt|ne|neq|leqslant|geqslant|lesssim|gtrsim|nless|ngtr)"
+        r"(?![a-zA-Z])|[<>≤≥≠]|!=",
+    ),
+    "plus-or-minus": re.compile(r"\\(?:pm|mp)(?![a-zA-Z])|[±∓]"),
+    "a guess": re.compile(
+        r"\b(?:maybe|perhaps|possibly|probably|likely|alternatively|otherwise|unsure)\b", re.I
+    ),
+    "an alternative in parentheses": re.compile(r"\d\s*\(\s*[-+]?\d[\d.,]*\s*\)"),
+    # `x = 6 = 7`; not `x = 1, x = 2` or `x = 1 \lor x = 2` (judged as lists, disjunctions)
+    "a chain of equalities": re.compile(r"=(?:(?!\\lor|\\vee|\bor\b)[^=,;])*="),
+}
+# Hedge forms that a gold answer of another form makes legitimate: a gold interval may be
+# answered as an inequality (`(-\infty, 3]` as `x \le 3`), several gold values as a
+# disjunction (`1, 2` as `x = 1 \text{ or } x = 2`; 1,000 is one value).
+_ALLOWED_BY_GOLD = {
+    "an inequality": re.compile(r"\\infty|\\cup|^\s*[\[(][^,]*,[^,]*[\])]\s*$"),
+    "a disjunction": re.compile(r"(?<!\d),|,(?!\d{3}(?!\d))|;"),
+}
+_NEVER = re.compile(r"(?!)")
+_OR_SYMBOL = re.compile(r"\\(?:lor|vee)(?![a-zA-Z])|∨")
+# What marks a hedge in a sentence around a bare last number (relations there are reasoning).
+_HEDGES_IN_PROSE = ("a disjunction", "a guess", "an approximation")
+_SPACES = re.compile(r"\s+|\\[,;:! ]|\\q?quad(?![a-zA-Z])|\\(?:left|right)(?![a-zA-Z])")
+_PLAIN_NUMBER = re.compile(r"([-+]?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?", re.ASCII)
 
 
 class _HideDisabledTimeoutWarning(logging.Filter):
@@ -49,6 +107,12 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 def last_boxed(text: str) -> str | None:
     """Content of the last well-formed \\boxed{...} (nested braces allowed) or \\boxed 5."""
+    return next((content for _, _, content in _boxed_from_the_end(text)), None)
+
+
+def _boxed_from_the_end(text: str) -> Iterator[tuple[int, int, str]]:
+    """(start, end, content) of each well-formed box in the text's last MAX_EXTRACTION_CHARS,
+    last first; positions are in that window."""
     text = text[-MAX_EXTRACTION_CHARS:]
     closing = _matching_braces(text)
     for match in reversed(list(_BOXED.finditer(text))):
@@ -56,12 +120,11 @@ def last_boxed(text: str) -> str | None:
         if text.startswith("{", start):
             end = closing.get(start)
             if end is not None:
-                return text[start + 1 : end].strip()
+                yield match.start(), end + 1, text[start + 1 : end].strip()
         else:
             token = _TOKEN.match(text, start)
             if token:
-                return token.group(0)
-    return None
+                yield match.start(), token.end(), token.group(0)
 
 
 def _matching_braces(text: str) -> dict[int, int]:
@@ -79,26 +142,94 @@ def extract_answer(response: str) -> tuple[str, str] | None:
     """(answer text, how it was found): the last \\boxed{}, else 'the answer is ...', else
     the last number in the response (its last MAX_EXTRACTION_CHARS)."""
     response = response[-MAX_EXTRACTION_CHARS:]
-    boxed = last_boxed(response)
-    if boxed:
-        return boxed, "boxed"
+    boxes = list(itertools.islice(_boxed_from_the_end(response), 2))
+    if boxes and boxes[0][2]:
+        return _hedged_boxes(response, boxes) or boxes[0][2], "boxed"
     stated = _ANSWER_IS.findall(response)
     if stated:
         answer = stated[-1].strip().strip("*").rstrip(".").strip().strip("$").strip()
         if answer:
             return answer, "stated"
-    numbers = _NUMBER.findall(response)
-    if numbers:
-        return numbers[-1].replace(",", ""), "last number"
+    last = collections.deque(_NUMBER.finditer(response), maxlen=1)
+    if not last:
+        return None
+    number = last[0]
+    line = _line_around(response, number.start())
+    if any(_HEDGES[what].search(line) for what in _HEDGES_IN_PROSE):
+        return line, "last line"  # "so it is 6 or 7": the hedge check refuses it
+    return number.group(0).replace(",", ""), "last number"
+
+
+def _hedged_boxes(response: str, boxes: list[tuple[int, int, str]]) -> str | None:
+    """`\\boxed{6} or \\boxed{7}`: the two boxes and what joins them, as one answer for the
+    hedge check; None when the last box stands alone."""
+    if len(boxes) < 2:
+        return None
+    (start, _, last), (_, end, before) = boxes
+    joint = response[end:start].replace("$", "")
+    if "\n" in joint or _normal_text(before) == _normal_text(last):
+        return None
+    if any(_HEDGES[what].search(joint) for what in _HEDGES_IN_PROSE):
+        return f"{before}{joint}{last}"
     return None
 
 
-def equivalent(gold: str, candidate: str) -> bool:
-    """Whether the candidate answer equals the gold one, per math-verify.
+def _line_around(text: str, position: int) -> str:
+    end = text.find("\n", position)
+    return text[text.rfind("\n", 0, position) + 1 : len(text) if end < 0 else end].strip()
 
-    Raises AnswerTooCostly for answers refused up front."""
+
+def equivalent(gold: str, candidate: str) -> bool:
+    """Whether the candidate answer equals the gold one: the same text, the same plain number,
+    else per math-verify with the numeric rules above.
+
+    Raises AnswerRefused for a hedge, AnswerTooCostly for answers refused up front."""
+    if _normal_text(gold) == _normal_text(candidate):
+        return True
+    _check_one_value(gold, candidate)
+    gold_number, number = _plain_number(gold), _plain_number(candidate)
+    if gold_number is not None and number is not None:
+        return _numbers_match(*gold_number, number[0])
+    if len(gold) > MAX_ANSWER_CHARS:
+        # Parsing and comparing a long gold answer can outlast the deadline; the same text
+        # (checked above) is the only way to match it.
+        return False
     _check_shape(candidate)
     return _compare(gold, candidate)
+
+
+def _normal_text(answer: str) -> str:
+    return _SPACES.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+
+
+def _check_one_value(gold: str, candidate: str) -> None:
+    for what, pattern in _HEDGES.items():
+        allowed = pattern.search(gold) or _ALLOWED_BY_GOLD.get(what, _NEVER).search(gold)
+        if pattern.search(candidate) and not allowed:
+            raise AnswerRefused(f"not one value: {what}")
+
+
+def _plain_number(answer: str) -> tuple[sympy.Rational, bool] | None:
+    """(exact value, whether written as a decimal) of an answer that is only a number such as
+    -1,234.50 (no conversion through float); None for anything else."""
+    match = _PLAIN_NUMBER.fullmatch(answer.strip().strip("$").strip())
+    if match is None or len(match.group(0)) > MAX_LITERAL_DIGITS:
+        return None
+    sign, whole, decimals = match.groups()
+    text = f"{sign}{whole.replace(',', '')}.{decimals or '0'}"
+    return sympy.Rational(text), decimals is not None
+
+
+def _numbers_match(gold: sympy.Expr, is_decimal: bool, value: sympy.Expr) -> bool:
+    """Exact for a rational gold answer (an integer or a fraction); within REL_TOL for a
+    decimal or irrational one (complex numbers too; NaN and infinities match nothing)."""
+    if gold.is_Rational and not is_decimal:
+        return bool(value.is_Rational) and value == gold
+    try:
+        difference, size = complex(sympy.N(value - gold, 30)), complex(sympy.N(gold, 30))
+    except (TypeError, ValueError):  # zoo, oo: no finite value
+        return False
+    return abs(difference) <= max(REL_TOL * abs(size), ABS_TOL)
 
 
 def _check_shape(candidate: str) -> None:
@@ -113,15 +244,67 @@ def _check_shape(candidate: str) -> None:
 
 
 def _compare(gold: str, candidate: str) -> bool:
-    parsed = _parse(candidate)
-    for expr in parsed:
+    parsed, gold_parsed = _parse(candidate), _parse(gold)
+    for expr in (*parsed, *gold_parsed):
         _check_cost(expr)
-    return verify(_parse(gold), parsed, timeout_seconds=None)
+    value, gold_value = _first_expression(parsed), _first_expression(gold_parsed)
+    if _is_collection(value) and not _is_collection(gold_value):
+        raise AnswerRefused("not one value: several answers")
+    if _is_number(value) and _is_number(gold_value) and _has_decimal(value, gold_value):
+        # math-verify would round both to 6 decimal places; without a decimal on either side
+        # its comparison is exact already.
+        exact_gold = _rationalize(gold_value)
+        is_decimal = exact_gold is not gold_value
+        # doit: the parser leaves 2^{10} or \sqrt{36} unevaluated, which is not yet a Rational
+        return _numbers_match(exact_gold.doit(), is_decimal, _rationalize(value).doit())
+    # Relations and sets compared both ways: an inequality reaches here only against a gold
+    # inequality or interval (_check_one_value).
+    return verify(
+        gold_parsed,
+        parsed,
+        float_rounding=FLOAT_DECIMALS,
+        allow_set_relation_comp=True,
+        timeout_seconds=None,
+    )
+
+
+def _first_expression(parsed: list) -> object:
+    return next((expr for expr in parsed if isinstance(expr, sympy.Basic)), None)
+
+
+def _is_collection(expr: object) -> bool:
+    """Several values: a list, tuple or set of them (an interval is one answer)."""
+    return isinstance(expr, sympy.FiniteSet | sympy.Tuple)
+
+
+def _is_number(expr: object) -> bool:
+    # A percentage (10\% is 10 * UnevaluatedExpr(1/100)) is left to math-verify, for which
+    # 10\% equals both 10 and 0.1.
+    return (
+        isinstance(expr, sympy.Expr)
+        and bool(expr.is_number)
+        and not expr.has(sympy.UnevaluatedExpr)
+    )
+
+
+def _has_decimal(*exprs: sympy.Expr) -> bool:
+    return any(expr.has(sympy.Float) for expr in exprs)
+
+
+def _rationalize(expr: sympy.Expr) -> sympy.Expr:
+    """The expression with each decimal replaced by the exact rational its digits spell, so
+    0.75 is 3/4 and not the binary float nearest to it; the same object when it has none."""
+    floats = expr.atoms(sympy.Float)
+    if not floats:
+        return expr
+    return expr.xreplace({f: sympy.Rational(str(f)) for f in floats})
 
 
 @functools.lru_cache(maxsize=4096)
 def _parse(answer: str) -> list:
     # Wrapping in $...$ makes math-verify read the text as LaTeX (plain numbers work too).
+    # It reads `a \lor b` as b alone, and `a \text{ or } b` as both.
+    answer = _OR_SYMBOL.sub(lambda _: r" \text{ or } ", answer)
     return parse(f"${answer}$", parsing_timeout=None)
 
 

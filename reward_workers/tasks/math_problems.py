@@ -12,6 +12,7 @@ from typing import Any
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
 from groupflow.reward_workers.tasks.math_answer import (
+    AnswerRefused,
     AnswerTooCostly,
     equivalent,
     extract_answer,
@@ -114,7 +115,7 @@ class MathTask(PooledTask):
         shown = answer if len(answer) <= 60 else answer[:57] + "..."
         try:
             same = equivalent(gold, answer)
-        except AnswerTooCostly as err:
+        except (AnswerTooCostly, AnswerRefused) as err:
             return Verdict(0.0, f"refused ({how}): {err}")
         if same:
             return Verdict(1.0, f"correct ({how}): {shown}")

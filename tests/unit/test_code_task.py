@@ -22,6 +22,13 @@ GCD_SPEC = {
 GCD = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n"
 
 
+def _nested(depth: int, leaf: object) -> list:
+    value = [leaf]
+    for _ in range(depth):
+        value = [value, 0]
+    return value
+
+
 def fenced(code: str) -> str:
     return f"Here you go:\n```python\n{code}```\n"
 
@@ -38,6 +45,34 @@ def test_extract_code():
     assert extract_code("def f(): return 1") == "def f(): return 1"
     assert extract_code("I cannot solve this.") is None
     assert extract_code("") is None
+
+
+SOLUTION = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        f"```python\n{SOLUTION}```\nUsage:\n```python\nprint(gcd(12, 18))\n```",
+        f"```python\n{SOLUTION}```\nOutput:\n```\n6\n```",
+        f"```python\n{SOLUTION}```\n```python\ngcd(12, 18)\n```\n```text\n6\n```",
+        f"```python\n{SOLUTION}```\nTest:\n```python\nassert gcd(12, 18) == 6\n```",
+        f"```python\n{SOLUTION}```\n```python\nresult = gcd(2, 4)\n```",
+        f"```python\n{SOLUTION}```".replace("\n", "\r\n"),
+        f"```py\r\n{SOLUTION}```\r\n```\r\n6\r\n```".replace("\n    ", "\r\n    "),
+        f"```python\ndef gcd(a, b):\n    return 0\n```\nFixed:\n```python\n{SOLUTION}```\n"
+        "```python\nprint(gcd(1, 2))\n```",
+    ],
+)
+def test_extraction_picks_the_block_that_defines_the_function(response):
+    code = extract_code(response, "gcd")
+    assert code is not None and "\r" not in code
+    assert code.strip() == SOLUTION.strip()
+
+
+def test_extraction_without_a_defining_block_keeps_the_last_block():
+    assert extract_code("```python\nx = 1\n```\n```python\ny = 2\n```", "gcd") == "y = 2\n"
+    assert extract_code("```python\r\nx = 1\r\n```", None) == "x = 1\n"
 
 
 def test_parse_spec_validates():
@@ -72,7 +107,18 @@ def test_parse_spec_validates():
         ({"a": 1.0}, {"a": 1}, True),
         ({"a": 1}, {"b": 1}, False),
         ("1", 1, False),
-        (float("nan"), float("nan"), False),
+        (float("nan"), float("nan"), True),  # was False: a NaN result meets a NaN expectation
+        (float("nan"), 0.0, False),
+        (0.0, float("nan"), False),
+        (None, float("nan"), False),
+        ([1.0, {"x": [float("nan")]}], [1.0, {"x": [float("nan")]}], True),
+        ([1.0, {"x": [float("nan")]}], [1.0, {"x": [2.0]}], False),
+        (float("inf"), float("inf"), True),
+        (float("-inf"), float("inf"), False),
+        (_nested(3000, 1), _nested(3000, 1), True),
+        (_nested(3000, 1), _nested(3000, 2), False),
+        (_nested(3000, 1), _nested(2999, 1), False),
+        ({"k": _nested(2000, float("nan"))}, {"k": _nested(2000, float("nan"))}, True),
     ],
 )
 def test_same_value(got, expected, same):
@@ -272,3 +318,41 @@ def test_dataset_driven_code_task(tmp_path):
     # The two copies of a prompt stay on one side; the other prompt is on the other.
     assert sorted([len(task.pool.train), len(task.pool.held_out)]) == [1, 2]
     assert task.verify(task.pool.train[0], fenced(GCD)).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        fenced(GCD) + "Example:\n```python\nprint(gcd(12, 18))  # 6\n```\n",
+        fenced(GCD) + "Output:\n```\n6\n```\n",
+        fenced(GCD).replace("\n", "\r\n"),
+    ],
+)
+def test_a_solution_followed_by_an_example_or_in_crlf_scores_one(task, response):
+    verdict = task.verify(Prompt("gcd", "write gcd", GCD_SPEC), response)
+    assert verdict.reward == 1.0, verdict.reason
+
+
+def test_nan_and_deeply_nested_expectations_pass_through_the_sandbox(task):
+    spec = {
+        "entry_point": "f",
+        "tests": [
+            {"args": [0], "expected": float("nan")},
+            {"args": [1], "expected": [1.5, {"x": float("nan")}]},
+            {"args": [2], "expected": _nested(400, 7)},
+            {"args": [3], "expected": float("nan")},
+        ],
+    }
+    code = (
+        "def f(i):\n"
+        "    if i == 2:\n"
+        "        v = [7]\n"
+        "        for _ in range(400):\n"
+        "            v = [v, 0]\n"
+        "        return v\n"
+        "    return [float('nan'), [1.5, {'x': float('nan')}], None, 0.0][i]\n"
+    )
+    spec = parse_spec(json.dumps(spec))
+    verdict = task.verify(Prompt("f", "f", spec), fenced(code))
+    assert verdict.reward == 0.75, verdict.reason
+    assert "f(3) returned 0.0, expected NaN" in verdict.reason

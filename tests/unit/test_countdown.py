@@ -129,6 +129,43 @@ def test_verify(response, reward, reason):
     assert reason in verdict.reason
 
 
+@pytest.mark.parametrize(
+    "response",
+    [
+        "<answer>6 * 4 or (6 - 2) * 5 + 4</answer>",
+        "<answer>6 * 4, 5 * 4</answer>",
+        "<answer>6 * 4; 5 * 4</answer>",
+        "<answer>[6 * 4, 5 * 4]</answer>",
+        "<answer>6 * 4 if True else 5</answer>",
+        "<answer>24 = 6 * 4 = 5 * 4 + 4</answer>",
+        "<answer>6 * 4 ≈ 24</answer>",
+        "<answer>6 * 4 (or 5 * 4)</answer>",
+        "<answer>6 * 4 | 5 * 4</answer>",
+        "<answer>6 * 4 ± 0</answer>",
+        "<answer>(6 * 4, 5 * 4)</answer>",
+        "<answer>6 * 4 < 25</answer>",
+    ],
+)
+def test_several_candidate_expressions_are_refused(response):
+    verdict = CountdownTask().verify(_prompt([6, 2, 5, 4], 24), response)
+    assert verdict.reward == 0.0, verdict.reason
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "<answer>6 * 4 = 24</answer>",
+        "<answer>24 = 6 * 4</answer>",
+        "<answer>\r\n  6 * 4\r\n</answer>",
+        "Work...\n6 × 4 = 24",
+        "<answer>(6 − 2) · 5 + 4</answer>",
+    ],
+)
+def test_one_expression_in_any_legitimate_spelling_scores_one(response):
+    verdict = CountdownTask().verify(_prompt([6, 2, 5, 4], 24), response)
+    assert verdict.reward == 1.0, verdict.reason
+
+
 def test_format_weight_blends_in():
     task = CountdownTask(format_weight=0.2)
     prompt = _prompt([6, 4], 24)

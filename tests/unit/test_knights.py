@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -118,6 +119,11 @@ ANSWER = {"Zoey": "knight", "Oliver": "knave", "Ethan": "knight"}
         (
             "<answer>Zoey is a knight or a knave, Zoey is a knave, Oliver is a knave, Ethan is a knight</answer>",
             0.0,
+            "hedged role for Zoey",
+        ),
+        (
+            "<answer>Zoey is a knight, Zoey is a knave, Oliver is a knave, Ethan is a knight</answer>",
+            0.0,
             "contradictory",
         ),
         ("<answer>Zoey is a knight, Oliver is a knave</answer>", 0.0, "no role given for Ethan"),
@@ -157,3 +163,87 @@ def test_options_and_answers_validate():
     for bad in ({"A": "wizard"}, {}, ["A", "knight"]):
         with pytest.raises(ValueError):
             task.parse_answer(bad)
+
+
+REST = "Oliver is a knave, Ethan is a knight"
+HEDGED = [
+    f"<answer>Zoey is a knight or a knave, {REST}</answer>",
+    f"<answer>Zoey is a knave or a knight, {REST}</answer>",
+    f"<answer>Zoey is either a knight or a knave, {REST}</answer>",
+    f"<answer>Zoey is maybe a knight, {REST}</answer>",
+    f"<answer>Zoey is probably a knight, {REST}</answer>",
+    f"<answer>Maybe Zoey is a knight, {REST}</answer>",
+    f"<answer>Zoey might be a knight, {REST}</answer>",
+    "<answer>Zoey: knight/knave\nOliver: knave\nEthan: knight</answer>",
+    f"<answer>Zoey is a knight (or knave), {REST}</answer>",
+    f"<answer>Zoey is a knight and a knave, {REST}</answer>",
+    f"<answer>Zoey is a knight, Zoey is a knave, {REST}</answer>",
+    f"<answer>Zoey is a knight, Zoey isn't a knight, {REST}</answer>",
+    "<answer>Zoey is a knight, Oliver or Ethan is a knave, Ethan is a knight</answer>",
+    "<answer>Zoey and Ethan are knights or knaves, Oliver is a knave</answer>",
+    "<answer>Zoey and Ethan are probably knights, Oliver is a knave</answer>",
+    "<answer>| Name | Role |\n|---|---|\n| Zoey | knight or knave |\n| Oliver | knave |\n"
+    "| Ethan | knight |</answer>",
+    "<answer>Zoey: knight?\nOliver: knave\nEthan: knight</answer>",
+    f"<answer>Zoey is a **knight**?, {REST}</answer>",
+    f"So in the end Zoey is a knight or a knave, {REST}.",  # free text: the last claim hedges
+    f"Zoey is a knight. Final: Zoey is perhaps a knight, {REST}.",
+]
+
+
+@pytest.mark.parametrize("response", HEDGED)
+def test_a_hedged_or_two_way_role_is_wrong(response):
+    verdict = KnightsAndKnavesTask().verify(Prompt("kk", "puzzle", ANSWER), response)
+    assert verdict.reward == 0.0, verdict.reason
+
+
+RIGHT_ANSWERS = [
+    "<answer>\n| Inhabitant | Role |\n|---|---|\n| Zoey | Knight |\n| Oliver | Knave |\n"
+    "| Ethan | Knight |\n</answer>",
+    "<answer>\n| # | Name | Role |\n|:-:|:--|:--|\n| 1 | **Zoey** | **knight** |\n"
+    "| 2 | **Oliver** | **knave** |\n| 3 | **Ethan** | **knight** |\n</answer>",
+    "<answer>Zoey isn't a knave, Oliver isn't a knight, Ethan isn’t a knave</answer>",
+    "<answer>Zoey is not a knave; Oliver is NOT a knight; Ethan wasn't a liar</answer>",
+    "<answer>Oliver is a knave. Neither Zoey nor Ethan is a knave.</answer>",
+    "<answer>Neither Zoey nor Ethan is a liar, and Oliver isn't a truth-teller.</answer>",
+    "<answer>Zoey and Ethan aren't knaves; Oliver is a knave.</answer>",
+    "<answer>Zoey and Ethan are not liars, but Oliver must be a knave.</answer>",
+    "<answer>Zoey, Ethan are both knights. Oliver: knave.</answer>",
+    "<answer>Both Zoey and Ethan are knights, while Oliver is definitely a knave.</answer>",
+    "If Zoey were a knave ... Therefore neither Zoey nor Ethan is a knave, and Oliver is a knave.",
+    "<answer>Zoey is a knight, not a knave. Oliver is a knave. Ethan is a knight.</answer>",
+    "<answer>Zoey: Knight (truth-teller)\nOliver: Knave (liar)\nEthan: Knight</answer>",
+    "<answer>Zoey is a knight and Oliver is a knave and Ethan is a knight</answer>",
+    "Is Zoey a knave or a knight? Check both. So Zoey is a knight, Oliver is a knave, Ethan is a knight.",
+]
+
+
+@pytest.mark.parametrize("response", RIGHT_ANSWERS)
+def test_right_roles_in_tables_contractions_and_group_statements_score_one(response):
+    verdict = KnightsAndKnavesTask().verify(Prompt("kk", "puzzle", ANSWER), response)
+    assert verdict.reward == 1.0, verdict.reason
+
+
+def test_group_statements_read_as_claims_about_each_person():
+    names = list(ANSWER)
+    assert read_assignment("Neither Zoey nor Oliver is a knight.", names) == {
+        "Zoey": [False],
+        "Oliver": [False],
+    }
+    assert read_assignment("Zoey and Ethan aren't knights", names) == {
+        "Zoey": [False],
+        "Ethan": [False],
+    }
+    assert read_assignment("Zoey or Oliver is a knight", names) == {"Oliver": [None]}
+
+
+@pytest.mark.parametrize(
+    "unit", ["Zoey, ", "Zoey and ", "Zoey, and ", "neither Zoey nor ", "Zoey is maybe ", "Zoey | "]
+)
+def test_reading_claims_is_linear(unit):
+    # A run of names was rescanned from each name in it: 2.5 s on a 20,000-character answer.
+    response = "<answer>" + unit * (20_000 // len(unit)) + "</answer>"
+    start = time.perf_counter()
+    verdict = KnightsAndKnavesTask().verify(Prompt("kk", "puzzle", ANSWER), response)
+    assert verdict.reward == 0.0
+    assert time.perf_counter() - start < 0.5

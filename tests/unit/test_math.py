@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from groupflow.records import Prompt
-from groupflow.reward_workers.tasks.math_answer import extract_answer, last_boxed
+from groupflow.reward_workers.tasks.math_answer import REL_TOL, extract_answer, last_boxed
 from groupflow.reward_workers.tasks.math_problems import MathTask
 
 
@@ -69,7 +69,8 @@ def _gold(answer):
         ("3", "\\boxed{10^{10^{10}}}", 0.0, "exponent too large"),
         ("3", "\\boxed{2^{100000}}", 0.0, "exponent too large"),
         ("3", "\\boxed{(10^{6})!}", 0.0, "factorial too large"),
-        ("3", "\\boxed{" + "9" * 500 + "}", 0.0, "longer than"),
+        ("3", "\\boxed{" + "9+" * 150 + "9}", 0.0, "longer than"),
+        ("3", "\\boxed{" + "9" * 500 + "}", 0.0, "wrong"),  # a plain number: compared as one
         ("3", "\\boxed{" + "{" * 40 + "3" + "}" * 40 + "}", 0.0, "nested deeper"),
         ("e^{x^{2}}", "\\boxed{e^{x^2}}", 1.0, "correct"),  # exponents with symbols are fine
     ],
@@ -145,3 +146,186 @@ def test_parse_answer():
     for bad in ("", None, True, [1]):
         with pytest.raises(ValueError):
             task.parse_answer(bad)
+
+
+# --- one value, exact where the gold answer is exact (docs/verifiers.md) -------------------
+
+HEDGES = [
+    "\\boxed{x = 6 \\lor x = 7}",
+    "\\boxed{x = 7 \\lor x = 6}",
+    "\\boxed{6 \\vee 7}",
+    "\\boxed{6 \\text{ or } 7}",
+    "\\boxed{7 \\text{ or } 6}",
+    "The answer is 3 (or 6).",
+    "The answer is 6 (or 7).",
+    "Final answer: either 6 or 7",
+    "\\boxed{6 \\approx 7}",
+    "\\boxed{7 \\approx 6}",
+    "\\boxed{6 \\sim 7}",
+    "\\boxed{\\approx 6}",
+    "\\boxed{x \\le 6}",
+    "\\boxed{x \\geq 6}",
+    "\\boxed{6 \\neq 7}",
+    "\\boxed{5 < x < 7}",
+    "\\boxed{6 \\pm 1}",
+    "\\boxed{6, 7}",
+    "\\boxed{6; 7}",
+    "\\boxed{6, 6}",
+    "\\boxed{\\{6, 7\\}}",
+    "\\boxed{(6, 7)}",
+    "\\boxed{6 \\text{ and } 7}",
+    "\\boxed{6 \\text{ (maybe)}}",
+    "\\boxed{6 (7)}",
+    "\\boxed{x = 7 = 6}",
+    "it could be 5, or maybe 6",
+    "so it is 6 or 7",
+    "roughly 6",
+    "\\boxed{x = 6, x = 7}",
+    "\\boxed{1,000 \\text{ or } 6}",
+    "\\boxed{7} or \\boxed{6}",
+    "$\\boxed{7}$ (or maybe $\\boxed{6}$)",
+    "\\boxed{7}, perhaps \\boxed{6}",
+]
+
+
+@pytest.mark.parametrize("response", HEDGES)
+def test_an_answer_naming_several_values_is_refused(response):
+    verdict = MathTask().verify(_gold("6"), response)
+    assert verdict.reward == 0.0, verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("gold", "response"),
+    [
+        ("1, 2", "\\boxed{x = 1 \\text{ or } x = 3}"),
+        ("1,000", "\\boxed{1000 \\text{ or } 1}"),  # 1,000 is one value: no disjunction
+        ("(-\\infty, 3]", "\\boxed{x \\le 3 \\text{ or } x = 7}"),
+        ("\\frac{1}{2}", "\\boxed{\\frac{1}{2} \\approx 0.5}"),
+        ("3", "\\boxed{3 \\text{ or } \\pi}"),
+    ],
+)
+def test_a_hedge_is_refused_whatever_the_gold_answer_is(gold, response):
+    verdict = MathTask().verify(_gold(gold), response)
+    assert verdict.reward == 0.0, verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("gold", "response"),
+    [
+        ("6", "\\boxed{x = 6}"),
+        ("6", "\\boxed{6.0}"),
+        ("6", "\\boxed{\\frac{12}{2}}"),
+        ("6", "**Final answer:** $6$"),
+        ("6", "Since x > 0 we keep x = 6"),
+        ("6", "\\boxed{3!}"),  # exact expressions of the value
+        ("6", "\\boxed{2^{3}-2}"),
+        ("6", "\\boxed{\\sqrt{36}}"),
+        ("6", "\\boxed{\\log_2 64}"),
+        ("6", "\\boxed{\\binom{4}{2}}"),
+        ("6", "\\boxed{0.5 \\cdot 12}"),
+        ("6", "first \\boxed{3}\nthen \\boxed{6}"),
+        ("6", "we get \\boxed{3}, so the total is \\boxed{6}"),
+        ("6", "\\boxed{6} or equivalently \\boxed{6}"),
+        ("1, 2", "\\boxed{1} or \\boxed{2}"),
+        ("x \\le 3", "\\boxed{x \\leq 3}"),  # a relation in the gold answer is allowed
+        ("3 \\pm \\sqrt{2}", "\\boxed{3 \\pm \\sqrt{2}}"),
+        ("1, 2", "\\boxed{2, 1}"),
+        ("(1, 2)", "\\boxed{(1,2)}"),
+        ("\\text{red or blue}", "\\boxed{\\text{red or blue}}"),
+        ("(-\\infty, 3]", "\\boxed{x \\le 3}"),  # an interval answered as an inequality
+        ("x \\le 3", "\\boxed{(-\\infty, 3]}"),
+        ("[2, 5)", "\\boxed{2 \\le x < 5}"),
+        ("10\\%", "\\boxed{10}"),  # percentages: math-verify's rule
+        ("2+3i", "\\boxed{3i+2}"),
+        ("1, 2", "\\boxed{x = 1 \\text{ or } x = 2}"),  # several gold values: roots
+        ("1, 2", "\\boxed{x = 2 \\lor x = 1}"),
+        ("1, 2", "\\boxed{x = 1, x = 2}"),
+        ("x = 1 \\lor x = 2", "\\boxed{x = 2 \\text{ or } x = 1}"),
+    ],
+)
+def test_one_value_in_any_legitimate_spelling_is_accepted(gold, response):
+    verdict = MathTask().verify(_gold(gold), response)
+    assert verdict.reward == 1.0, verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("gold", "answer", "reward"),
+    [
+        ("3.14159265", "3.141593", 0.0),  # 7th significant digit: the old 6-decimal rounding
+        ("3.14159265", "3.14159265", 1.0),
+        ("3.14159265", "3.141592650", 1.0),
+        ("0.1", "0.1000001", 0.0),
+        ("0.3", "0.30000000000000004", 1.0),  # a float printed at full precision
+        ("0.0000001", "0.0000002", 0.0),  # small values: relative, not 6 decimals
+        ("\\frac{1}{3}", "0.333333", 0.0),
+        ("\\frac{1}{3}", "0.3333333333333333", 0.0),  # a fraction is exact
+        ("\\frac{1}{3}", "\\frac{2}{6}", 1.0),
+        ("\\frac{3}{4}", "0.75", 1.0),
+        ("0.75", "\\frac{3}{4}", 1.0),
+        ("1234567", "1234568", 0.0),
+        ("1234567", "1234567.0000001", 0.0),  # integers are exact
+        ("1234567", "1,234,567", 1.0),
+        ("2^{10}", "1024.0000001", 0.0),  # an exact gold expression is exact too
+        ("2^{10}", "1024.0", 1.0),
+        ("\\sqrt{36}", "6.0000000001", 0.0),
+        ("9\\pi", "28.274333882308138", 1.0),  # irrational: within REL_TOL
+        ("9\\pi", "28.2743", 0.0),
+        ("5\\sqrt{2}", "7.0710678", 0.0),
+        ("5\\sqrt{2}", "7.0710678118654755", 1.0),
+        ("\\pi", "\\frac{355}{113}", 0.0),
+        ("2", "\\sqrt{4.000001}", 0.0),
+        ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("\\frac{\\sqrt{2}}{2}", "0.7071067811865476", 1.0),
+        ("\\frac{\\sqrt{2}}{2}", "0.7071068", 0.0),
+        ("\\pi", "\\frac{0}{0}", 0.0),  # NaN, infinities: no exception, no match
+        ("\\pi", "\\frac{1}{0}", 0.0),
+        ("\\pi", "\\infty", 0.0),
+        ("(-\\infty, 3]", "x < 3", 0.0),
+        ("2+3i", "2+3.0000001i", 0.0),
+    ],
+)
+def test_numeric_tolerance_is_exact_for_rationals_and_relative_for_reals(gold, answer, reward):
+    verdict = MathTask().verify(_gold(gold), f"\\boxed{{{answer}}}")
+    assert verdict.reward == reward, verdict.reason
+
+
+def test_the_relative_tolerance_is_where_the_docs_say():
+    gold = 10**6 * 3.5
+    inside, outside = gold * (1 + REL_TOL / 2), gold * (1 + REL_TOL * 3)
+    task = MathTask()
+    assert task.verify(_gold("3500000.5"), f"\\boxed{{{inside!r}}}").reward == 0.0
+    assert task.verify(_gold("3500000.0"), f"\\boxed{{{inside!r}}}").reward == 1.0
+    assert task.verify(_gold("3500000.0"), f"\\boxed{{{outside!r}}}").reward == 0.0
+
+
+@pytest.mark.parametrize("digits", [25, 300, 3000])
+def test_long_exact_integers_never_go_through_a_float(digits):
+    gold = "7" * digits
+    task = MathTask()
+    assert task.verify(_gold(gold), f"\\boxed{{{gold}}}").reward == 1.0
+    assert task.verify(_gold(gold), f"The answer is {gold[:-1]}8").reward == 0.0
+    assert task.verify(_gold(gold), f"\\boxed{{{gold}.0}}").reward == 1.0
+
+
+LONG_GOLDS = [
+    "+".join(f"{i}x^{{{i}}}" for i in range(1, 60)),
+    ", ".join(str(i) for i in range(1, 300)),
+    "+".join(f"\\frac{{{i}}}{{{i + 1}}}" for i in range(1, 80)),
+    "+".join(f"\\sqrt{{{i}}}" for i in range(2, 60)),
+    "\\text{" + "word " * 300 + "}",
+]
+
+
+@pytest.mark.parametrize("gold", LONG_GOLDS, ids=lambda g: g[:12])
+def test_a_long_gold_answer_is_judged_quickly(gold):
+    task = MathTask()
+    for response, reward in [
+        (f"\\boxed{{{gold}}}", 1.0),
+        (f"\\boxed{{ {gold.replace('+', ' + ')} }}", 1.0),
+        ("\\boxed{x+1}", 0.0),
+        ("\\boxed{5}", 0.0),
+    ]:
+        start = time.perf_counter()
+        verdict = task.verify(_gold(gold), response)
+        assert verdict.reward == reward, verdict.reason
+        assert time.perf_counter() - start < 1.0

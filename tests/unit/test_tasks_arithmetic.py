@@ -55,6 +55,61 @@ def test_verify(response, reward):
     assert verdict.reason
 
 
+@pytest.mark.parametrize(
+    "response",
+    [
+        "82 or 83",
+        "82 (or 83)",
+        "82(83)",
+        "82/83",
+        "82 / 83",
+        "82-83",
+        "82 – 83",
+        "82, 83",
+        "82;83",
+        "82 to 83",
+        "82 ± 1",
+        "82?",
+        "82 maybe",
+        "82ish",
+        "82 or so",
+        "82 (approximately)",
+        "82.5",
+        "82,5",
+        "82 | 83",
+    ],
+)
+def test_an_integer_with_an_alternative_or_a_fraction_is_refused(response):
+    verdict = ArithmeticTask().verify(Prompt("37+45", "37+45=", 82), response)
+    assert verdict.reward == 0.0, verdict.reason
+
+
+@pytest.mark.parametrize(
+    "response", ["82", "82.", "82\n45+12=57", "82, since 37 + 45 = 82", " 82 is the sum", "082"]
+)
+def test_one_integer_followed_by_prose_is_accepted(response):
+    verdict = ArithmeticTask().verify(Prompt("37+45", "37+45=", 82), response)
+    assert verdict.reward == 1.0, verdict.reason
+
+
+@pytest.mark.parametrize("digits", [41, 103, 4000])
+def test_long_exact_integers_are_compared_exactly(digits):
+    answer = int("9" * digits)
+    prompt = Prompt("big", "?", answer)
+    task = ArithmeticTask()
+    assert task.verify(prompt, str(answer)).reward == 1.0
+    assert task.verify(prompt, str(answer - 1)).reward == 0.0
+    assert task.verify(prompt, str(answer) + "0").reward == 0.0
+    assert task.verify(prompt, "-" + str(answer)).reward == 0.0
+
+
+def test_generated_answers_of_a_hundred_digits_verify():
+    task = ArithmeticTask(digits=100, terms=20)
+    for prompt in itertools.islice(task.train_prompts(3), 10):
+        assert task.verify(prompt, str(prompt.answer)).reward == 1.0
+        assert task.verify(prompt, str(prompt.answer + 10**60)).reward == 0.0
+
+
 def test_parse_answer_accepts_integers_only():
     task = ArithmeticTask()
     assert task.parse_answer(5) == 5

@@ -201,6 +201,29 @@ def test_a_reward_batch_never_outlasts_its_budget(tmp_path, nothing_left_behind)
     assert elapsed < worker_timeout + SLACK_S  # not 16 timeouts one after another
 
 
+LONG_GOLDS = [
+    ", ".join(str(i) for i in range(1, 300)),
+    "+".join(f"{i}x^{{{i}}}" for i in range(1, 60)),
+    "+".join(f"\\sqrt{{{i}}}" for i in range(2, 60)),
+]
+
+
+def test_a_long_gold_answer_is_judged_not_timed_out(nothing_left_behind):
+    # A 1,400-character gold answer took 3.4 s to compare with `x+1`: past a 1 s deadline.
+    scorer = Scorer("math", {"timeout_s": 1.0}, processes=2)
+    work = [
+        (Prompt(f"g{i}", "?", gold), response)
+        for i, gold in enumerate(LONG_GOLDS)
+        for response in (f"\\boxed{{{gold}}}", "\\boxed{x+1}", "\\boxed{5}")
+    ]
+    try:
+        verdicts = list(scorer.score_stream(work))
+    finally:
+        scorer.close()
+    assert [v.error for v in verdicts] == [None] * len(work)
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0] * len(LONG_GOLDS)
+
+
 # --- extraction cost -----------------------------------------------------------------------
 
 HUGE = 400_000  # characters: 20x the extraction window
