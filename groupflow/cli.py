@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from groupflow.errors import UserError, run_reporting_failures
+from groupflow.errors import OneLineParser, run_reporting_failures
 from groupflow.jobs import JOB_COMMANDS, add_job_commands, run_job_handler
 
 EPILOG = """examples:
@@ -19,18 +19,6 @@ EPILOG = """examples:
   groupflow scale quickstart --engines 2             two engines for the running job `quickstart`
   groupflow status quickstart                       its live engines, reward workers, learner ranks
 """
-
-
-class UsageError(UserError):
-    """A command line argparse cannot read."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument error is an expected failure like any other: one line, exit 2 (argparse
-    itself would print the usage first)."""
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

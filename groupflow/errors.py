@@ -5,6 +5,7 @@ exits with its `exit_code`; a traceback is left for bugs."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
@@ -12,6 +13,18 @@ class UserError(Exception):
     """A failure the user can act on, phrased as one line that names the culprit."""
 
     exit_code = 2  # bad input; problems of the cluster or the machine use 1
+
+
+class UsageError(UserError):
+    """A command line that argparse cannot read."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is an expected failure like any other: one line, exit 2 (argparse
+    itself would print the usage first)."""
+
+    def error(self, message: str):
+        raise UsageError(message)
 
 
 def first_line(err: BaseException) -> str:
@@ -62,7 +75,7 @@ def expected_failure(err: Exception) -> tuple[str, int] | None:
     return None
 
 
-def run_reporting_failures(command, *args) -> int:
+def run_reporting_failures(command, *args, prog: str = "groupflow") -> int:
     """Run a command; an expected failure becomes one line on stderr and its exit code."""
     try:
         return command(*args)
@@ -72,4 +85,4 @@ def run_reporting_failures(command, *args) -> int:
         failure = expected_failure(err)
         if failure is None:
             raise
-        return fail(*failure)
+        return fail(*failure, prog=prog)

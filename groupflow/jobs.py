@@ -270,8 +270,9 @@ def _status(args: argparse.Namespace) -> int:
 
     local = live._local_target(args.job_id, Path(args.runs))
     if local is not None:  # a job trained here: no Jobs API involved
-        print(f"run {local.run}  RUNNING  (driver on this machine)")
-        live.print_live(live.connect(local))
+        actor = live.connect(local)
+        print(f"run {local.run}  RUNNING  (driver on {local.host or 'this machine'})")
+        live.print_live(actor)
         return 0
     client = _client(args.address)
     job_id = args.job_id

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from groupflow.errors import UserError
+from groupflow.errors import UserError, first_line
 from groupflow.scaling import (
     CONTROL_NAMESPACE,
     LiveStatus,
@@ -68,9 +68,9 @@ def positive_seconds(text: str) -> float:
 
 # ----- joining a cluster ---------------------------------------------------------------------
 def _probe(address: str) -> None:
-    """Refuse, in CONNECT_TIMEOUT_S, an address where nothing accepts a connection: ray.init
-    would retry it for about half a minute and end in a traceback."""
-    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    """Refuse, within seconds, an address where no Ray cluster answers: ray.init would retry
+    it for about half a minute and end in a traceback."""
+    parsed = urlparse(address if "://" in address else f"gcs://{address}")
     try:
         host, port = parsed.hostname, parsed.port
     except ValueError:
@@ -79,11 +79,26 @@ def _probe(address: str) -> None:
         return
     try:
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+        if parsed.scheme == "gcs":  # something answers: ask it as Ray's GCS
+            _ask_gcs(address)
     except OSError as err:
         reason = "no answer" if isinstance(err, TimeoutError) else err.strerror or str(err)
-        raise LiveError(
-            f"no Ray cluster answers at {address} ({reason} within {CONNECT_TIMEOUT_S:g}s)"
-        ) from None
+        raise LiveError(f"no Ray cluster answers at {address} ({reason})") from None
+
+
+def _ask_gcs(address: str) -> None:
+    """One read from the GCS at `address`, bounded in time; ConnectionError if none is there."""
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError, RayError
+
+    try:
+        GcsClient(address=address).internal_kv_get(
+            b"groupflow_probe", None, timeout=CONNECT_TIMEOUT_S
+        )
+    except AuthenticationError:
+        raise  # a cluster is there; it wants the token (groupflow/errors.py: AUTH_HINT)
+    except RayError as err:
+        raise ConnectionError(f"not a Ray GCS: {first_line(err)}") from None
 
 
 def join_ray(address: str | None, **init_kwargs) -> None:
