@@ -752,6 +752,12 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth = 0
         self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
 
+    def fetch_flow_collection_start(self, token_class):
+        # Refused while scanning: the scanner's work on each `[` or `{` grows with the depth.
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise _YAMLBoundError(f"nested deeper than {MAX_YAML_DEPTH} levels", self.get_mark())
+        super().fetch_flow_collection_start(token_class)
+
     def compose_node(self, parent, index):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
@@ -786,7 +792,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._expanded[id(node)] = size
 
     def construct_yaml_int(self, node):
-        digits = sum(c.isdigit() for c in node.value)
+        digits = sum(c.isalnum() for c in node.value.removeprefix("0x").removeprefix("0o"))
         if digits > MAX_INT_DIGITS:
             raise _YAMLBoundError(
                 f"an integer of {digits} digits (at most {MAX_INT_DIGITS})", node.start_mark
@@ -859,8 +865,15 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and not isinstance(first["input"], dict):
-        msg += f" (got {first['input']!r})"
+        msg += f" (got {_describe_input(first['input'])})"
     return f"{key}: {msg}"
+
+
+def _describe_input(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 128:  # repr() refuses the longest
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _task_list_as_mixture(tree: dict) -> dict:
