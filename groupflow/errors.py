@@ -32,10 +32,10 @@ def first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def fail(message: str, code: int, prog: str = "groupflow") -> int:
+def fail(message: str, code: int, prefix: str = "groupflow: error") -> int:
     """Print one error line (undecodable characters escaped) and return the exit code."""
     text = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    print(f"{prog}: error: {text}", file=sys.stderr)
+    print(f"{prefix}: {text}", file=sys.stderr)
     return code
 
 
@@ -75,7 +75,7 @@ def expected_failure(err: Exception) -> tuple[str, int] | None:
     return None
 
 
-def run_reporting_failures(command, *args, prog: str = "groupflow") -> int:
+def run_reporting_failures(command, *args, prefix: str = "groupflow: error") -> int:
     """Run a command; an expected failure becomes one line on stderr and its exit code."""
     try:
         return command(*args)
@@ -85,4 +85,4 @@ def run_reporting_failures(command, *args, prog: str = "groupflow") -> int:
         failure = expected_failure(err)
         if failure is None:
             raise
-        return fail(*failure, prog=prog)
+        return fail(*failure, prefix=prefix)

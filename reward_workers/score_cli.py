@@ -29,7 +29,7 @@ EXIT_BAD_INPUT = 2
 def main(argv: list[str]) -> int:
     """Score the file; a bad argument, option or line is one line on stderr and exit 2."""
     try:
-        return run_reporting_failures(_score, argv, prog="groupflow score")
+        return run_reporting_failures(_score, argv, prefix="groupflow score")
     except SystemExit as exit_:  # --help, printed by argparse
         return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
 
