@@ -146,6 +146,11 @@ def test_eval_of_a_model_whose_config_is_not_a_json_object_is_one_line(tmp_path,
     assert f"{tmp_path / 'config.json'}: not a model config" in err
 
 
+def test_eval_of_a_directory_that_is_no_model_is_one_line(tmp_path, capsys):
+    err = one_line_failure(capsys, ["eval", "--model", str(tmp_path / "absent")], code=2)
+    assert "model.path" in err and "absent" in err
+
+
 # ----- the Jobs API and bugs ---------------------------------------------------------------------
 class RefusingJobsClient:
     def __init__(self, address):
