@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from groupflow.jobs import JOB_COMMANDS, add_job_commands, run_job_command
+from groupflow.errors import OneLineParser, run_reporting_failures
+from groupflow.jobs import JOB_COMMANDS, add_job_commands, run_job_handler
 
 EPILOG = """examples:
   groupflow train                                   the built-in quickstart job
@@ -33,7 +34,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="groupflow",
         description="RL from verifiable sequence-level rewards with token-level credit control, on Ray.",
     )
@@ -77,31 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str) -> int:
-    print(f"groupflow: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every expected failure ends as one line and a non-zero exit
+    (groupflow/errors.py), a traceback only for a bug."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["score"]:
         from groupflow.reward_workers.score_cli import main as score_main
 
         return score_main(argv[1:])
+    return run_reporting_failures(_run_command, argv)
+
+
+def _run_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in JOB_COMMANDS:
-        return run_job_command(args)
-    from groupflow.config import ConfigError, load_config
+        return run_job_handler(args)
+    from groupflow.config import load_config
 
     overrides = list(args.overrides)
     if getattr(args, "resume", None):
         overrides.append(f"trainer.resume={args.resume}")
     if getattr(args, "model", None):
         overrides.append(f"model.path={args.model}")
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as err:
-        return _fail(str(err))
+    cfg = load_config(args.config, overrides)
     if args.command == "config":
         print(cfg.dump_yaml(), end="")
         return 0
@@ -110,17 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from groupflow.driver import RunError, resolve_model_path, run
+    from groupflow.driver import resolve_model_path, run
 
-    try:
-        if args.command == "eval":
-            from groupflow.evaluate import evaluate_model
+    if args.command == "eval":
+        from groupflow.evaluate import evaluate_model
 
-            print(json.dumps(evaluate_model(cfg, resolve_model_path(cfg))))
-            return 0
-        summary = run(cfg)
-    except (RunError, ValueError) as err:
-        return _fail(str(err))
+        print(json.dumps(evaluate_model(cfg, resolve_model_path(cfg))))
+        return 0
+    summary = run(cfg)
     print(
         f"done: held-out accuracy {summary['warm_start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; "
         f"run directory {cfg.trainer.output_dir}/{cfg.trainer.run_name}"

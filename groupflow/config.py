@@ -7,21 +7,62 @@ with a one-line message naming the key (`ConfigError`).
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from groupflow.errors import UserError
 from groupflow.presets import PRESETS
 
+# Bounds on what a config's YAML may expand to: a config is a few hundred keys, so these are
+# far above any real one and far below what exhausts memory or Python's recursion.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 100_000  # after aliases are expanded, as validation expands them
+MAX_INT_DIGITS = 100
+# Every integer setting fits a signed 64-bit integer (what seeds and counts reach torch as).
+INT64 = 1 << 63
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config problem, phrased as one line that names the offending key."""
+
+
+def _unfit_number(value: Any) -> str | None:
+    """Where in a setting's value a number is NaN, infinite or past 64 bits ('' = the value
+    itself), or None when every number in it is fine."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return ""
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+        return ""
+    if isinstance(value, BaseModel):  # a nested section checks its own settings
+        return None
+    items = value.items() if isinstance(value, dict) else None
+    if isinstance(value, list | tuple):
+        items = enumerate(value)
+    for key, item in items or ():
+        where = _unfit_number(item)
+        if where is not None:
+            return f"[{key!r}]{where}" if isinstance(key, str) else f"[{key}]{where}"
+    return None
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # One rule for the whole schema, fields added later included: every number in a setting
+    # (a float field, a tuple, a task's free-form options) is finite and fits 64 bits.
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite_numbers(cls, value: Any) -> Any:
+        where = _unfit_number(value)
+        if where is not None:
+            place = f" at {where}" if where else ""
+            raise ValueError(f"numbers must be finite and fit in 64 bits{place}")
+        return value
 
 
 class Resources(Section):
@@ -168,7 +209,7 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
     kv_cache_gib: float = Field(
-        1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
+        1.0, gt=0, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = Field(256, ge=8)
@@ -255,7 +296,10 @@ class RewardConfig(Section):
 class OptimizerConfig(Section):
     name: Literal["adamw"] = "adamw"
     lr: float = Field(1e-5, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -690,6 +734,88 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+class _YAMLBoundError(yaml.YAMLError):
+    """A YAML document past one of the bounds above."""
+
+    def __init__(self, problem: str, mark: yaml.Mark | None):
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        super().__init__(f"{problem}{where}")
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """YAML's safe loader, with the depth of nesting, the size after alias expansion and the
+    digits of an integer bounded, and a recursive alias refused: a hostile document fails
+    while it is read, before it can exhaust memory or recursion."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
+
+    def fetch_flow_collection_start(self, token_class):
+        # Refused while scanning: the scanner's work on each `[` or `{` grows with the depth.
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise _YAMLBoundError(f"nested deeper than {MAX_YAML_DEPTH} levels", self.get_mark())
+        super().fetch_flow_collection_start(token_class)
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            node = self.anchors.get(event.anchor)
+            if node is not None and id(node) not in self._expanded:
+                raise _YAMLBoundError(
+                    f"alias *{event.anchor} refers to a node that contains it", event.start_mark
+                )
+            return super().compose_node(parent, index)  # counted when its anchor was
+        self._depth += 1
+        if self._depth > MAX_YAML_DEPTH:
+            raise _YAMLBoundError(f"nested deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        self._count(node)
+        return node
+
+    def _count(self, node: yaml.Node) -> None:
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        size = 1 + sum(self._expanded[id(child)] for child in children)
+        if size > MAX_YAML_NODES:
+            raise _YAMLBoundError(
+                f"expands to more than {MAX_YAML_NODES} values (aliases counted in full)",
+                node.start_mark,
+            )
+        self._expanded[id(node)] = size
+
+    def construct_yaml_int(self, node):
+        digits = sum(c.isalnum() for c in node.value.removeprefix("0x").removeprefix("0o"))
+        if digits > MAX_INT_DIGITS:
+            raise _YAMLBoundError(
+                f"an integer of {digits} digits (at most {MAX_INT_DIGITS})", node.start_mark
+            )
+        return super().construct_yaml_int(node)
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def parse_yaml(text: str) -> Any:
+    """One YAML document, within the bounds above; yaml.YAMLError when it is not one."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 # YAML 1.1 reads these as booleans; on a command line they are far more often names
 # (`--set trainer.run_name=off`). true/false still give booleans.
 _YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
@@ -704,9 +830,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if value.lower() in _YAML11_BOOL_WORDS:
         return key.strip().split("."), value
     try:
-        parsed = yaml.safe_load(value) if value else None
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML") from None
+        parsed = parse_yaml(value) if value else None
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"--set {key.strip()}: the value is not valid YAML ({_yaml_problem(err)})"
+        ) from None
     return key.strip().split("."), parsed
 
 
@@ -737,8 +865,15 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and not isinstance(first["input"], dict):
-        msg += f" (got {first['input']!r})"
+        msg += f" (got {_describe_input(first['input'])})"
     return f"{key}: {msg}"
+
+
+def _describe_input(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 128:  # repr() refuses the longest
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _task_list_as_mixture(tree: dict) -> dict:
@@ -770,15 +905,30 @@ def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
 QUICKSTART = Path(__file__).with_name("quickstart.yaml")
 
 
+def _read_config_text(path: Path) -> str:
+    """The file's text, at most MAX_CONFIG_BYTES of UTF-8."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, not a config")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a YAML config (None = the built-in quickstart job) and apply overrides."""
     path = Path(path) if path is not None else QUICKSTART
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(_read_config_text(path)) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(err)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return build_config(raw, overrides)

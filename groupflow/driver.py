@@ -34,7 +34,7 @@ from groupflow.checkpoint import (
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
 from groupflow.job import Checkpointing, LearnerLost, TrainingJob
-from groupflow.live import CLUSTER_FILE, write_cluster_file
+from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
@@ -184,7 +184,7 @@ def open_run(cfg: Config) -> OpenRun:
     (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
+        join_ray(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
     # Where `groupflow scale` and `groupflow status` find this job's cluster (groupflow/live.py).
     try:
         write_cluster_file(run_dir, cfg.trainer.run_name, ray.get_runtime_context().gcs_address)

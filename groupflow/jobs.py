@@ -46,6 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from groupflow.errors import UserError, first_line, run_reporting_failures
+from groupflow.live import positive_seconds
+
 JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "groupflow-job.yaml"
@@ -98,7 +101,7 @@ def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--no-wait", action="store_true", help="return once the job has the request")
     scale.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=900.0,
         metavar="S",
         help="seconds to wait for the change (default 900); the request stands after that",
@@ -154,9 +157,10 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_scale_command(subparsers)
 
 
-def _fail(message: str, code: int) -> int:
-    print(f"groupflow: error: {message}", file=sys.stderr)
-    return code
+class ClusterError(UserError):
+    """A request the Ray Jobs API refused (an unknown job, a failed request)."""
+
+    exit_code = 1
 
 
 def _client(address: str | None):
@@ -195,12 +199,9 @@ def job_runtime_env(config_dir: Path, code: Path | None = None) -> dict:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from groupflow.config import ConfigError, load_config
+    from groupflow.config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        return _fail(str(err), 2)
+    cfg = load_config(args.config, args.overrides)
     if cfg.trainer.resume is None:
         # A resubmission under the same run name (a person's, or RayJob's backoffLimit)
         # continues from the run's newest checkpoint instead of starting over.
@@ -269,8 +270,9 @@ def _status(args: argparse.Namespace) -> int:
 
     local = live._local_target(args.job_id, Path(args.runs))
     if local is not None:  # a job trained here: no Jobs API involved
-        print(f"run {local.run}  RUNNING  (driver on this machine)")
-        live.print_live(live.connect(local))
+        actor = live.connect(local)
+        print(f"run {local.run}  RUNNING  (driver on {local.host or 'this machine'})")
+        live.print_live(actor)
         return 0
     client = _client(args.address)
     job_id = args.job_id
@@ -304,12 +306,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def _scale(args: argparse.Namespace) -> int:
     from groupflow import live
-    from groupflow.scaling import ScaleError
 
-    try:
-        live.check_counts(args.engines, args.reward_workers)
-    except ScaleError as err:
-        return _fail(str(err), 2)
+    live.check_counts(args.engines, args.reward_workers)
     dashboard = _dashboard(args.address)
     target = live.locate(args.run, Path(args.runs), _client, dashboard, args.ray_address)
     actor = live.connect(target)
@@ -340,25 +338,20 @@ def _stop(args: argparse.Namespace) -> int:
 HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop, "scale": _scale}
 
 
-def run_job_command(args: argparse.Namespace) -> int:
-    """Run a parsed job command: 0 on success, 2 for a bad config or count, 1 for cluster
-    problems (unreachable, unknown job, a submitted job that did not succeed, a job that is
-    not running, a scale request the job refused)."""
-    from ray.exceptions import AuthenticationError
-
+def run_job_handler(args: argparse.Namespace) -> int:
+    """Run a parsed job command: 0 on success, 1 for a submitted job that did not succeed.
+    The Jobs client reports an unknown job or a refused request as a bare RuntimeError: it
+    is made a ClusterError here, the one place that calls it."""
     try:
         return HANDLERS[args.command](args)
-    except AuthenticationError:
-        # Like Ray's own CLI, send the token only when asked to: never to any --address.
-        return _fail(
-            "the cluster requires a Ray auth token: set RAY_AUTH_MODE=token, with the token in "
-            "RAY_AUTH_TOKEN or ~/.ray/auth_token",
-            1,
-        )
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as err:
-        # The Jobs client reports an unreachable cluster or an unknown job this way; its
-        # messages can run over several lines, and one is enough here.
-        lines = str(err).strip().splitlines()
-        return _fail(lines[0] if lines else type(err).__name__, 1)
-    except KeyboardInterrupt:
-        return 130
+    except RuntimeError as err:
+        if isinstance(err, UserError):
+            raise
+        raise ClusterError(first_line(err)) from None
+
+
+def run_job_command(args: argparse.Namespace) -> int:
+    """A parsed job command as the `groupflow` command runs it: 2 for a bad config or count,
+    1 for cluster problems (unreachable, unknown job, a submitted job that did not succeed,
+    a job that is not running, a scale request the job refused), each said in one line."""
+    return run_reporting_failures(run_job_handler, args)

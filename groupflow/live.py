@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from groupflow.errors import UserError, first_line
 from groupflow.scaling import (
     CONTROL_NAMESPACE,
     LiveStatus,
     PoolState,
-    ScaleError,
     ScaleLimits,
     ScaleRequest,
     check_request,
@@ -46,10 +48,70 @@ RAY_ADDRESS_ENV = "GROUPFLOW_RAY_ADDRESS"
 RAY_CLIENT_PORT = 10001  # `ray start --head`'s default Ray Client port
 POLL_S = 0.5
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+MAX_RECORD_BYTES = 64 << 10  # a run record is a few hundred bytes
+CONNECT_TIMEOUT_S = 5.0  # for a Ray address to accept a connection before ray.init waits on it
 
 
-class LiveError(RuntimeError):
+class LiveError(UserError, RuntimeError):
     """Why the command cannot act on the job, as one line."""
+
+    exit_code = 1
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (NaN would wait forever)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(text)
+    return value
+
+
+# ----- joining a cluster ---------------------------------------------------------------------
+def _probe(address: str) -> None:
+    """Refuse, within seconds, an address where no Ray cluster answers: ray.init would retry
+    it for about half a minute and end in a traceback."""
+    parsed = urlparse(address if "://" in address else f"gcs://{address}")
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        raise LiveError(f"Ray address {address}: not HOST:PORT") from None
+    if host is None or port is None:  # "auto", "local": Ray finds the cluster itself
+        return
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+        if parsed.scheme == "gcs":  # something answers: ask it as Ray's GCS
+            _ask_gcs(address)
+    except OSError as err:
+        reason = "no answer" if isinstance(err, TimeoutError) else err.strerror or str(err)
+        raise LiveError(f"no Ray cluster answers at {address} ({reason})") from None
+
+
+def _ask_gcs(address: str) -> None:
+    """One read from the GCS at `address`, bounded in time; ConnectionError if none is there."""
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError, RayError
+
+    try:
+        GcsClient(address=address).internal_kv_get(
+            b"groupflow_probe", None, timeout=CONNECT_TIMEOUT_S
+        )
+    except AuthenticationError:
+        raise  # a cluster is there; it wants the token (groupflow/errors.py: AUTH_HINT)
+    except RayError as err:
+        raise ConnectionError(f"not a Ray GCS: {first_line(err)}") from None
+
+
+def join_ray(address: str | None, **init_kwargs) -> None:
+    """ray.init at `address` (None: start a local cluster), failing in seconds with one line
+    naming the address when nothing answers there."""
+    import ray
+
+    if address is not None:
+        _probe(address)
+    try:
+        ray.init(address=address, **init_kwargs)
+    except ConnectionError as err:
+        raise LiveError(f"cannot join the Ray cluster at {address}: {err}") from None
 
 
 # ----- the run's record, written by the driver -------------------------------------------------
@@ -79,12 +141,42 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class RunRecord(BaseModel):
+    """runs/<run>/cluster.json, as write_cluster_file writes it."""
+
+    model_config = ConfigDict(strict=True)
+
+    run: str = Field(min_length=1)
+    gcs_address: str = Field(min_length=1)
+    pid: int = Field(gt=0, lt=1 << 31)
+    host: str
+    auth_mode: str | None = None
+
+
+def read_run_record(path: Path) -> RunRecord:
+    """The run's record; a LiveError naming the file when it is not one."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_RECORD_BYTES + 1)
+        if len(data) > MAX_RECORD_BYTES:
+            raise ValueError(f"larger than {MAX_RECORD_BYTES >> 10} KiB")
+        return RunRecord.model_validate(json.loads(data.decode("utf-8")))
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(map(str, first["loc"])) or "record"
+        raise LiveError(f"{path}: not a run record ({key}: {first['msg']})") from None
+    except (OSError, ValueError, RecursionError) as err:  # JSON and UTF-8 errors are ValueErrors
+        problem = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
+        raise LiveError(f"{path}: not a run record ({problem})") from None
+
+
 @dataclass
 class Target:
     run: str  # the run name (the control actor's name)
     ray_address: str  # what ray.init connects to
     job_id: str | None = None
     auth_mode: str | None = None  # the cluster's RAY_AUTH_MODE, when the run recorded it
+    host: str | None = None  # where the run's driver is, when the run recorded it
 
 
 def _local_target(name: str, runs_dir: Path) -> Target | None:
@@ -92,12 +184,12 @@ def _local_target(name: str, runs_dir: Path) -> Target | None:
         path = run_dir / CLUSTER_FILE
         if not path.is_file():
             continue
-        record = json.loads(path.read_text())
-        if record.get("host") == socket.gethostname() and not _pid_alive(record["pid"]):
+        record = read_run_record(path)
+        if record.host == socket.gethostname() and not _pid_alive(record.pid):
             raise LiveError(
-                f"run {record['run']} is not running (its driver, pid {record['pid']}, has ended)"
+                f"run {record.run} is not running (its driver, pid {record.pid}, has ended)"
             )
-        return Target(record["run"], record["gcs_address"], auth_mode=record.get("auth_mode"))
+        return Target(record.run, record.gcs_address, auth_mode=record.auth_mode, host=record.host)
     return None
 
 
@@ -170,12 +262,17 @@ def connect(target: Target):
     if not ray.is_initialized():
         if target.auth_mode == "token" and AUTH_MODE_ENV not in os.environ:
             _use_token_auth()
-        ray.init(
-            address=target.ray_address,
-            namespace=CONTROL_NAMESPACE,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-        )
+        try:
+            join_ray(
+                target.ray_address,
+                namespace=CONTROL_NAMESPACE,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+            )
+        except LiveError as err:
+            elsewhere = target.host not in (None, socket.gethostname())
+            where = f" (its driver runs on {target.host})" if elsewhere else ""
+            raise LiveError(f"run {target.run}{where}: {err}") from None
     try:
         return ray.get_actor(control_actor_name(target.run), namespace=CONTROL_NAMESPACE)
     except ValueError:
@@ -231,7 +328,7 @@ def scale(
     before, _ = live_status(actor)
     refusal = ray.get(actor.request.remote(engines, reward_workers), timeout=30)
     if refusal is not None:
-        raise ScaleError(refusal)
+        raise LiveError(refusal)
     asked = ", ".join(
         f"{name} -> {n}"
         for name, n in (("engines", engines), ("reward workers", reward_workers))
@@ -281,8 +378,3 @@ def print_live(actor, out=print) -> None:
     age = time.time() - status.updated_unix
     if age > 60:
         out(f"(reported {age:.0f}s ago: a step is taking long)")
-
-
-def fail(message: str, code: int) -> int:
-    print(f"groupflow: error: {message}", file=sys.stderr)
-    return code

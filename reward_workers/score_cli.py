@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from groupflow.errors import OneLineParser, run_reporting_failures
 from groupflow.records import Prompt
 from groupflow.reward_workers.datasets import (
     BadRow,
@@ -26,27 +27,21 @@ EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str]) -> int:
-    parser = _parser()
+    """Score the file; a bad argument, option or line is one line on stderr and exit 2."""
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse has printed usage or help already
+        return run_reporting_failures(_score, argv, prefix="groupflow score")
+    except SystemExit as exit_:  # --help, printed by argparse
         return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
-    try:
-        options = dict(_parse_option(text) for text in args.option)
-        scorer = Scorer(args.task, options, plugin=args.plugin, timeout_s=args.timeout)
-    except ValueError as err:
-        print(f"groupflow score: {_printable(str(err))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+
+
+def _score(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    options = dict(_parse_option(text) for text in args.option)
+    scorer = Scorer(args.task, options, plugin=args.plugin, timeout_s=args.timeout)
     try:
         items = _read_input(args.input, scorer)
-    except ValueError as err:
-        print(f"groupflow score: {_printable(str(err))}", file=sys.stderr)
-        scorer.close()
-        return EXIT_BAD_INPUT
-
-    total = 0.0
-    try:
         verdicts = scorer.score_stream([(prompt, response) for _, prompt, response in items])
+        total = 0.0
         for (line, prompt, _), verdict in zip(items, verdicts, strict=True):
             total += verdict.reward
             out = {
@@ -70,7 +65,7 @@ def main(argv: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="groupflow score",
         description="Score responses with a task's verifier or a reward plugin.",
     )

@@ -1,6 +1,21 @@
-import pytest
+import copy
+import math
+import time
+import tracemalloc
+import typing
 
-from groupflow.config import Config, ConfigError, build_config, load_config
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from groupflow.config import (
+    Config,
+    ConfigError,
+    Section,
+    build_config,
+    load_config,
+    parse_override,
+    parse_yaml,
+)
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
@@ -60,3 +75,203 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("rollout: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+# ----- one rule for every number in the schema ------------------------------------------------
+# Sections that exist only when set, or have required keys, made present so that their fields
+# are walked too.
+PRESENT = {
+    "rollout": {"num_engines": 2, "autoscale": {"max_engines": 2}},
+    "reward": {"overlong_penalty": {"buffer_tokens": 4}},
+    "task": {"eval_sets": [{"name": "held", "task": "arithmetic"}]},
+}
+
+
+def _mentions(annotation, kinds) -> bool:
+    return annotation in kinds or any(_mentions(a, kinds) for a in typing.get_args(annotation))
+
+
+def _leaf_fields(model: type[BaseModel], value: BaseModel, path: list):
+    """(path, annotation, current value) of every setting that is not itself a section."""
+    for name, info in model.model_fields.items():
+        current = getattr(value, name)
+        if isinstance(current, Section):
+            yield from _leaf_fields(type(current), current, [*path, name])
+        elif current and isinstance(current, list) and isinstance(current[0], Section):
+            yield from _leaf_fields(type(current[0]), current[0], [*path, name, 0])
+        else:
+            yield [*path, name], info.annotation, current
+
+
+def _hostile_numbers(annotation, current) -> list:
+    """The setting's value with a NaN, an infinity or a too-large integer in it."""
+    if isinstance(current, tuple | list) and current:
+        return [[bad, *current[1:]] for bad in (math.nan, math.inf)]
+    if isinstance(current, dict):
+        if _mentions(annotation, (typing.Any,)):  # free-form: a number deep inside too
+            return [{"k": math.nan}, {"k": [1, {"j": -math.inf}]}]
+        return [{"k": math.nan}, {"k": math.inf}]
+    if _mentions(annotation, (float,)):
+        return [math.nan, math.inf, -math.inf]
+    if _mentions(annotation, (int,)) and not _mentions(annotation, (bool,)):
+        return [2**63, -(2**64)]
+    return []
+
+
+def _nested(path: list, value) -> dict:
+    tree = copy.deepcopy(PRESENT)
+    node = tree
+    for part, following in zip(path, path[1:], strict=False):
+        default = [{}] if isinstance(following, int) else {}
+        node = node.setdefault(part, default) if isinstance(node, dict) else node[part]
+    node[path[-1]] = value
+    return tree
+
+
+def _hostile_cases():
+    present = build_config(PRESENT)
+    for path, annotation, current in _leaf_fields(Config, present, []):
+        for value in _hostile_numbers(annotation, current):
+            yield ".".join(map(str, path)), path, value
+
+
+HOSTILE_NUMBERS = list(_hostile_cases())
+
+
+def test_the_walk_reaches_every_number_setting():
+    walked = {key for key, _, _ in HOSTILE_NUMBERS}
+    # a sample from each kind: nested sections, tuples, dicts of floats, free-form options
+    for key in (
+        "algorithm.entropy_coef",
+        "learner.optimizer.betas",
+        "rollout.sampling.temperature",
+        "rollout.resources.custom",
+        "task.options",
+        "task.eval_sets.0.options",
+        "reward.overlong_penalty.max_penalty",
+        "algorithm.clip.dual_clip",
+        "cluster.num_cpus",
+        "trainer.seed",
+    ):
+        assert key in walked
+    assert len(walked) > 60
+
+
+@pytest.mark.parametrize("key, path, value", HOSTILE_NUMBERS, ids=lambda v: str(v)[:40])
+def test_every_number_setting_refuses_nan_infinity_and_huge_integers(key, path, value):
+    with pytest.raises(ConfigError) as err:
+        build_config(_nested(path, value))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith((f"{key}:", f"{key}.")), message
+
+
+def test_a_non_finite_number_is_refused_on_assignment_too():
+    cfg = Config()
+    with pytest.raises(ValidationError):
+        cfg.algorithm.entropy_coef = math.nan
+
+
+@pytest.mark.parametrize("betas", [[1.0, 0.9], [0.9, -0.1], [0.9, 1.5]])
+def test_adam_betas_lie_in_0_1(betas):
+    with pytest.raises(ConfigError, match=r"^learner\.optimizer\.betas\.[01]: "):
+        build_config({"learner": {"optimizer": {"betas": betas}}})
+
+
+# ----- bounded YAML --------------------------------------------------------------------------
+def _alias_bomb(levels: int = 30) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE_YAML = {
+    "alias_bomb": (_alias_bomb(), "expands to more than"),
+    "merge_key_bomb": (
+        "a0: &a0 {k0: 1, k1: 1}\n"
+        + "".join(
+            f"a{i}: &a{i} {{<<: [{', '.join([f'*a{i - 1}'] * 10)}], k{i}: 1}}\n"
+            for i in range(1, 12)
+        ),
+        "expands to more than",
+    ),
+    "deep_flow": ("a: " + "[" * 10_000 + "]" * 10_000 + "\n", "nested deeper than"),
+    "deep_block": ("".join(" " * i + f"k{i}:\n" for i in range(200)) + " " * 200 + "v\n", "deeper"),
+    "deep_mapping_flow": ("a: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n", "nested deeper"),
+    "recursive_sequence": ("a: &a [1, *a]\n", "refers to a node that contains it"),
+    "recursive_mapping": ("a: &a {b: *a}\n", "refers to a node that contains it"),
+    "recursive_merge": ("a: &a {<<: *a}\n", "refers to a node that contains it"),
+    "long_integer": ("trainer:\n  steps: " + "9" * 5000 + "\n", "integer of 5000 digits"),
+    "long_hex_integer": ("trainer:\n  seed: 0x" + "f" * 4000 + "\n", "integer of 4000 digits"),
+    "long_signed_integer": ("task:\n  seed: -" + "1_" * 3000 + "\n", "integer of 3000 digits"),
+    "not_a_mapping": ("- 1\n- 2\n", "top level must be a mapping"),
+}
+
+
+def _load_hostile(tmp_path, name: str, content: str | bytes) -> str:
+    path = tmp_path / f"{name}.yaml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    started = time.monotonic()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - started < 3
+    assert peak < 200 << 20
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}: "), message
+    return message
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_YAML))
+def test_hostile_yaml_fails_fast_in_one_line_naming_the_file(tmp_path, name):
+    content, problem = HOSTILE_YAML[name]
+    assert problem in _load_hostile(tmp_path, name, content)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"trainer:\n  run_name: \xff\xfe\n", b"\xc3\x28: 1\n", b"a: '\xed\xa0\x80'\n"],
+    ids=["invalid_start_byte", "bad_continuation", "encoded_surrogate"],
+)
+def test_a_file_that_is_not_utf8_is_one_line(tmp_path, content):
+    assert "not UTF-8 text" in _load_hostile(tmp_path, "latin", content)
+
+
+def test_a_huge_file_is_refused_without_being_read(tmp_path):
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as f:
+        f.truncate(100 << 20)  # 100 MB, sparse
+    with pytest.raises(ConfigError, match=rf"^{path}: larger than 1 MiB"):
+        load_config(path)
+
+
+def test_real_aliases_within_the_bounds_still_work():
+    tree = parse_yaml("base: &b {num_cpus: 0.5}\nrollout: {resources: *b}\n")
+    assert tree["rollout"]["resources"] == {"num_cpus": 0.5}
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("[&a [1,1,1,1,1,1,1,1,1,1], " + ", ".join(["*a"] * 10) + "]", None),
+        ("[" * 5000 + "]" * 5000, "nested deeper"),
+        ("9" * 5000, "integer of 5000 digits"),
+        ("&a [*a]", "refers to a node that contains it"),
+    ],
+    ids=["fine", "deep", "long_integer", "recursive"],
+)
+def test_set_values_go_through_the_same_bounded_reader(value, problem):
+    if problem is None:
+        assert parse_override(f"task.options.x={value}")[1][1] == [1] * 10
+        return
+    with pytest.raises(ConfigError, match=problem) as err:
+        build_config({}, [f"task.options.x={value}"])
+    assert str(err.value).startswith("--set task.options.x: ")
+    assert "\n" not in str(err.value)
