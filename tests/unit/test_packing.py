@@ -47,8 +47,13 @@ def test_packed_statistics_and_gradients_equal_the_padded_batchs(gen, tied, dtyp
     padded_model = tiny_qwen2(gen, tied, dtype)
     install_token_head(padded_model)
     packed_model = copy.deepcopy(padded_model)
-    seqs = random_sequences(gen, padded_model.config.vocab_size, 12)
-    packed_inputs = model_inputs(seqs, torch.device("cpu"), packed=True)
+    # Random lengths may leave every sequence a row of its own; draw until some share a row,
+    # so that the comparison covers packing at all.
+    for _ in range(100):
+        seqs = random_sequences(gen, padded_model.config.vocab_size, 12)
+        packed_inputs = model_inputs(seqs, torch.device("cpu"), packed=True)
+        if packed_inputs.input_ids.shape[0] < len(seqs):
+            break
     assert packed_inputs.input_ids.shape[0] < len(seqs), "a batch that packs into fewer rows"
     n_tokens = sum(len(s.input_ids) - s.prompt_len for s in seqs)
     w = torch.randn(n_tokens, generator=gen, dtype=dtype)
