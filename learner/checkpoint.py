@@ -3,6 +3,8 @@ optimizer shards (each rank writes and reads only its own partition), plus the r
 
 Both are collective: every rank calls them together with the same directory. The directory
 is a staging name the driver renames once every rank has returned (groupflow/checkpoint.py).
+A load runs no code from the files: DeepSpeed's reads go through the restricted unpickler
+(groupflow/checkpoint.py `restricted_load`) instead of its own unrestricted torch.load.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from groupflow.checkpoint import CheckpointError, restricted_load
 
 # DeepSpeed's tag: the subdirectory of the learner directory its files go to.
 TAG = "zero"
@@ -20,17 +24,40 @@ def _rng_file(directory: Path, rank: int) -> Path:
 
 
 def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
-    """Model and optimizer shards of this rank, and its torch RNG state."""
-    engine.save_checkpoint(directory, tag=TAG, save_latest=False)
-    torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+    """Model and optimizer shards of this rank, and its torch RNG state. A failed write (a
+    full disk) is CheckpointError naming the file and the cause."""
+    try:
+        engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+    except OSError as err:
+        where = err.filename or directory
+        raise CheckpointError(f"{where}: the checkpoint was not saved ({err.strerror})") from None
+
+
+class _RestrictedReads:
+    """DeepSpeed's checkpoint engine for the length of a load, its reads made restricted."""
+
+    def __init__(self, engine):
+        self.checkpoint_engine = engine.checkpoint_engine
+
+    def __enter__(self):
+        self.checkpoint_engine.load = self._load
+
+    def __exit__(self, *exc) -> None:
+        del self.checkpoint_engine.load  # the class's own method again
+
+    @staticmethod
+    def _load(path: str, map_location=None):
+        return restricted_load(Path(path), map_location=map_location)
 
 
 def load_rank_checkpoint(engine, directory: str, rank: int) -> None:
     """Restore what save_rank_checkpoint wrote into an engine built for the same model and
     world size."""
-    path, _ = engine.load_checkpoint(
-        directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with _RestrictedReads(engine):
+        path, _ = engine.load_checkpoint(
+            directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:
         raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint")
-    torch.set_rng_state(torch.load(_rng_file(Path(directory), rank)))
+    torch.set_rng_state(restricted_load(_rng_file(Path(directory), rank)))
