@@ -223,6 +223,8 @@ def restricted_load(path: Path, map_location=None, mmap: bool = False):
 
     try:
         with torch.serialization.safe_globals(_deepspeed_globals()):
+            # only torch.save's zip format can be mapped; a legacy one is read
+            mmap = mmap and zipfile.is_zipfile(path)
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
         lines = str(err).strip().splitlines() or [type(err).__name__]

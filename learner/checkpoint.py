@@ -9,6 +9,7 @@ A load runs no code from the files: DeepSpeed's reads go through the restricted 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -23,15 +24,31 @@ def _rng_file(directory: Path, rank: int) -> Path:
     return directory / f"rng_rank_{rank}.pt"
 
 
+# Free space below which a failed save is taken for a full disk.
+_FULL_BYTES = 16 * 2**20
+
+
 def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
     """Model and optimizer shards of this rank, and its torch RNG state. A failed write (a
-    full disk) is CheckpointError naming the file and the cause."""
+    full disk) is CheckpointError naming the directory and the cause."""
     try:
         engine.save_checkpoint(directory, tag=TAG, save_latest=False)
         torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
     except OSError as err:
         where = err.filename or directory
         raise CheckpointError(f"{where}: the checkpoint was not saved ({err.strerror})") from None
+    except RuntimeError:
+        # torch.save's zip writer reports a full disk as a RuntimeError of its own
+        if not _disk_full(directory):
+            raise
+        raise CheckpointError(
+            f"{directory}: the checkpoint was not saved (no space left on the device)"
+        ) from None
+
+
+def _disk_full(directory: str) -> bool:
+    fs = os.statvfs(directory)
+    return fs.f_bavail * fs.f_frsize < _FULL_BYTES
 
 
 class _RestrictedReads:
