@@ -270,8 +270,8 @@ def read_checkpoint(path: Path, model_config_json: dict, num_ranks: int) -> Driv
 
 def _first_error(err: ValueError) -> str:
     """A pydantic error's first complaint, with its field, on one line."""
-    lines = str(err).splitlines()
-    return " ".join(line.strip() for line in lines[1:3]) if len(lines) > 2 else lines[0]
+    lines = [line.strip() for line in str(err).splitlines() if "further information" not in line]
+    return " ".join(lines[1:3]) if len(lines) > 1 else lines[0]
 
 
 # Keys of config.json that name where or how a model was saved, not what it is.
