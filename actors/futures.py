@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 
+from groupflow.checkpoint import CheckpointError
 from groupflow.peers import PeerDied
 
 
@@ -20,3 +21,7 @@ class RayFutures:
             return ray.get(list(handles))
         except ray.exceptions.RayActorError as err:
             raise PeerDied(str(err).splitlines()[0]) from err
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, CheckpointError):  # a peer's one-line refusal, as itself
+                raise err.cause from None
+            raise

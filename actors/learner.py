@@ -9,6 +9,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from groupflow.actors.affinity import pin_to_cores
+from groupflow.actors.futures import RayFutures
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
 from groupflow.learner.batching import layout_step
@@ -173,7 +174,8 @@ class LearnerGroup:
         return [r.save_checkpoint.remote(directory) for r in self.ranks]
 
     def load_checkpoint(self, directory: str) -> None:
-        ray.get([r.load_checkpoint.remote(directory) for r in self.ranks])
+        """Every rank loads its shards (collective); a refused file is the rank's one line."""
+        RayFutures().get([r.load_checkpoint.remote(directory) for r in self.ranks])
 
     def restart(self) -> None:
         """New ranks on the base model, in place of ranks of which one died: ZeRO-3 ranks

@@ -10,19 +10,29 @@ runs/<name>/checkpoints/
     config.resolved.yaml     the config the run had when it saved
   .staging-step_<N>/         a save in progress; a crash leaves it behind and it is ignored
 
-The manifest (every file's size) is written last, just before the rename: a checkpoint whose
-files do not match it was cut short after the fact (a disk copy, a full disk) and is refused.
+The manifest (every file's size and SHA-256) is written last, just before the rename. Before
+anything of a checkpoint is loaded, every file is checked against it (a file cut short, changed
+or added after the save is refused), and every pickle in it (DeepSpeed's shards, the RNG
+states) is opened by torch's weights-only unpickler, which admits tensors, plain containers and
+the few DeepSpeed classes named in `_deepspeed_globals` and runs no code: the hashes catch
+accidents, the restricted unpickler is the wall against a crafted file (whoever can rewrite a
+shard can rewrite the manifest too). The ranks load through the same unpickler.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-from pathlib import Path
+import stat
+from pathlib import Path, PurePosixPath
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "driver_state.json"
@@ -31,23 +41,36 @@ LEARNER_DIR = "learner"
 HF_DIR = "hf"
 STAGING_PREFIX = ".staging-"
 _STEP_DIR = re.compile(r"step_(\d+)")
+PICKLE_SUFFIX = ".pt"  # torch.save's files: DeepSpeed's shards and the ranks' RNG states
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot resume this job, phrased as one line naming the file or key."""
 
 
+class FileRecord(BaseModel):
+    """What a checkpoint's file was when it was saved."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class DriverState(BaseModel):
     """What the driver needs to go on where a checkpoint left off."""
 
-    step: int  # the last step trained
-    policy_version: int
-    prompts_consumed: int  # prompts of the seeded stream used by steps 1..step
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    step: int = Field(ge=0)  # the last step trained
+    policy_version: int = Field(ge=0)
+    prompts_consumed: int = Field(ge=0)  # prompts of the seeded stream used by steps 1..step
     warm_start_accuracy: float | None
     counters: dict[str, float]  # running totals reported in the step records
     model_config_json: dict  # the model's config.json: a checkpoint fits one model only
-    num_ranks: int  # ZeRO-3 shards are cut for this many ranks
-    files: dict[str, int] = {}  # relative path -> size of every other file of the checkpoint
+    num_ranks: int = Field(ge=1)  # ZeRO-3 shards are cut for this many ranks
+    # relative path -> size and hash of every other file of the checkpoint
+    files: dict[str, FileRecord] = {}
 
 
 def step_dir_name(step: int) -> str:
@@ -64,30 +87,40 @@ class CheckpointStore:
         """An empty directory for the save of `step`, under a name no reader takes as a
         checkpoint (a leftover of a crashed save of the same step is cleared first)."""
         path = self.root / f"{STAGING_PREFIX}{step_dir_name(step)}"
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
+        try:
+            _remove(path)
+            path.mkdir(parents=True)
+        except OSError as err:
+            raise _save_failed(step, err, path) from None
         return path
 
     def commit(self, staging: Path, state: DriverState, config_yaml: str, keep: int) -> Path:
         """Add the driver's files and the manifest, make the checkpoint appear whole under its
-        final name, and drop all but the newest `keep`. The ranks have finished writing."""
-        (staging / CONFIG_FILE).write_text(config_yaml)
-        state = state.model_copy(update={"files": _manifest(staging)})
-        _write_synced(staging / STATE_FILE, state.model_dump_json(indent=1))
+        final name, and drop all but the newest `keep`. The ranks have finished writing. A
+        save that fails (a full disk) is cleared away and raised as one line; the previous
+        checkpoint stays the newest."""
         final = self.root / step_dir_name(state.step)
-        if final.exists():  # a resumed run saving a step again: the new save replaces it
-            shutil.rmtree(final)
-        os.rename(staging, final)
-        _sync_dir(self.root)
+        try:
+            (staging / CONFIG_FILE).write_text(config_yaml)
+            state = state.model_copy(update={"files": _manifest(staging)})
+            _write_synced(staging / STATE_FILE, state.model_dump_json(indent=1))
+            _remove(final)  # a resumed run saving a step again: the new save replaces it
+            os.rename(staging, final)
+            _sync_dir(self.root)
+        except OSError as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise _save_failed(state.step, err, staging) from None
         self.prune(keep)
         return final
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints, oldest first: directories of their own, never symlinks."""
         if not self.root.is_dir():
             return []
         found = [
-            (int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))
+            (int(m.group(1)), p)
+            for p in self.root.iterdir()
+            if (m := _STEP_DIR.fullmatch(p.name)) and _is_real_dir(p)
         ]
         return [p for _, p in sorted(found)]
 
@@ -96,16 +129,40 @@ class CheckpointStore:
         return done[-1] if done else None
 
     def prune(self, keep: int) -> None:
-        """Keep the newest `keep` checkpoints; drop older ones and abandoned staging dirs."""
-        for old in self.complete()[:-keep]:
-            shutil.rmtree(old)
-        for leftover in self.root.glob(f"{STAGING_PREFIX}*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        """Keep the newest `keep` checkpoints; drop older ones and abandoned staging dirs.
+        Pruning follows no symlink, and a failure is logged: the save it follows succeeded."""
+        for old in [*self.complete()[:-keep], *self.root.glob(f"{STAGING_PREFIX}*")]:
+            try:
+                _remove(old)
+            except OSError as err:
+                log.warning("could not remove the old checkpoint %s: %s", old, err.strerror)
 
 
-def _manifest(directory: Path) -> dict[str, int]:
+def _is_real_dir(path: Path) -> bool:
+    return stat.S_ISDIR(path.lstat().st_mode)
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory tree, or a symlink itself (never what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _save_failed(step: int, err: OSError, path: Path) -> CheckpointError:
+    where = err.filename or path
+    return CheckpointError(f"{where}: the checkpoint of step {step} was not saved ({err.strerror})")
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _manifest(directory: Path) -> dict[str, FileRecord]:
     return {
-        str(p.relative_to(directory)): p.stat().st_size
+        p.relative_to(directory).as_posix(): FileRecord(size=p.stat().st_size, sha256=_sha256(p))
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != STATE_FILE
     }
@@ -126,6 +183,64 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def verify_files(path: Path, files: dict[str, FileRecord]) -> None:
+    """Every file of the checkpoint at `path` as the manifest recorded it at the save: no
+    file missing, cut short, changed or added, none a symlink or outside the checkpoint."""
+    for name, record in files.items():
+        relative = PurePosixPath(name)
+        if relative.is_absolute() or ".." in relative.parts or name == STATE_FILE:
+            raise CheckpointError(f"{path / STATE_FILE}: the manifest names {name!r}")
+        f = path / relative
+        if not f.is_file() or f.is_symlink():
+            raise CheckpointError(f"{f}: missing from the checkpoint (or not a plain file)")
+        size = f.stat().st_size
+        if size != record.size:
+            raise CheckpointError(f"{f}: truncated or grown ({size} of {record.size} bytes)")
+        if _sha256(f) != record.sha256:
+            raise CheckpointError(f"{f}: changed since the checkpoint was saved (SHA-256 differs)")
+    for f in sorted(path.rglob("*")):
+        name = f.relative_to(path).as_posix()
+        if name not in files and name != STATE_FILE and (f.is_symlink() or not f.is_dir()):
+            raise CheckpointError(f"{f}: not in the checkpoint when it was saved")
+
+
+def _deepspeed_globals() -> list:
+    """The classes, besides tensors and plain containers, that DeepSpeed's ZeRO-3 checkpoint
+    holds (runtime/zero/stage3.py `_rigid_state_dict`): the stage and the loss scaler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def restricted_load(path: Path, map_location=None, mmap: bool = False):
+    """torch.load of a checkpoint's pickle that runs no code: torch's weights-only unpickler,
+    opened to DeepSpeed's few classes. A file it refuses is CheckpointError naming it."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_globals()):
+            # only torch.save's zip format can be mapped; a legacy one is read
+            mmap = mmap and zipfile.is_zipfile(path)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        # torch names the offending global on a later line of a long message
+        reason = next((line for line in lines if "Unsupported" in line), lines[0]).strip()
+        raise CheckpointError(f"{path}: refused, not plain tensors and data ({reason})") from None
+
+
+def check_pickles(path: Path, files: dict[str, FileRecord]) -> None:
+    """Open every pickle of the checkpoint with the restricted unpickler, its tensors mapped
+    rather than read: a crafted file is refused before any rank loads the checkpoint."""
+    for name in files:
+        if name.endswith(PICKLE_SUFFIX):
+            restricted_load(path / name, map_location="cpu", mmap=True)
+
+
 def read_checkpoint(path: Path, model_config_json: dict, num_ranks: int) -> DriverState:
     """The driver state of the checkpoint at `path`, if it can resume a job of this model and
     rank count; otherwise CheckpointError naming the file or the config key."""
@@ -135,13 +250,8 @@ def read_checkpoint(path: Path, model_config_json: dict, num_ranks: int) -> Driv
     try:
         state = DriverState.model_validate_json(state_file.read_text())
     except ValueError as err:
-        raise CheckpointError(f"{state_file}: unreadable ({str(err).splitlines()[0]})") from None
-    for name, size in state.files.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing from the checkpoint")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} of {size} bytes)")
+        raise CheckpointError(f"{state_file}: unreadable ({_first_error(err)})") from None
+    verify_files(path, state.files)
     if not any(name.startswith(f"{LEARNER_DIR}/") for name in state.files):
         raise CheckpointError(f"{path / LEARNER_DIR}: no learner state in the checkpoint")
     changed = _first_difference(state.model_config_json, model_config_json)
@@ -154,7 +264,14 @@ def read_checkpoint(path: Path, model_config_json: dict, num_ranks: int) -> Driv
             f"learner.num_ranks: {num_ranks}, but {path} holds ZeRO-3 shards of "
             f"{state.num_ranks} ranks"
         )
+    check_pickles(path, state.files)
     return state
+
+
+def _first_error(err: ValueError) -> str:
+    """A pydantic error's first complaint, with its field, on one line."""
+    lines = [line.strip() for line in str(err).splitlines() if "further information" not in line]
+    return " ".join(lines[1:3]) if len(lines) > 1 else lines[0]
 
 
 # Keys of config.json that name where or how a model was saved, not what it is.
@@ -181,6 +298,13 @@ def resume_target(resume: str | None, run_dir: Path) -> Path | None:
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"trainer.resume: {path} is not a checkpoint directory")
+    # Resuming rewinds this run's metrics.jsonl to the checkpoint's step: only a checkpoint
+    # of this run may do that.
+    if path.resolve().parent != store.root.resolve():
+        raise CheckpointError(
+            f"trainer.resume: {path} is not a checkpoint of the run {run_dir} "
+            f"(its checkpoints are in {store.root})"
+        )
     return path
 
 

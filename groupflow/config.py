@@ -606,7 +606,11 @@ class TrainerConfig(Section):
     steps: int = Field(20, ge=1)
     seed: int = 0
     output_dir: str = "runs"
-    run_name: str = "quickstart"
+    run_name: str = Field(
+        "quickstart",
+        description="the run directory's name under output_dir: one path component, not "
+        "hidden (no '/', no leading '.')",
+    )
     max_staleness: int = Field(
         0,
         ge=0,
@@ -645,6 +649,16 @@ class TrainerConfig(Section):
         "the newest checkpoint, at most this many times in a row (engines: without a step "
         "between; learner: from the same checkpoint) before the job fails",
     )
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        # The run directory is output_dir/run_name: a name of several components, or one
+        # that is empty or '..', would put it elsewhere; a hidden one could be a checkpoint's
+        # staging or a lock file of groupflow's.
+        if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+            raise ValueError("must be one directory name: not empty, no '/', not hidden")
+        return name
 
     @model_validator(mode="after")
     def _check_intervals(self) -> TrainerConfig:

@@ -6,9 +6,12 @@ the run directory, the Prometheus endpoint, the Ray connection and the actors' l
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -70,11 +73,45 @@ def resolve_model_path(cfg: Config) -> str:
     return str(path)
 
 
+def claim_run_name(output_dir: Path, run_name: str) -> int:
+    """Hold `run_name` under `output_dir` for as long as this process lives: an flock on a
+    lock file beside the run directory (not in it, so that it survives the directory's
+    renaming), which the kernel drops when the holder dies however it dies. Another live job
+    of the same name holds it: this one is refused rather than move the live run's directory
+    from under it. Returns the lock's file descriptor; closing it lets the name go."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise RunError(f"trainer.output_dir: {output_dir} is not a directory")
+    lock_file = output_dir / f".{run_name}.lock"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise RunError(
+            f"trainer.output_dir: {err.filename or output_dir}: {err.strerror}"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RunError(
+            f"trainer.run_name: {output_dir / run_name} belongs to a run still training "
+            f"({holder}); choose another run_name or let that run end"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
 def fresh_run_dir(run_dir: Path) -> Path:
     """An empty run directory; an earlier run of the same name is kept, renamed by its time."""
     if run_dir.exists() and any(run_dir.iterdir()):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
         kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
+        n = 1
+        while kept.exists() or kept.is_symlink():  # two runs kept in the same second
+            n += 1
+            kept = run_dir.with_name(f"{run_dir.name}.{stamp}.{n}")
         run_dir.rename(kept)
         log.info("kept the earlier run %s as %s", run_dir, kept)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +147,28 @@ def find_resume(cfg: Config, run_dir: Path, model_path: str) -> Resume | None:
         state = read_checkpoint(checkpoint, _model_config_json(model_path), cfg.learner.num_ranks)
     except CheckpointError as err:
         raise RunError(str(err)) from None
+    if state.step > cfg.trainer.steps:
+        raise RunError(
+            f"trainer.steps: {cfg.trainer.steps}, but {checkpoint} was saved after step "
+            f"{state.step}"
+        )
     return Resume(checkpoint, state)
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path, resume: Resume | None) -> Path:
+    """The run directory, fresh or rewound to the checkpoint to resume from (which is
+    checked by now), with the config beside the records; a failed write is one line."""
+    try:
+        if resume is None:
+            run_dir = fresh_run_dir(run_dir)
+        else:
+            log.info("resuming after step %d from %s", resume.state.step, resume.checkpoint)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            rewind_metrics(run_dir / "metrics.jsonl", resume.state.step)
+        (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
+    except OSError as err:
+        raise RunError(f"{err.filename or run_dir}: {err.strerror}") from None
+    return run_dir
 
 
 @dataclass
@@ -124,6 +182,7 @@ class OpenRun:
     started_ray: bool  # this process started a local cluster, so it stops it
     started: float
     resume: Resume | None
+    lock: int  # the held run name (claim_run_name)
 
     def close(self) -> None:
         (self.run_dir / CLUSTER_FILE).unlink(missing_ok=True)  # the run is no longer live
@@ -131,6 +190,7 @@ class OpenRun:
             self.exporter.close()
         if self.started_ray:
             ray.shutdown()
+        os.close(self.lock)
 
 
 def _start_exporter(cfg: Config) -> PrometheusExporter | None:
@@ -167,21 +227,22 @@ def check_prompt_rendering(cfg: Config, model_path: str) -> None:
 
 
 def open_run(cfg: Config) -> OpenRun:
-    """Check the model and the checkpoint to resume from, make (or rewind) the run
-    directory, serve metrics and connect to Ray."""
+    """Check the model, hold the run name, check the checkpoint to resume from, and only
+    then make (or rewind) the run directory; serve metrics and connect to Ray."""
     model_path = resolve_model_path(cfg)
     check_trackers(cfg)
     check_prompt_rendering(cfg, model_path)
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
-    resume = find_resume(cfg, run_dir, model_path)
-    exporter = _start_exporter(cfg)
-    if resume is None:
-        run_dir = fresh_run_dir(run_dir)
-    else:
-        log.info("resuming after step %d from %s", resume.state.step, resume.checkpoint)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rewind_metrics(run_dir / "metrics.jsonl", resume.state.step)
-    (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
+    output_dir = Path(cfg.trainer.output_dir)
+    run_dir = output_dir / cfg.trainer.run_name
+    with ExitStack() as undo:
+        lock = claim_run_name(output_dir, cfg.trainer.run_name)
+        undo.callback(os.close, lock)
+        resume = find_resume(cfg, run_dir, model_path)
+        exporter = _start_exporter(cfg)
+        if exporter is not None:
+            undo.callback(exporter.close)
+        run_dir = prepare_run_dir(cfg, run_dir, resume)
+        undo.pop_all()
     started_ray = not ray.is_initialized()
     if started_ray:
         join_ray(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, log_to_driver=False)
@@ -190,7 +251,7 @@ def open_run(cfg: Config) -> OpenRun:
         write_cluster_file(run_dir, cfg.trainer.run_name, ray.get_runtime_context().gcs_address)
     except Exception as err:  # e.g. through Ray Client (ray://), which has no GCS address
         log.warning("groupflow scale/status will not find this run here: %s", err)
-    return OpenRun(cfg, model_path, run_dir, exporter, started_ray, time.monotonic(), resume)
+    return OpenRun(cfg, model_path, run_dir, exporter, started_ray, time.monotonic(), resume, lock)
 
 
 def start_job(run: OpenRun) -> TrainingJob:

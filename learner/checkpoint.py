@@ -3,13 +3,18 @@ optimizer shards (each rank writes and reads only its own partition), plus the r
 
 Both are collective: every rank calls them together with the same directory. The directory
 is a staging name the driver renames once every rank has returned (groupflow/checkpoint.py).
+A load runs no code from the files: DeepSpeed's reads go through the restricted unpickler
+(groupflow/checkpoint.py `restricted_load`) instead of its own unrestricted torch.load.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+
+from groupflow.checkpoint import CheckpointError, restricted_load
 
 # DeepSpeed's tag: the subdirectory of the learner directory its files go to.
 TAG = "zero"
@@ -19,18 +24,57 @@ def _rng_file(directory: Path, rank: int) -> Path:
     return directory / f"rng_rank_{rank}.pt"
 
 
+# Free space below which a failed save is taken for a full disk.
+_FULL_BYTES = 16 * 2**20
+
+
 def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
-    """Model and optimizer shards of this rank, and its torch RNG state."""
-    engine.save_checkpoint(directory, tag=TAG, save_latest=False)
-    torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+    """Model and optimizer shards of this rank, and its torch RNG state. A failed write (a
+    full disk) is CheckpointError naming the directory and the cause."""
+    try:
+        engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+    except OSError as err:
+        where = err.filename or directory
+        raise CheckpointError(f"{where}: the checkpoint was not saved ({err.strerror})") from None
+    except RuntimeError:
+        # torch.save's zip writer reports a full disk as a RuntimeError of its own
+        if not _disk_full(directory):
+            raise
+        raise CheckpointError(
+            f"{directory}: the checkpoint was not saved (no space left on the device)"
+        ) from None
+
+
+def _disk_full(directory: str) -> bool:
+    fs = os.statvfs(directory)
+    return fs.f_bavail * fs.f_frsize < _FULL_BYTES
+
+
+class _RestrictedReads:
+    """DeepSpeed's checkpoint engine for the length of a load, its reads made restricted."""
+
+    def __init__(self, engine):
+        self.checkpoint_engine = engine.checkpoint_engine
+
+    def __enter__(self):
+        self.checkpoint_engine.load = self._load
+
+    def __exit__(self, *exc) -> None:
+        del self.checkpoint_engine.load  # the class's own method again
+
+    @staticmethod
+    def _load(path: str, map_location=None):
+        return restricted_load(Path(path), map_location=map_location)
 
 
 def load_rank_checkpoint(engine, directory: str, rank: int) -> None:
     """Restore what save_rank_checkpoint wrote into an engine built for the same model and
     world size."""
-    path, _ = engine.load_checkpoint(
-        directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with _RestrictedReads(engine):
+        path, _ = engine.load_checkpoint(
+            directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:
         raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint")
-    torch.set_rng_state(torch.load(_rng_file(Path(directory), rank)))
+    torch.set_rng_state(restricted_load(_rng_file(Path(directory), rank)))

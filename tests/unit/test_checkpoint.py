@@ -9,9 +9,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
+import torch
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 
 from groupflow.checkpoint import (
     LEARNER_DIR,
@@ -40,12 +44,70 @@ def state(step: int, **changes) -> DriverState:
     return DriverState(**(fields | changes))
 
 
-def save(store: CheckpointStore, step: int, keep: int = 5, shard_bytes: int = 100) -> Path:
+# What a rank writes (learner/checkpoint.py), with the structures DeepSpeed's ZeRO-3 save puts
+# in its files (runtime/engine.py `_save_checkpoint`, `_save_zero_checkpoint`; stage3.py
+# `_rigid_state_dict`), its classes included.
+def model_states(rank: int) -> dict:
+    return dict(
+        module=None,
+        buffer_names=[],
+        optimizer=None,
+        param_shapes=[OrderedDict([("embed.weight", torch.Size([100, 64]))])],
+        frozen_param_shapes=None,
+        shared_params={},
+        frozen_param_fragments=None,
+        lr_scheduler=None,
+        data_sampler=None,
+        random_ltd=None,
+        skipped_steps=0,
+        global_steps=3,
+        global_samples=96,
+        dp_world_size=2,
+        mp_world_size=1,
+        ds_config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": False}},
+        ds_version="0.19.8",
+    )
+
+
+def optim_states(rank: int, numel: int) -> dict:
+    adam = {
+        "step": torch.tensor(3.0),
+        "exp_avg": torch.randn(numel),
+        "exp_avg_sq": torch.rand(numel),
+    }
+    return dict(
+        optimizer_state_dict=dict(
+            zero_stage=ZeroStageEnum.weights,
+            loss_scaler=LossScaler(1.0),
+            dynamic_loss_scale=False,
+            overflow=False,
+            partition_count=[2],
+            optimizer_state_dict={
+                "state": {0: adam},
+                "param_groups": [{"lr": 1e-5, "betas": (0.9, 0.999), "params": [0]}],
+            },
+            fp32_flat_groups=[torch.randn(numel)],
+        ),
+        ds_config={"zero_optimization": {"stage": 3}},
+        ds_version="0.19.8",
+    )
+
+
+def shard_files(rank: int) -> dict[str, object]:
+    return {
+        f"zero/zero_pp_rank_{rank}_mp_rank_00_model_states.pt": model_states(rank),
+        f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": optim_states(rank, 25),
+        f"rng_rank_{rank}.pt": torch.get_rng_state(),
+    }
+
+
+def save(store: CheckpointStore, step: int, keep: int = 5) -> Path:
     """What a job's save does: the ranks write into the staging dir, the driver commits."""
     staging = store.staging(step)
-    (staging / LEARNER_DIR).mkdir()
+    (staging / LEARNER_DIR / "zero").mkdir(parents=True)
     for rank in range(2):
-        (staging / LEARNER_DIR / f"shard_{rank}.pt").write_bytes(os.urandom(shard_bytes))
+        for name, value in shard_files(rank).items():
+            torch.save(value, staging / LEARNER_DIR / name)
     return store.commit(staging, state(step), "trainer: {}\n", keep)
 
 
@@ -56,7 +118,10 @@ def test_a_commit_makes_the_whole_checkpoint_appear_under_its_step(tmp_path):
     assert sorted(p.name for p in store.root.iterdir()) == ["step_3"]  # no staging left
     loaded = read_checkpoint(path, MODEL, 2)
     assert loaded.model_copy(update={"files": {}}) == state(3)
-    assert set(loaded.files) == {"learner/shard_0.pt", "learner/shard_1.pt", "config.resolved.yaml"}
+    assert set(loaded.files) == {
+        *(f"learner/{name}" for rank in range(2) for name in shard_files(rank)),
+        "config.resolved.yaml",
+    }
 
 
 def test_the_newest_k_are_kept(tmp_path):
@@ -121,7 +186,7 @@ def one_line_error(fn) -> str:
 
 def test_a_truncated_shard_is_refused_naming_the_file(tmp_path):
     path = save(CheckpointStore(tmp_path), 2)
-    shard = path / LEARNER_DIR / "shard_1.pt"
+    shard = path / LEARNER_DIR / "rng_rank_1.pt"
     shard.write_bytes(shard.read_bytes()[:40])
     message = one_line_error(lambda: read_checkpoint(path, MODEL, 2))
     assert str(shard) in message and "truncated" in message
@@ -129,8 +194,8 @@ def test_a_truncated_shard_is_refused_naming_the_file(tmp_path):
 
 def test_a_missing_shard_or_state_file_is_refused_naming_it(tmp_path):
     path = save(CheckpointStore(tmp_path), 2)
-    (path / LEARNER_DIR / "shard_0.pt").unlink()
-    assert "shard_0.pt" in one_line_error(lambda: read_checkpoint(path, MODEL, 2))
+    (path / LEARNER_DIR / "rng_rank_0.pt").unlink()
+    assert "rng_rank_0.pt" in one_line_error(lambda: read_checkpoint(path, MODEL, 2))
     (path / "driver_state.json").unlink()
     assert "driver_state.json" in one_line_error(lambda: read_checkpoint(path, MODEL, 2))
 
@@ -228,3 +293,223 @@ def test_train_resume_sets_trainer_resume(capsys):
     assert build_parser().parse_args(["train", "j.yaml", "--resume", "/c/step_4"]).resume == (
         "/c/step_4"
     )
+
+
+# ----- a checkpoint never runs code ------------------------------------------------------------
+class RunsCommand:
+    """A pickle that runs a shell command when it is loaded."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class ExecsCode:
+    """A pickle that runs Python code when it is loaded."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def crafted(kind: str, marker: Path) -> tuple[object, bool]:
+    """A hostile payload that writes `marker` if it ever runs, and whether torch.save (zip)
+    or plain pickle writes it."""
+    payloads = {
+        "shell in a zip": (RunsCommand(f"touch {marker}"), True),
+        "exec in a zip": (ExecsCode(f"open({str(marker)!r}, 'w').close()"), True),
+        "shell in a DeepSpeed dict": (
+            optim_states(0, 4) | {"x": RunsCommand(f"touch {marker}")},
+            True,
+        ),
+        "shell in a legacy pickle": (RunsCommand(f"touch {marker}"), False),
+    }
+    return payloads[kind]
+
+
+def plant(target: Path, kind: str, marker: Path) -> None:
+    payload, zipped = crafted(kind, marker)
+    if zipped:
+        torch.save(payload, target)
+    else:
+        import pickle
+
+        target.write_bytes(pickle.dumps(payload))
+
+
+def rewrite_manifest(checkpoint: Path) -> None:
+    """What an attacker with write access does too: record the crafted file's hash."""
+    from groupflow.checkpoint import STATE_FILE, _manifest
+
+    state_file = checkpoint / STATE_FILE
+    saved = DriverState.model_validate_json(state_file.read_text())
+    state_file.write_text(
+        saved.model_copy(update={"files": _manifest(checkpoint)}).model_dump_json()
+    )
+
+
+TARGETS = [
+    "zero/zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "rng_rank_1.pt",
+]
+KINDS = ["shell in a zip", "exec in a zip", "shell in a DeepSpeed dict", "shell in a legacy pickle"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("manifest_rewritten", [False, True])
+def test_a_crafted_pickle_is_refused_naming_it_and_never_runs(
+    tmp_path, target, kind, manifest_rewritten
+):
+    checkpoint = save(CheckpointStore(tmp_path / "run"), 2)
+    marker = tmp_path / "pwned"
+    planted = checkpoint / LEARNER_DIR / target
+    plant(planted, kind, marker)
+    if manifest_rewritten:
+        rewrite_manifest(checkpoint)
+    message = one_line_error(lambda: read_checkpoint(checkpoint, MODEL, 2))
+    assert message.startswith(f"{planted}:")
+    # the hash or size catches a file changed alone; the unpickler one with its manifest
+    assert ("refused" in message) == manifest_rewritten
+    assert not marker.exists()
+
+
+class RestoringEngine:
+    """A DeepSpeed engine's load as it reads files: through its checkpoint engine (runtime/
+    engine.py `_load_checkpoint`, `_load_zero_checkpoint`), here DeepSpeed's own
+    TorchCheckpointEngine, which unpickles with weights_only=False."""
+
+    def __init__(self):
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+            TorchCheckpointEngine,
+        )
+
+        self.checkpoint_engine = TorchCheckpointEngine()
+        self.loaded = []
+
+    def load_checkpoint(self, directory, tag, **_):
+        for f in sorted((Path(directory) / tag).iterdir()):
+            self.loaded.append(self.checkpoint_engine.load(str(f), map_location="cpu"))
+        return directory, {}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_rank_loads_through_the_restricted_unpickler(tmp_path, target):
+    from groupflow.learner.checkpoint import load_rank_checkpoint
+
+    learner = save(CheckpointStore(tmp_path / "run"), 2) / LEARNER_DIR
+    engine = RestoringEngine()
+    load_rank_checkpoint(engine, str(learner), 1)  # DeepSpeed's classes are let through
+    assert engine.loaded[1]["optimizer_state_dict"]["loss_scaler"].cur_scale == 1.0
+    marker = tmp_path / "pwned"
+    plant(learner / target, "shell in a zip", marker)
+    rank = 0 if "rank_0" in target else 1
+    message = one_line_error(lambda: load_rank_checkpoint(RestoringEngine(), str(learner), rank))
+    assert message.startswith(f"{learner / target}:") and not marker.exists()
+    # the engine's own load is its class's again afterwards
+    assert "load" not in vars(engine.checkpoint_engine)
+
+
+# ----- every file as it was saved ---------------------------------------------------------------
+def test_a_changed_added_or_symlinked_file_is_refused_naming_it(tmp_path):
+    path = save(CheckpointStore(tmp_path / "run"), 2)
+    rng = path / LEARNER_DIR / "rng_rank_0.pt"
+    data = bytearray(rng.read_bytes())
+    data[-30] ^= 1  # same size, other content
+    rng.write_bytes(bytes(data))
+    message = one_line_error(lambda: read_checkpoint(path, MODEL, 2))
+    assert message.startswith(f"{rng}:") and "SHA-256" in message
+    rng.write_bytes(bytes(data[:-30]) + bytes([data[-30] ^ 1]) + bytes(data[-29:]))
+    assert read_checkpoint(path, MODEL, 2).step == 2
+    extra = path / LEARNER_DIR / "zero" / "extra.pt"
+    extra.write_bytes(b"x")
+    assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{extra}:")
+    extra.unlink()
+    outside = tmp_path / "outside.pt"
+    rng.rename(outside)
+    rng.symlink_to(outside)
+    assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{rng}:")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"step": -1},
+        {"policy_version": -3},
+        {"prompts_consumed": -32},
+        {"num_ranks": 0},
+        {"warm_start_accuracy": float("nan")},
+        {"counters": {"reward_errors": float("inf")}},
+        {"files": {"../../escape.pt": {"size": 1, "sha256": "0" * 64}}},
+        {"files": {"/etc/passwd": {"size": 1, "sha256": "0" * 64}}},
+        {"files": {"learner/rng_rank_0.pt": 5}},  # a manifest of sizes only
+        {"surprise": 1},
+    ],
+)
+def test_a_hostile_driver_state_is_refused_naming_the_state_file(tmp_path, changes):
+    path = save(CheckpointStore(tmp_path / "run"), 2)
+    state_file = path / "driver_state.json"
+    saved = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps(saved | changes))
+    assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{state_file}:")
+
+
+# ----- a full disk, and pruning -----------------------------------------------------------------
+def test_a_commit_on_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint_newest(tmp_path):
+    store = CheckpointStore(tmp_path)
+    save(store, 2)
+    staging = store.staging(4)
+    (staging / "config.resolved.yaml").symlink_to("/dev/full")  # every write: ENOSPC
+    message = one_line_error(lambda: store.commit(staging, state(4), "trainer: {}\n", 5))
+    assert message.startswith(f"{staging}:") and "No space left on device" in message
+    assert [p.name for p in store.root.iterdir()] == ["step_2"]  # staging cleared
+    assert read_checkpoint(store.newest(), MODEL, 2).step == 2
+
+
+class FillingEngine:
+    """A DeepSpeed engine whose save meets a full disk."""
+
+    def save_checkpoint(self, directory, tag, **_):
+        (Path(directory) / tag).mkdir(parents=True)
+        (Path(directory) / tag / "shard.pt").symlink_to("/dev/full")
+        with (Path(directory) / tag / "shard.pt").open("wb") as f:
+            f.write(b"x" * 8192)
+
+
+def test_a_ranks_save_on_a_full_disk_is_one_line_naming_the_directory(tmp_path):
+    from groupflow.learner.checkpoint import save_rank_checkpoint
+
+    message = one_line_error(lambda: save_rank_checkpoint(FillingEngine(), str(tmp_path), 0))
+    assert message.startswith(f"{tmp_path}:") and "No space left on device" in message
+
+
+def test_pruning_follows_no_symlink(tmp_path):
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "data").write_text("keep me")
+    store = CheckpointStore(tmp_path / "run")
+    save(store, 2)
+    (store.root / "step_1").symlink_to(outside)  # older than every checkpoint
+    (store.root / ".staging-step_0").symlink_to(outside)
+    final = save(store, 4, keep=1)
+    assert (outside / "data").read_text() == "keep me"
+    assert [p.name for p in store.complete()] == ["step_4"]  # a symlink is no checkpoint
+    assert read_checkpoint(final, MODEL, 2).step == 4
+
+
+def test_a_failed_pruning_is_logged_and_the_save_stands(tmp_path, monkeypatch, caplog):
+    store = CheckpointStore(tmp_path)
+    save(store, 2)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("groupflow.checkpoint.shutil.rmtree", refuse)
+    final = save(store, 4, keep=1)
+    assert read_checkpoint(final, MODEL, 2).step == 4
+    assert "step_2" in caplog.text and "Permission denied" in caplog.text
