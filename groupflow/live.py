@@ -259,7 +259,18 @@ def connect(target: Target):
     """Join the job's cluster and return its control actor."""
     import ray
 
-    if not ray.is_initialized():
+    elsewhere = target.host not in (None, socket.gethostname())
+    where = f" (its driver runs on {target.host})" if elsewhere else ""
+    if ray.is_initialized():
+        # A process already in a cluster would look the actor up there, and report a run on
+        # another cluster as not running.
+        joined = ray.get_runtime_context().gcs_address
+        if target.ray_address not in ("auto", joined):
+            raise LiveError(
+                f"run {target.run}{where}: its cluster is at {target.ray_address}, and this "
+                f"process is already joined to the Ray cluster at {joined}"
+            )
+    else:
         if target.auth_mode == "token" and AUTH_MODE_ENV not in os.environ:
             _use_token_auth()
         try:
@@ -270,8 +281,6 @@ def connect(target: Target):
                 log_to_driver=False,
             )
         except LiveError as err:
-            elsewhere = target.host not in (None, socket.gethostname())
-            where = f" (its driver runs on {target.host})" if elsewhere else ""
             raise LiveError(f"run {target.run}{where}: {err}") from None
     try:
         return ray.get_actor(control_actor_name(target.run), namespace=CONTROL_NAMESPACE)
