@@ -167,7 +167,8 @@ class LearnerGroup:
         ]
 
     def save_pretrained(self, path: str) -> None:
-        ray.get([r.save_pretrained.remote(path) for r in self.ranks])
+        """The policy in Hugging Face format; a failed write is the rank's one line."""
+        RayFutures().get([r.save_pretrained.remote(path) for r in self.ranks])
 
     def async_save_checkpoint(self, directory: str) -> list[ray.ObjectRef]:
         """Every rank writes its shards under `directory` (collective); a reference each."""

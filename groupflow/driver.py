@@ -39,6 +39,7 @@ from groupflow.evaluate import HeldOutSet
 from groupflow.job import Checkpointing, LearnerLost, TrainingJob
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
+from groupflow.model_dir import read_model_config
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.reward_workers.tasks import make_task
@@ -70,6 +71,7 @@ def resolve_model_path(cfg: Config) -> str:
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
         raise RunError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    read_model_config(path)
     return str(path)
 
 
@@ -125,10 +127,6 @@ def copy_tokenizer(model_path: str, model_dir: Path) -> None:
             shutil.copy(Path(model_path) / name, model_dir / name)
 
 
-def _model_config_json(model_path: str) -> dict:
-    return json.loads((Path(model_path) / "config.json").read_text())
-
-
 @dataclass
 class Resume:
     """The checkpoint a run continues from."""
@@ -144,7 +142,7 @@ def find_resume(cfg: Config, run_dir: Path, model_path: str) -> Resume | None:
         checkpoint = resume_target(cfg.trainer.resume, run_dir)
         if checkpoint is None:
             return None
-        state = read_checkpoint(checkpoint, _model_config_json(model_path), cfg.learner.num_ranks)
+        state = read_checkpoint(checkpoint, read_model_config(model_path), cfg.learner.num_ranks)
     except CheckpointError as err:
         raise RunError(str(err)) from None
     if state.step > cfg.trainer.steps:
@@ -301,7 +299,7 @@ def start_job(run: OpenRun) -> TrainingJob:
             sample_log=SampleLog(run.run_dir, cfg.trainer, _tokenizer(run.model_path).decode),
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
-                _model_config_json(run.model_path),
+                read_model_config(run.model_path),
                 partial(copy_tokenizer, run.model_path),
             ),
         )
@@ -344,7 +342,7 @@ def train(run: OpenRun, job: TrainingJob) -> None:
             last_rebuild = checkpoint
             log.warning("%s; rebuilding the learner from %s", err, checkpoint)
             state = read_checkpoint(
-                checkpoint, _model_config_json(run.model_path), run.cfg.learner.num_ranks
+                checkpoint, read_model_config(run.model_path), run.cfg.learner.num_ranks
             )
             job.recover_learner(checkpoint, state)
             rewind_metrics(metrics, state.step)

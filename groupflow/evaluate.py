@@ -4,34 +4,8 @@ and mean@n and pass@k of n sampled answers; for a training job or any model dire
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from groupflow.config import Config, EvalSetConfig
-from groupflow.errors import UserError, first_line
-
-MAX_MODEL_CONFIG_BYTES = 16 << 20
-
-
-class ModelDirError(UserError):
-    """A model directory whose config.json cannot be read."""
-
-
-def check_model_config(model_path: str) -> None:
-    """The model's config.json is a JSON object: checked before an engine loads it, which
-    would fail late and at length."""
-    path = Path(model_path) / "config.json"
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_MODEL_CONFIG_BYTES + 1)
-        if len(data) > MAX_MODEL_CONFIG_BYTES:
-            raise ValueError(f"larger than {MAX_MODEL_CONFIG_BYTES >> 20} MiB")
-        config = json.loads(data.decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as err:  # JSON and UTF-8 errors are ValueErrors
-        problem = getattr(err, "strerror", None) or first_line(err)[:200]
-        raise ModelDirError(f"{path}: not a model config ({problem})") from None
-    if not isinstance(config, dict):
-        raise ModelDirError(f"{path}: not a model config (expected a JSON object)")
+from groupflow.model_dir import read_model_config
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -69,7 +43,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     from groupflow.reward_workers.tasks import make_task
     from groupflow.rollout.engine import RolloutEngine, engine_settings
 
-    check_model_config(model_path)
+    read_model_config(model_path)
     check_prompt_rendering(cfg, model_path)  # the template vetted, prompts too long left out
     prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
     engine = RolloutEngine(engine_settings(cfg, model_path, seed=cfg.trainer.seed))

@@ -10,6 +10,7 @@ A load runs no code from the files: DeepSpeed's reads go through the restricted 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,17 +29,17 @@ def _rng_file(directory: Path, rank: int) -> Path:
 _FULL_BYTES = 16 * 2**20
 
 
-def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
-    """Model and optimizer shards of this rank, and its torch RNG state. A failed write (a
-    full disk) is CheckpointError naming the directory and the cause."""
+@contextmanager
+def saving_to(directory: str):
+    """A failed write under `directory` (a full disk) as CheckpointError naming the path and
+    the cause."""
     try:
-        engine.save_checkpoint(directory, tag=TAG, save_latest=False)
-        torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+        yield
     except OSError as err:
         where = err.filename or directory
         raise CheckpointError(f"{where}: the checkpoint was not saved ({err.strerror})") from None
-    except RuntimeError:
-        # torch.save's zip writer reports a full disk as a RuntimeError of its own
+    except Exception:
+        # torch.save's zip writer and safetensors report a full disk as errors of their own
         if not _disk_full(directory):
             raise
         raise CheckpointError(
@@ -46,8 +47,18 @@ def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
         ) from None
 
 
+def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
+    """Model and optimizer shards of this rank, and its torch RNG state."""
+    with saving_to(directory):
+        engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+
+
 def _disk_full(directory: str) -> bool:
-    fs = os.statvfs(directory)
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # a save can fail before its directory is made
+    fs = os.statvfs(existing)
     return fs.f_bavail * fs.f_frsize < _FULL_BYTES
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from groupflow.config import Config
-from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
+from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.micro_batch import check_packing
@@ -77,7 +77,8 @@ class LearnerRank:
         broadcast_weights(self._module, group, bucket_bytes)
 
     def save_pretrained(self, path: str) -> None:
-        save_pretrained(self._module, self._is_source, path)
+        with saving_to(path):
+            save_pretrained(self._module, self._is_source, path)
 
     def save_checkpoint(self, directory: str) -> None:
         """The policy's ZeRO-3 model and optimizer shards (the frozen reference is rebuilt

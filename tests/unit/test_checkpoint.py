@@ -488,6 +488,47 @@ def test_a_ranks_save_on_a_full_disk_is_one_line_naming_the_directory(tmp_path):
     assert message.startswith(f"{tmp_path}:") and "No space left on device" in message
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs: a disk that really fills (mounting needs root, as in CI)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_a_hugging_face_save_on_a_full_disk_is_one_line_naming_the_directory(small_disk):
+    """safetensors reports a full disk as an error of its own, not an OSError."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from groupflow.learner.checkpoint import saving_to
+
+    shape = Qwen2Config(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = Qwen2ForCausalLM(shape)  # about 0.5 MB of weights on a 64 KiB disk
+    target = small_disk / "hf"
+
+    def save():
+        with saving_to(str(target)):
+            model.save_pretrained(target)
+
+    message = one_line_error(save)
+    assert message.startswith(f"{target}:") and "no space left" in message
+
+
 def test_pruning_follows_no_symlink(tmp_path):
     outside = tmp_path / "precious"
     outside.mkdir()

@@ -140,9 +140,13 @@ def test_a_run_whose_cluster_does_not_answer_is_one_line(
     [b"not json {", b"", b"\xff\xfe{}", b"[1, 2]", b"[" * 100_000, b'"text"'],
     ids=["not_json", "empty", "not_utf8", "list", "deep", "string"],
 )
-def test_eval_of_a_model_whose_config_is_not_a_json_object_is_one_line(tmp_path, capsys, content):
+@pytest.mark.parametrize(
+    "command", [["eval", "--model", "{}"], ["train", "--set", "model.path={}"]]
+)
+def test_a_model_whose_config_is_not_a_json_object_is_one_line(tmp_path, capsys, content, command):
     (tmp_path / "config.json").write_bytes(content)
-    err = one_line_failure(capsys, ["eval", "--model", str(tmp_path)], code=2)
+    argv = [arg.format(tmp_path) for arg in command]
+    err = one_line_failure(capsys, argv, code=2)
     assert f"{tmp_path / 'config.json'}: not a model config" in err
 
 
