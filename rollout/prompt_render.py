@@ -17,6 +17,7 @@ Python thread cannot be stopped, and an alarm signal reaches only a main thread.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import resource
 import time
@@ -30,6 +31,9 @@ STALL_S = 5.0  # the longest one prompt may take to render (and tokenize) when v
 MAX_RENDERED_CHARS = 1_000_000  # far past any prompt that fits an engine
 VET_MEMORY_BYTES = 2 << 30  # what a vetting child may allocate beyond the driver's size
 PROGRESS_EVERY_S = 0.2  # how often a vetting child reports the lengths measured so far
+LOG_EVERY_S = 10.0  # how often a long vetting (a large dataset) says how far it has got
+
+log = logging.getLogger(__name__)
 
 
 class PromptRenderError(ValueError):
@@ -103,6 +107,7 @@ class PromptRenderer:
         child.start()
         sender.close()
         lengths: list[int] = []
+        logged = time.monotonic()
         try:
             while True:
                 if not receiver.poll(stall_s):
@@ -118,6 +123,9 @@ class PromptRenderer:
                 lengths += value
                 if kind == "done":
                     return lengths
+                if time.monotonic() - logged > LOG_EVERY_S:
+                    log.info("vetting prompts: %d of %d measured", len(lengths), len(prompts))
+                    logged = time.monotonic()
         finally:
             child.kill()
             child.join()

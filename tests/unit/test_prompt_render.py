@@ -291,3 +291,18 @@ def test_the_engine_takes_no_prompt_that_leaves_no_room_for_a_response(tokens, f
     else:
         with pytest.raises(PromptRenderError, match="prompt 'z9': 49 tokens .* 16 response"):
             check_prompt_lengths(prompts, [1, tokens], 64, 8)
+
+
+def test_a_long_vetting_says_how_far_it_has_got(tokenizer, monkeypatch, caplog):
+    import groupflow.rollout.prompt_render as prompt_render
+
+    monkeypatch.setattr(prompt_render, "PROGRESS_EVERY_S", 0.0)  # a report per prompt
+    monkeypatch.setattr(prompt_render, "LOG_EVERY_S", 0.0)  # and a line per report
+    rng = random.Random()
+    prompts = [Prompt(f"p{i}", _text(rng, 10), None) for i in range(rng.randint(5, 30))]
+    renderer = PromptRenderer(tokenizer, ChatSettings("none"))
+    with caplog.at_level("INFO", logger=prompt_render.__name__):
+        renderer.vetted_lengths(prompts)
+    counts = [r.args[0] for r in caplog.records if "vetting prompts" in r.getMessage()]
+    assert counts and counts == sorted(counts) and all(0 < c <= len(prompts) for c in counts)
+    assert all(r.args[1] == len(prompts) for r in caplog.records if r.args)
