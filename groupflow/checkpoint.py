@@ -229,7 +229,7 @@ def restricted_load(path: Path, map_location=None, mmap: bool = False):
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
         lines = str(err).strip().splitlines() or [type(err).__name__]
         # torch names the offending global on a later line of a long message
-        reason = next((line for line in lines if "Unsupported" in line), lines[0]).strip()
+        reason = next((ln for ln in lines if "unsupported" in ln.lower()), lines[0]).strip()
         raise CheckpointError(f"{path}: refused, not plain tensors and data ({reason})") from None
 
 

@@ -1,0 +1,63 @@
+"""A real DeepSpeed ZeRO-3 checkpoint (world size 1, gloo, CPU accelerator) passes the ranks'
+weights-only check and loads; the same files with a code-running pickle in place of the
+optimizer shard are refused before DeepSpeed reads them (learner/checkpoint.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from tests.integration.test_token_head_zero3 import _init_rank, _model
+
+pytestmark = pytest.mark.integration
+
+
+class _Touch:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def save_load_and_tamper(path: str) -> tuple[bool, str]:
+    """Runs in a spawned rank process: a clean save and load, then a tampered load."""
+    _init_rank()
+    from pathlib import Path
+
+    import deepspeed
+    import torch
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from groupflow.checkpoint import CheckpointError
+    from groupflow.config import LearnerConfig
+    from groupflow.learner.checkpoint import TAG, load_rank_checkpoint, save_rank_checkpoint
+    from groupflow.learner.zero_config import deepspeed_config
+
+    ds_config = deepspeed_config(LearnerConfig(), "float32")
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive for the engine)
+    model = _model(0, tied=False)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=ds_config
+    )
+    save_rank_checkpoint(engine, path, 0)
+    load_rank_checkpoint(engine, path, 0)
+    optim = next(Path(path, TAG).glob("*optim_states.pt"))
+    state = torch.load(optim, weights_only=False)
+    state["optimizer_state_dict"]["loss_scaler"] = _Touch(f"{path}/MARKER")
+    torch.save(state, optim)
+    try:
+        load_rank_checkpoint(engine, path, 0)
+    except CheckpointError as err:
+        return Path(path, "MARKER").exists(), str(err)
+    return Path(path, "MARKER").exists(), ""
+
+
+def test_a_real_zero3_checkpoint_passes_and_a_tampered_one_is_refused(tmp_path):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        ran, refusal = pool.submit(save_load_and_tamper, str(tmp_path)).result(timeout=300)
+    assert not ran
+    assert "optim_states.pt" in refusal and "system" in refusal and "\n" not in refusal
