@@ -20,9 +20,12 @@ from groupflow.actors.generator import CHUNKS_PER_ENGINE, GeneratorPool
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import CheckpointStore, read_checkpoint
 from groupflow.config import build_config
-from groupflow.job import EVAL_ROLLOUT, MAX_REFILLS, Checkpointing, LearnerLost, TrainingJob
+from groupflow.held_out import EVAL_ROLLOUT
+from groupflow.job import Checkpointing, TrainingJob
 from groupflow.peers import PeerDied, SyncHandles
+from groupflow.prompt_stream import MAX_REFILLS
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.scaling import PoolState
 
 PROMPTS_PER_STEP = 8
@@ -318,6 +321,7 @@ def run_job(
     learner = FakeLearner(clock, log, learn_s, learner_dies_in_step)
     replacements = iter(dies[engines:])  # when each replacement dies in its turn
     started = []
+    restarts = RestartBudget(cfg.trainer.max_restarts)
 
     def start_engine(slot):
         started.append(engine_type(clock, seconds_per_prompt, next(replacements, 0)))
@@ -328,6 +332,7 @@ def run_job(
         futures,
         GROUP_SIZE,
         cfg.rollout.sampling,
+        restarts,
         start_engine,
         starting,
         clock=lambda: clock.now,
@@ -341,6 +346,7 @@ def run_job(
         learner=learner,
         transport=FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync),
         futures=futures,
+        restarts=restarts,
         learner_figures=lambda results: {"optimizer_updates": len(results)},
         checkpointing=None
         if run_dir is None
