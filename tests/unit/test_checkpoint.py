@@ -461,6 +461,16 @@ def test_a_hostile_driver_state_is_refused_naming_the_state_file(tmp_path, chang
     assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{state_file}:")
 
 
+def test_a_driver_state_saved_before_the_stream_had_a_state_of_its_own_still_loads(tmp_path):
+    """Older checkpoints kept the stream's position as `prompts_consumed`."""
+    path = save(CheckpointStore(tmp_path / "run"), 2)
+    state_file = path / "driver_state.json"
+    saved = json.loads(state_file.read_text())
+    assert saved.pop("stream") == {"consumed": 64}
+    state_file.write_text(json.dumps(saved | {"prompts_consumed": 40}))
+    assert read_checkpoint(path, MODEL, 2).stream == StreamState(consumed=40)
+
+
 # ----- a full disk, and pruning -----------------------------------------------------------------
 def test_a_commit_on_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint_newest(tmp_path):
     store = CheckpointStore(tmp_path)
