@@ -145,7 +145,7 @@ class Generator:
 
 # Chunks an engine holds at most: one generating, one queued behind it so that the engine
 # never waits for the driver. A weight load sent to an engine runs after these, so the bound
-# is also how long a new version waits behind old work (groupflow/job.py).
+# is also how long a new version waits behind old work (groupflow/pipeline.py).
 CHUNKS_PER_ENGINE = 2
 
 

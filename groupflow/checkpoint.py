@@ -28,6 +28,8 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -83,6 +85,15 @@ class DriverState(BaseModel):
             data = dict(data)
             data["stream"] = {"consumed": data.pop("prompts_consumed")}
         return data
+
+
+@dataclass
+class Checkpointing:
+    """Where a job saves its checkpoints, and what it tells about its model."""
+
+    store: CheckpointStore
+    model_config_json: dict  # the model's config.json, so that a resume can check the model
+    add_tokenizer: Callable[[Path], None]  # completes a Hugging Face save with the tokenizer
 
 
 def step_dir_name(step: int) -> str:

@@ -28,6 +28,7 @@ from groupflow.actors.reward import RewardPool
 from groupflow.actors.transport import make_transport
 from groupflow.checkpoint import (
     CheckpointError,
+    Checkpointing,
     CheckpointStore,
     DriverState,
     read_checkpoint,
@@ -36,7 +37,7 @@ from groupflow.checkpoint import (
 )
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
-from groupflow.job import Checkpointing, TrainingJob
+from groupflow.job import TrainingJob
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.plots import write_plots

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from groupflow.actors.generator import chunk_size
-from groupflow.checkpoint import HF_DIR, LEARNER_DIR, CheckpointStore, DriverState
+from groupflow.checkpoint import HF_DIR, LEARNER_DIR, Checkpointing, DriverState
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
 from groupflow.held_out import HeldOutEvaluation
@@ -51,15 +50,6 @@ from groupflow.timing import stage_timer, time_keys
 
 class StepSink(Protocol):
     def write(self, record: dict) -> None: ...
-
-
-@dataclass
-class Checkpointing:
-    """Where a job saves its checkpoints, and what it tells about its model."""
-
-    store: CheckpointStore
-    model_config_json: dict  # the model's config.json, so that a resume can check the model
-    add_tokenizer: Callable[[Path], None]  # completes a Hugging Face save with the tokenizer
 
 
 class TrainingJob:

@@ -18,10 +18,10 @@ import pytest
 
 from groupflow.actors.generator import CHUNKS_PER_ENGINE, GeneratorPool
 from groupflow.catalogue import BY_KEY
-from groupflow.checkpoint import CheckpointStore, read_checkpoint
+from groupflow.checkpoint import Checkpointing, CheckpointStore, read_checkpoint
 from groupflow.config import build_config
 from groupflow.held_out import EVAL_ROLLOUT
-from groupflow.job import Checkpointing, TrainingJob
+from groupflow.job import TrainingJob
 from groupflow.peers import PeerDied, SyncHandles
 from groupflow.prompt_stream import MAX_REFILLS
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
