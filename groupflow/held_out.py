@@ -3,7 +3,8 @@ also mean@n and pass@k of n sampled answers per prompt (groupflow/evaluate.py ha
 of the task's own held-out set and of each `task.eval_sets` set.
 
 The job's engines answer; the reward workers score the task's own set, as in training, so a
-hostile answer cannot stall the driver; each extra set has a scorer of its own
+hostile answer cannot stall the driver, and the job's pipeline waits for those scores in its
+one wait, its chunks flowing meanwhile; each extra set has a scorer of its own
 (evaluate.HeldOutSet). Blocking: the job evaluates between steps.
 """
 
@@ -13,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet, greedy_share, sampled_scores
-from groupflow.peers import Generation, PeerDied, Scoring
+from groupflow.peers import PeerDied
+from groupflow.pipeline import Pipeline
 from groupflow.records import Prompt, SampledGroup
 
 EVAL_ROLLOUT = -1  # the reward pool's batch id for held-out answers (chunks count from 0)
@@ -24,17 +26,14 @@ class HeldOutEvaluation:
         self,
         cfg: Config,
         prompts: list[Prompt],
-        generators: Generation,
-        rewards: Scoring,
+        pipeline: Pipeline,
         held_out_sets: Sequence[HeldOutSet],
-        heal_engines: Callable[[], None],
     ):
         self.cfg = cfg
         self.prompts = prompts  # the task's own held-out set
-        self.generators = generators
-        self.rewards = rewards
+        self.pipeline = pipeline
+        self.generators = pipeline.generators
         self.held_out_sets = held_out_sets
-        self.heal_engines = heal_engines  # a replaced engine gets the weights before answering
 
     def scores(self) -> dict[str, float | dict[str, float]]:
         """The task's own set's scores (eval_*) and each extra set's (eval_set_*, by name)."""
@@ -60,8 +59,8 @@ class HeldOutEvaluation:
     def _answers(self, prompts: list[Prompt], greedy: bool) -> list[SampledGroup]:
         """A group per prompt; an engine that dies answering is replaced and asked again."""
         while True:
-            if self.generators.needs_weights():
-                self.heal_engines()
+            if self.generators.needs_weights():  # a replacement gets the weights first
+                self.pipeline.heal()
             try:
                 return self.generators.complete(
                     prompts, self.cfg.trainer.eval_samples, self.cfg.rollout.sampling, greedy
@@ -71,8 +70,8 @@ class HeldOutEvaluation:
                     raise
 
     def _pool(self, groups: list[SampledGroup]) -> list[list[float]]:
-        self.rewards.submit(groups, EVAL_ROLLOUT)
-        return [sg.rewards for sg in self.rewards.drain(EVAL_ROLLOUT)]
+        self.pipeline.rewards.submit(groups, EVAL_ROLLOUT)
+        return [sg.rewards for sg in self.pipeline.scores_of(EVAL_ROLLOUT)]
 
     def close(self) -> None:
         for held_out in self.held_out_sets:

@@ -90,12 +90,7 @@ class TrainingJob:
         )
         self.pipeline = Pipeline(self.stream, generators, rewards, transport, futures, restarts)
         self.evaluation = HeldOutEvaluation(
-            cfg,
-            task.eval_prompts(cfg.task.eval_size),
-            generators,
-            rewards,
-            held_out_sets,
-            self.pipeline.heal,
+            cfg, task.eval_prompts(cfg.task.eval_size), self.pipeline, held_out_sets
         )
         self.version = 0
         self.first_step = 1

@@ -24,8 +24,9 @@ class PeerDied(RuntimeError):
 
 
 class Futures(Protocol):
-    def wait_any(self, handles: Sequence[Handle]) -> list[Handle]:
-        """Block until at least one of `handles` is ready; returns the ready ones."""
+    def wait_any(self, handles: Sequence[Handle], timeout: float | None = None) -> list[Handle]:
+        """Block until at least one of `handles` is ready, or `timeout` seconds passed;
+        returns the ready ones (none at a timeout)."""
 
     def get(self, handles: Sequence[Handle]) -> list[Any]:
         """The values of `handles` (blocking until ready; a remote error is raised here,
@@ -123,11 +124,23 @@ class Scoring(Protocol):
     def submit(self, groups: list[SampledGroup], rollout_id: int) -> None:
         """Start scoring the groups."""
 
-    def drain(self, rollout_id: int) -> list[ScoredGroup]:
-        """Block until every group submitted for `rollout_id` is scored; returns them."""
+    def in_flight(self) -> list[Handle]:
+        """Handles of the batches being scored."""
+
+    def seconds_to_deadline(self) -> float | None:
+        """Until the first batch in flight is overdue (a hung or lost worker), so that a wait
+        wakes for it; None when nothing is in flight."""
+
+    def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
+        """The scored groups of the batches among `ready` and of the overdue ones (scored 0),
+        each with its rollout id (handles of other peers are ignored). A batch whose worker
+        died is sent again instead, up to `reward.max_retries` times."""
+
+    def scoring(self, rollout_id: int) -> bool:
+        """Groups submitted for `rollout_id` are still being scored."""
 
     def pending_groups(self) -> int:
-        """Groups submitted and not yet drained."""
+        """Groups submitted and not yet scored."""
 
     def scale_to(self, target: int) -> None:
         """Start or retire reward workers toward `target`, at once."""

@@ -1,12 +1,15 @@
-"""The traffic between the job's peers while the job loop waits, in its one wait.
+"""The traffic between the job's peers, and the job loop's one wait.
 
-Whatever the loop waits on (`wait_for`, `scored`), every chunk that finishes generating goes to
-the reward pool at once and every engine with room takes the prompt stream's next chunk, so
-generation and scoring overlap learning. The engines hold at most CHUNKS_PER_ENGINE chunks
-each (actors/generator.py) and the rest wait in the stream, so a weight load sent to an engine
-runs after at most that many: the weights reach each engine between its chunks, and no engine
-waits for another's load (`sync_engines` waits for the learner's side only; the engines' loads
-are followed here).
+The loop waits in one place, `_pump`, on every peer at once: on what it waits for
+(`wait_for`, `scored`, `scores_of`), the chunks generating, the batches scoring (waking when
+the first is overdue) and the engines' weight loads. Whatever it waits on, every chunk that
+finishes generating goes to the reward pool at once, every engine with room takes the prompt
+stream's next chunk and scored groups are kept for their chunk, so generation and scoring
+overlap learning and each other. The engines hold at most CHUNKS_PER_ENGINE chunks each
+(actors/generator.py) and the rest wait in the stream, so a weight load sent to an engine runs
+after at most that many: the weights reach each engine between its chunks, and no engine waits
+for another's load (`sync_engines` waits for the learner's side only; the engines' loads are
+followed here).
 
 An engine that dies is replaced by the generator pool; the replacement is sent the current
 weights as soon as the learner is between steps (`version` is set), and the pool then sends
@@ -15,6 +18,7 @@ the chunks the dead engine held again.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +49,7 @@ class Pipeline:
         # version and can be sent to an engine; None while it trains or is rebuilt.
         self.version: int | None = 0
         self._engine_loads: list[Handle] = []  # weight loads the engines have not finished
+        self._scored: dict[int, list[ScoredGroup]] = defaultdict(list)  # by rollout id
 
     def wait_for(self, handles: Sequence[Handle]) -> list[Any]:
         """The values of `handles` (blocking), the traffic flowing meanwhile."""
@@ -58,7 +63,13 @@ class Pipeline:
             while chunk.generated is None:  # a chunk lost with its engine is sent again
                 self._pump(())
         with stage_timer("reward", times):
-            return self.rewards.drain(chunk.id)
+            return self.scores_of(chunk.id)
+
+    def scores_of(self, rollout_id: int) -> list[ScoredGroup]:
+        """The groups submitted for scoring under `rollout_id`, scored (blocking)."""
+        while self.rewards.scoring(rollout_id):
+            self._pump(())
+        return self._scored.pop(rollout_id, [])
 
     def feed(self) -> None:
         """Send the stream's waiting chunks to the engines with room (replaced engines get
@@ -103,11 +114,10 @@ class Pipeline:
         and drop them. No weights are sent until `version` is set again."""
         self.version = None
         self.stream.stop_drawing()
-        while self.generators.in_flight():
-            self._stream_until(self.generators.in_flight())
-        for chunk in self.stream.abandon():
-            if chunk.generated is not None:
-                self.rewards.drain(chunk.id)
+        while self.generators.in_flight() or self.rewards.in_flight():
+            self._pump(())
+        self.stream.abandon()
+        self._scored.clear()
         self.generators.drop_lost()
 
     def _stream_until(self, handles: Sequence[Handle]) -> Sequence[Handle]:
@@ -117,14 +127,20 @@ class Pipeline:
         return handles
 
     def _pump(self, waiting: set[Handle] | tuple) -> list[Handle]:
-        """Wait for any of `waiting`, a chunk or an engine's weight load; hand finished chunks
-        to the reward pool and send engines with room their next chunk. Returns the ready
-        ones among `waiting` (raising where such a handle's peer failed)."""
+        """The loop's one wait: for any of `waiting`, a chunk, a batch of scores or an
+        engine's weight load. Hands finished chunks to the reward pool, keeps scored groups,
+        sends engines with room their next chunk. Returns the ready ones among `waiting`
+        (raising where such a handle's peer failed)."""
         chunks = set(self.generators.in_flight())
+        batches = set(self.rewards.in_flight())
         loads = set(self._engine_loads)
-        ready = self.futures.wait_any(list(set(waiting) | chunks | loads))
+        ready = self.futures.wait_any(
+            list(set(waiting) | chunks | batches | loads), self.rewards.seconds_to_deadline()
+        )
         for chunk, groups in self.generators.take(ready):
             self.rewards.submit(groups, chunk.id)
+        for rollout_id, groups in self.rewards.take(ready):
+            self._scored[rollout_id] += groups
         for load in (h for h in ready if h in loads):
             self._engine_loads.remove(load)
             try:
@@ -133,6 +149,6 @@ class Pipeline:
                 self.generators.replace_dead()
         # A peer that died fails its handle at once; the others may never finish (ranks
         # blocked in a collective with the dead one).
-        self.futures.get([h for h in ready if h in waiting and h not in chunks | loads])
+        self.futures.get([h for h in ready if h in waiting and h not in chunks | batches | loads])
         self.feed()
         return [h for h in ready if h in waiting]
