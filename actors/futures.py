@@ -12,8 +12,10 @@ from groupflow.peers import PeerDied
 
 
 class RayFutures:
-    def wait_any(self, handles: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        ready, _ = ray.wait(list(handles), num_returns=1)
+    def wait_any(
+        self, handles: Sequence[ray.ObjectRef], timeout: float | None = None
+    ) -> list[ray.ObjectRef]:
+        ready, _ = ray.wait(list(handles), num_returns=1, timeout=timeout)
         return ready
 
     def get(self, handles: Sequence[ray.ObjectRef]) -> list[Any]:

@@ -7,8 +7,10 @@ starts while later chunks still generate. An engine runs its calls in the order 
 sent, so a weight load sent after a chunk is applied after that chunk.
 
 An engine that dies (killed, out of memory, node lost) is replaced at once by a new actor in
-its slot. The replacement takes no work until the job has sent it the current weights
-(`weights_sent`); the chunks the dead engine held are then generated again, each once.
+its slot, a restart charged to the job's budget (groupflow/recovery.py). The replacement takes
+no work until the job has sent it the current weights (`weights_sent`); the pool then sends
+the chunks the dead engine held again itself, each once (the chunk records are shared with the
+prompt stream, so the job loop sees each chunk's new handle without being told).
 
 Scaling (groupflow scale, rollout.autoscale): `scale_to` starts new engines or retires live
 ones and returns at once; `settle`, between steps, admits the new engines that are up (each
@@ -25,7 +27,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import ray
 import torch
@@ -37,8 +38,9 @@ from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.learner.device import Device, device_for
 from groupflow.learner.weight_export import bytes_tensor, unpack_bucket
-from groupflow.peers import Futures, GeneratedChunk, Handle, PeerDied
+from groupflow.peers import Chunk, Futures, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
+from groupflow.recovery import RestartBudget
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
 from groupflow.scaling import PoolState
 
@@ -143,7 +145,7 @@ class Generator:
 
 # Chunks an engine holds at most: one generating, one queued behind it so that the engine
 # never waits for the driver. A weight load sent to an engine runs after these, so the bound
-# is also how long a new version waits behind old work (groupflow/job.py).
+# is also how long a new version waits behind old work (groupflow/pipeline.py).
 CHUNKS_PER_ENGINE = 2
 
 
@@ -151,14 +153,6 @@ def chunk_size(num_prompts: int, num_engines: int) -> int:
     """A step's prompts in CHUNKS_PER_ENGINE chunks per engine: the first chunks are scored
     while the second generate."""
     return max(1, num_prompts // (CHUNKS_PER_ENGINE * num_engines))
-
-
-@dataclass
-class _Chunk:
-    chunk_id: int
-    engine: int
-    actor: object  # the engine it was sent to (its slot may hold a replacement since)
-    prompts: list[Prompt]
 
 
 class GeneratorPool:
@@ -170,6 +164,7 @@ class GeneratorPool:
         futures: Futures,
         group_size: int,
         sampling: SamplingConfig,
+        restarts: RestartBudget,
         start_engine: Callable[[int], object] | None = None,
         starting: StartingActors | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -179,15 +174,15 @@ class GeneratorPool:
         self.group_size = group_size
         self.sampling = sampling
         self.start_engine = start_engine  # a new actor for slot i; None: deaths are fatal
-        self.restarts = 0
+        self.restarts = restarts  # each replacement is charged here
         self._outstanding = [0] * len(engines)  # prompts sent to each engine, not yet taken
         self._chunks_on = [0] * len(engines)  # chunks sent to each engine, not yet taken
         self._clock = clock
         self._idle_engine_s = 0.0
         self._idle_counted_at = clock()
-        self._chunks: dict[Handle, _Chunk] = {}
+        self._chunks: dict[Handle, Chunk] = {}
         self._unloaded: set[int] = set()  # slots whose replacement awaits the weights
-        self._lost: dict[Handle, _Chunk] = {}  # chunks of dead engines, to generate again
+        self._lost: list[Chunk] = []  # chunks of dead engines, to generate again
         # Engines asked for and not yet up (a stand-in in the job loop's unit tests).
         if starting is None:  # an engine is ready once warmed up (see Generator.warm_up)
             starting = StartingActors("engine", lambda e: e.warm_up.remote(group_size, sampling))
@@ -208,10 +203,7 @@ class GeneratorPool:
         ready = self._taking_work()
         return sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
 
-    def send(self, prompts: list[Prompt], chunk_id: int) -> Handle:
-        return self._send(_Chunk(chunk_id, -1, None, prompts))
-
-    def _send(self, chunk: _Chunk) -> Handle:
+    def send(self, chunk: Chunk) -> None:
         self._count_idle()
         ready = self._taking_work()
         chunk.engine = min(ready, key=lambda e: (self._chunks_on[e], self._outstanding[e]))
@@ -222,9 +214,9 @@ class GeneratorPool:
             seconds = time.monotonic() - self._asked_at.pop(id(chunk.actor))[1]
             self.join_seconds.append(seconds)
             log.info("a new engine took its first chunk %.1fs after it was asked for", seconds)
-        handle = chunk.actor.sample.remote(chunk.prompts, self.group_size, self.sampling)
-        self._chunks[handle] = chunk
-        return handle
+        chunk.handle = chunk.actor.sample.remote(chunk.prompts, self.group_size, self.sampling)
+        chunk.sent = self._clock()
+        self._chunks[chunk.handle] = chunk
 
     def _taking_work(self) -> list[int]:
         """Slots that take new chunks: loaded with the current weights and not retiring."""
@@ -247,7 +239,7 @@ class GeneratorPool:
         self._count_idle()
         return self._idle_engine_s
 
-    def take(self, ready: Sequence[Handle]) -> list[GeneratedChunk]:
+    def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         taken = []
         self._count_idle()
         for handle in [h for h in ready if h in self._chunks]:
@@ -259,20 +251,21 @@ class GeneratorPool:
             except PeerDied:
                 if self.start_engine is None:
                     raise
-                self._lose(handle, chunk)
+                self._lose(chunk)
                 continue
-            taken.append(GeneratedChunk(chunk.chunk_id, groups))
+            chunk.generated = self._clock()
+            taken.append((chunk, groups))
         return taken
 
-    def _lose(self, handle: Handle, chunk: _Chunk) -> None:
-        self._lost[handle] = chunk
+    def _lose(self, chunk: Chunk) -> None:
+        self._lost.append(chunk)
         if self.engines[chunk.engine] is chunk.actor:  # not replaced yet
             self._replace(chunk.engine)
 
     def _replace(self, slot: int) -> None:
         self.engines[slot] = self.start_engine(slot)
         self._unloaded.add(slot)
-        self.restarts += 1
+        self.restarts.charge("engine", f"engine {slot} died")
 
     def replace_dead(self) -> int:
         """Probe every engine and replace the dead ones (a death noticed outside a chunk:
@@ -289,10 +282,6 @@ class GeneratorPool:
             self._replace(slot)
         return len(dead)
 
-    def lost(self) -> set[Handle]:
-        """Handles of the chunks lost with a dead engine and not yet sent again."""
-        return set(self._lost)
-
     def drop_lost(self) -> None:
         """Forget the lost chunks: their rollouts were abandoned."""
         self._lost.clear()
@@ -304,19 +293,19 @@ class GeneratorPool:
     def awaiting_weights(self) -> list:
         return [self.engines[slot] for slot in sorted(self._unloaded)]
 
-    def weights_sent(self) -> dict[Handle, Handle]:
+    def weights_sent(self) -> None:
         """Call once a weight load has been sent to every engine that awaited one:
         replacements take work from now on (their calls run after the load). The lost chunks
         are sent again."""
         self._unloaded.clear()
-        return self.resend_lost()
+        self.resend_lost()
 
-    def resend_lost(self) -> dict[Handle, Handle]:
+    def resend_lost(self) -> None:
         """Send the lost chunks again, to engines with the current weights (a chunk of a
-        dead engine can fail after its replacement got them); each lost handle's new one."""
-        resent = {old: self._send(chunk) for old, chunk in self._lost.items()}
-        self._lost.clear()
-        return resent
+        dead engine can fail after its replacement got them); each gets its new handle."""
+        lost, self._lost = self._lost, []
+        for chunk in lost:
+            self.send(chunk)
 
     def queued_prompts(self) -> int:
         return sum(self._outstanding)
@@ -375,7 +364,7 @@ class GeneratorPool:
         self._unloaded = {moved(e) for e in self._unloaded if e != slot}
         for chunk in self._chunks.values():
             chunk.engine = moved(chunk.engine)
-        for chunk in self._lost.values():  # placed anew when sent again
+        for chunk in self._lost:  # placed anew when sent again
             chunk.engine = -1
         # Exits after the calls already queued on it (a weight load the job still awaits).
         engine.__ray_terminate__.remote()
@@ -389,7 +378,7 @@ class GeneratorPool:
             ray.kill(engine)
 
 
-def start_generator_pool(cfg: Config, model_path: str) -> GeneratorPool:
+def start_generator_pool(cfg: Config, model_path: str, restarts: RestartBudget) -> GeneratorPool:
     """`rollout.num_engines` generator actors, each placed by its declared resources; a dead
     one is replaced by a new actor with the same settings (with the object-store transport:
     the collective one's process group cannot take a new member, so a death ends the job)."""
@@ -419,5 +408,6 @@ def start_generator_pool(cfg: Config, model_path: str) -> GeneratorPool:
         RayFutures(),
         cfg.rollout.group_size,
         cfg.rollout.sampling,
+        restarts,
         start_engine if replaceable else None,
     )

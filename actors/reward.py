@@ -1,8 +1,10 @@
 """A pool of reward-worker actors, sized independently of the engines.
 
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
-each batch tagged with its rollout so that one rollout's scores can be collected while later
-rollouts are still being scored. A worker scores a batch within `reward.timeout_s` (its
+each batch tagged with its rollout. The pool is reached like the generator pool, through the
+job's futures (groupflow.peers.Futures): the job loop waits on the batches `in_flight` with
+everything else, in its one wait, at most until `seconds_to_deadline`, and hands what is ready
+to `take`. A worker scores a batch within `reward.timeout_s` (its
 scorer processes are killed at each call's deadline, and responses still unscored when the
 budget runs out are timeouts), so the driver never waits on a stuck verifier longer than
 that. A worker that gives no answer within that plus a grace period is replaced and its
@@ -19,13 +21,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
 
+from groupflow.actors.futures import RayFutures
 from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.config import Config
+from groupflow.peers import Handle, PeerDied
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.scaling import PoolState
@@ -98,6 +103,7 @@ class RewardPool:
         self.errors = 0
         self.timeouts = 0
         self.worker_restarts = 0
+        self.futures = RayFutures()
         # Retiring slots are given no new batch.
         self.slots = ActorSlots(self.workers, StartingActors("reward worker"))
 
@@ -154,37 +160,54 @@ class RewardPool:
             for g in batch.groups
         ]
 
-    def drain(self, rollout_id: int) -> list[ScoredGroup]:
-        """Wait for every group submitted for `rollout_id`; returns them in completion order.
-        Batches of other rollouts go on being scored."""
-        done: list[ScoredGroup] = []
-        while mine := [b for b in self._pending if b.rollout_id == rollout_id]:
-            refs = [b.ref for b in mine]
-            first_deadline = min(b.started + self._deadline_s(b) for b in mine)
-            wait_s = max(0.0, first_deadline - time.monotonic())
-            ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
-            now = time.monotonic()
-            for batch in mine:
-                finished = batch.ref in ready
-                expired = not finished and now - batch.started >= self._deadline_s(batch)
-                if not (finished or expired):
-                    continue
-                self._pending.remove(batch)
-                if self.workers[batch.worker] is batch.actor:
-                    self._load[batch.worker] -= len(batch.groups)
-                if expired:  # not retried: that would stall the step again
-                    self._replace(batch)
-                    done += self._zero(batch, "timed out")
-                    continue
-                try:
-                    scored, errors, timeouts = ray.get(batch.ref)
-                except RayActorError:
-                    self._replace(batch)
-                    done += self._retry_or_zero(batch, "lost its worker")
-                    continue
-                self.errors += errors
-                self.timeouts += timeouts
-                done += scored
+    def in_flight(self) -> list[Handle]:
+        return [b.ref for b in self._pending]
+
+    def seconds_to_deadline(self) -> float | None:
+        if not self._pending:
+            return None
+        first = min(b.started + self._deadline_s(b) for b in self._pending)
+        return max(0.0, first - time.monotonic())
+
+    def scoring(self, rollout_id: int) -> bool:
+        return any(b.rollout_id == rollout_id for b in self._pending)
+
+    def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
+        """The groups of the batches among `ready`, and of the overdue ones (scored 0), by
+        rollout id; a batch whose worker died is sent again instead (up to max_retries)."""
+        ready, now = set(ready), time.monotonic()
+        taken = []
+        for batch in list(self._pending):
+            finished = batch.ref in ready
+            if not finished and now - batch.started < self._deadline_s(batch):
+                continue
+            self._pending.remove(batch)
+            if self.workers[batch.worker] is batch.actor:
+                self._load[batch.worker] -= len(batch.groups)
+            taken.append((batch.rollout_id, self._result(batch, finished)))
+        return taken
+
+    def _result(self, batch: _Batch, finished: bool) -> list[ScoredGroup]:
+        if not finished:  # overdue; not retried: that would stall the step again
+            self._replace(batch)
+            return self._zero(batch, "timed out")
+        try:
+            ((scored, errors, timeouts),) = self.futures.get([batch.ref])
+        except PeerDied:
+            self._replace(batch)
+            return self._retry_or_zero(batch, "lost its worker")
+        self.errors += errors
+        self.timeouts += timeouts
+        return scored
+
+    def wait_all(self) -> dict[int, list[ScoredGroup]]:
+        """Block until every batch is scored; the groups by rollout id, in completion order.
+        For a caller without a job loop (a benchmark, a test of the pool)."""
+        done: dict[int, list[ScoredGroup]] = defaultdict(list)
+        while self._pending:
+            ready = self.futures.wait_any(self.in_flight(), self.seconds_to_deadline())
+            for rollout_id, groups in self.take(ready):
+                done[rollout_id] += groups
         return done
 
     def pending_groups(self) -> int:

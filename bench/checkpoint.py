@@ -26,6 +26,7 @@ from weight_sync import random_model  # bench/weight_sync.py, beside this script
 from groupflow.actors.learner import LearnerGroup
 from groupflow.checkpoint import LEARNER_DIR, CheckpointStore, DriverState
 from groupflow.config import Config, build_config
+from groupflow.prompt_stream import StreamState
 from groupflow.quickstart import quickstart_model_path
 from groupflow.records import TrainSequence
 
@@ -57,7 +58,7 @@ def bench(model_path: str, label: str, model_bytes: int, repeats: int, root: Pat
             state = DriverState(
                 step=step,
                 policy_version=step,
-                prompts_consumed=0,
+                stream=StreamState(consumed=0),
                 warm_start_accuracy=None,
                 counters={},
                 model_config_json={},

@@ -82,7 +82,7 @@ def throughput(task_name: str, workers: int, responses: int) -> float:
     start = time.monotonic()
     for i in range(0, len(groups), 2):
         pool.submit(groups[i : i + 2], rollout_id=0)
-    scored = pool.drain(rollout_id=0)
+    scored = pool.wait_all()[0]
     elapsed = time.monotonic() - start
     assert sum(len(g.verdicts) for g in scored) == len(groups) * GROUP
     for w in pool.workers:

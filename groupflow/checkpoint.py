@@ -28,9 +28,13 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from groupflow.prompt_stream import StreamState
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +68,32 @@ class DriverState(BaseModel):
 
     step: int = Field(ge=0)  # the last step trained
     policy_version: int = Field(ge=0)
-    prompts_consumed: int = Field(ge=0)  # prompts of the seeded stream used by steps 1..step
+    stream: StreamState  # the prompt stream's own state (groupflow/prompt_stream.py)
     warm_start_accuracy: float | None
     counters: dict[str, float]  # running totals reported in the step records
     model_config_json: dict  # the model's config.json: a checkpoint fits one model only
     num_ranks: int = Field(ge=1)  # ZeRO-3 shards are cut for this many ranks
     # relative path -> size and hash of every other file of the checkpoint
     files: dict[str, FileRecord] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_of_older_saves(cls, data):
+        """Checkpoints saved before the stream had a state of its own kept its position as
+        `prompts_consumed`: the same state, read as the stream's."""
+        if isinstance(data, dict) and "prompts_consumed" in data and "stream" not in data:
+            data = dict(data)
+            data["stream"] = {"consumed": data.pop("prompts_consumed")}
+        return data
+
+
+@dataclass
+class Checkpointing:
+    """Where a job saves its checkpoints, and what it tells about its model."""
+
+    store: CheckpointStore
+    model_config_json: dict  # the model's config.json, so that a resume can check the model
+    add_tokenizer: Callable[[Path], None]  # completes a Hugging Face save with the tokenizer
 
 
 def step_dir_name(step: int) -> str:

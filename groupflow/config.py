@@ -645,9 +645,9 @@ class TrainerConfig(Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="a dead engine is replaced, and a dead learner rank's group rebuilt from "
-        "the newest checkpoint, at most this many times in a row (engines: without a step "
-        "between; learner: from the same checkpoint) before the job fails",
+        description="one budget for engines and learner ranks: a dead engine replaced or the "
+        "learner ranks rebuilt from the newest checkpoint is one restart, and more than this "
+        "many restarts without a new step trained between end the job",
     )
 
     @field_validator("run_name")

@@ -28,6 +28,7 @@ from groupflow.actors.reward import RewardPool
 from groupflow.actors.transport import make_transport
 from groupflow.checkpoint import (
     CheckpointError,
+    Checkpointing,
     CheckpointStore,
     DriverState,
     read_checkpoint,
@@ -36,12 +37,13 @@ from groupflow.checkpoint import (
 )
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
-from groupflow.job import Checkpointing, LearnerLost, TrainingJob
+from groupflow.job import TrainingJob
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.model_dir import read_model_config
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
+from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
 from groupflow.reward_workers.tasks.prompt_pool import fit_to_engines, job_prompt_sources
 from groupflow.rollout.engine import engine_settings
@@ -256,8 +258,9 @@ def start_job(run: OpenRun) -> TrainingJob:
     """Start the engines, the reward workers and the learner ranks; on a failure, stop
     those already started."""
     cfg = run.cfg
+    restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
     with ExitStack() as undo:
-        generators = start_generator_pool(cfg, run.model_path)
+        generators = start_generator_pool(cfg, run.model_path, restarts)
         undo.callback(generators.shutdown)
         rewards = RewardPool(cfg)
         undo.callback(rewards.shutdown)
@@ -284,6 +287,7 @@ def start_job(run: OpenRun) -> TrainingJob:
                 cfg.rollout.weight_bucket_mb,
             ),
             futures=RayFutures(),
+            restarts=restarts,
             exporter=run.exporter,
             held_out_sets=held_out_sets,
             scaler=Scaler(
@@ -310,10 +314,10 @@ def start_job(run: OpenRun) -> TrainingJob:
 
 def train(run: OpenRun, job: TrainingJob) -> None:
     """Train to the last step. A dead learner rank takes the ranks down: they are rebuilt
-    from the newest checkpoint and the job goes on from there, metrics.jsonl rewound to it."""
+    from the newest checkpoint and the job goes on from there, metrics.jsonl rewound to it
+    (a restart of the job's budget: groupflow/recovery.py)."""
     metrics = run.run_dir / "metrics.jsonl"
     store = CheckpointStore(run.run_dir)
-    in_a_row, last_rebuild = 0, None
     trackers = open_trackers(run.cfg, run.run_dir)
     while True:
         try:
@@ -333,13 +337,6 @@ def train(run: OpenRun, job: TrainingJob) -> None:
                     f"{err}, and there is no checkpoint to rebuild the learner from "
                     "(set trainer.checkpoint_every)"
                 ) from err
-            in_a_row = in_a_row + 1 if checkpoint == last_rebuild else 1
-            if in_a_row > run.cfg.trainer.max_restarts:
-                raise RunError(
-                    f"{err}; the learner was rebuilt from {checkpoint} {in_a_row - 1} times in "
-                    f"a row (trainer.max_restarts={run.cfg.trainer.max_restarts})"
-                ) from err
-            last_rebuild = checkpoint
             log.warning("%s; rebuilding the learner from %s", err, checkpoint)
             state = read_checkpoint(
                 checkpoint, read_model_config(run.model_path), run.cfg.learner.num_ranks

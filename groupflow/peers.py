@@ -24,34 +24,43 @@ class PeerDied(RuntimeError):
 
 
 class Futures(Protocol):
-    def wait_any(self, handles: Sequence[Handle]) -> list[Handle]:
-        """Block until at least one of `handles` is ready; returns the ready ones."""
+    def wait_any(self, handles: Sequence[Handle], timeout: float | None = None) -> list[Handle]:
+        """Block until at least one of `handles` is ready, or `timeout` seconds passed;
+        returns the ready ones (none at a timeout)."""
 
     def get(self, handles: Sequence[Handle]) -> list[Any]:
         """The values of `handles` (blocking until ready; a remote error is raised here,
         PeerDied where the actor died)."""
 
 
-@dataclass
-class GeneratedChunk:
-    """Groups one engine sampled in one call, handed on as soon as they are done."""
+@dataclass(eq=False)
+class Chunk:
+    """Prompts of the stream, at positions [first, first + len(prompts)), sampled in one
+    engine call and scored under its id: the one record of a chunk. The prompt stream
+    (groupflow/prompt_stream.py) draws it and consumes it in order; the generator pool places
+    it, and sends it again on its own when its engine dies."""
 
-    chunk_id: int
-    groups: list[SampledGroup]
+    id: int
+    first: int
+    prompts: list[Prompt]
+    handle: Handle | None = None  # the engine call generating it; None: not sent yet
+    engine: int = -1  # the pool's slot for it
+    actor: object = None  # the engine it was sent to (its slot may hold a replacement since)
+    sent: float | None = None  # on the pool's clock
+    generated: float | None = None  # when its groups were taken, to be handed on for scoring
 
 
 class Generation(Protocol):
     """The engines (groupflow.actors.generator.GeneratorPool)."""
 
     num_engines: int
-    restarts: int  # engines replaced so far
 
     def room(self) -> int:
         """How many more chunks the engines take now (each holds a few at most, so that a
         weight load waits behind little work)."""
 
-    def send(self, prompts: list[Prompt], chunk_id: int) -> Handle:
-        """Send one chunk of prompts to the engine with the least work (when `room()`)."""
+    def send(self, chunk: Chunk) -> None:
+        """Send a chunk to the engine with the least work (when `room()`); sets its handle."""
 
     def in_flight(self) -> list[Handle]:
         """Handles of the chunks submitted and not yet taken."""
@@ -59,12 +68,10 @@ class Generation(Protocol):
     def idle_engine_seconds(self) -> float:
         """Engine-seconds so far in which an engine held no chunk (it waited for work)."""
 
-    def take(self, ready: Sequence[Handle]) -> list[GeneratedChunk]:
-        """The finished chunks among `ready` (handles of other peers are ignored). A chunk
-        whose engine died is not among them: the engine is replaced, the chunk kept."""
-
-    def lost(self) -> set[Handle]:
-        """Handles of chunks lost with a dead engine, to be generated again."""
+    def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
+        """The finished chunks among `ready` (handles of other peers are ignored), with
+        their groups. A chunk whose engine died is not among them: the engine is replaced
+        (a restart charged to the job's budget) and the chunk kept, to be sent again."""
 
     def needs_weights(self) -> bool:
         """A replaced engine waits for the current weights before it takes work."""
@@ -72,12 +79,13 @@ class Generation(Protocol):
     def awaiting_weights(self) -> list:
         """The engines that wait for the current weights (replacements and new engines)."""
 
-    def weights_sent(self) -> dict[Handle, Handle]:
-        """After a weight load was sent to every engine that awaited one: the lost chunks are
-        sent again; each lost handle's new handle."""
+    def weights_sent(self) -> None:
+        """After a weight load was sent to every engine that awaited one: they take work, and
+        the chunks lost with dead engines are sent again."""
 
-    def resend_lost(self) -> dict[Handle, Handle]:
-        """The lost chunks sent again (every engine has the current weights)."""
+    def resend_lost(self) -> None:
+        """Send the chunks lost with dead engines again (every engine has the current
+        weights); nothing when none was lost."""
 
     def replace_dead(self) -> int:
         """Replace the engines that died; how many."""
@@ -116,11 +124,23 @@ class Scoring(Protocol):
     def submit(self, groups: list[SampledGroup], rollout_id: int) -> None:
         """Start scoring the groups."""
 
-    def drain(self, rollout_id: int) -> list[ScoredGroup]:
-        """Block until every group submitted for `rollout_id` is scored; returns them."""
+    def in_flight(self) -> list[Handle]:
+        """Handles of the batches being scored."""
+
+    def seconds_to_deadline(self) -> float | None:
+        """Until the first batch in flight is overdue (a hung or lost worker), so that a wait
+        wakes for it; None when nothing is in flight."""
+
+    def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
+        """The scored groups of the batches among `ready` and of the overdue ones (scored 0),
+        each with its rollout id (handles of other peers are ignored). A batch whose worker
+        died is sent again instead, up to `reward.max_retries` times."""
+
+    def scoring(self, rollout_id: int) -> bool:
+        """Groups submitted for `rollout_id` are still being scored."""
 
     def pending_groups(self) -> int:
-        """Groups submitted and not yet drained."""
+        """Groups submitted and not yet scored."""
 
     def scale_to(self, target: int) -> None:
         """Start or retire reward workers toward `target`, at once."""

@@ -45,7 +45,8 @@ def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
         pool.submit(groups[i : i + 4], rollout_id=i // 4 % 2)
     time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
-    first, second = pool.drain(rollout_id=0), pool.drain(rollout_id=1)
+    scored = pool.wait_all()
+    first, second = scored[0], scored[1]
     assert pool.worker_restarts >= 1
     for scored, rollout in ((first, 0), (second, 1)):
         expected = [g for i in range(0, 16, 4) if i // 4 % 2 == rollout for g in groups[i : i + 4]]

@@ -27,6 +27,7 @@ from groupflow.checkpoint import (
     rewind_metrics,
 )
 from groupflow.cli import main
+from groupflow.prompt_stream import StreamState
 
 MODEL = {"model_type": "qwen2", "hidden_size": 64, "vocab_size": 100, "_name_or_path": "/a"}
 
@@ -35,7 +36,7 @@ def state(step: int, **changes) -> DriverState:
     fields = dict(
         step=step,
         policy_version=step,
-        prompts_consumed=32 * step,
+        stream=StreamState(consumed=32 * step),
         warm_start_accuracy=0.25,
         counters={"reward_errors": 1.0},
         model_config_json=MODEL,
@@ -441,7 +442,8 @@ def test_a_changed_added_or_symlinked_file_is_refused_naming_it(tmp_path):
     [
         {"step": -1},
         {"policy_version": -3},
-        {"prompts_consumed": -32},
+        {"stream": {"consumed": -32}},
+        {"prompts_consumed": -32},  # the position as checkpoints before StreamState kept it
         {"num_ranks": 0},
         {"warm_start_accuracy": float("nan")},
         {"counters": {"reward_errors": float("inf")}},
@@ -457,6 +459,16 @@ def test_a_hostile_driver_state_is_refused_naming_the_state_file(tmp_path, chang
     saved = json.loads(state_file.read_text())
     state_file.write_text(json.dumps(saved | changes))
     assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{state_file}:")
+
+
+def test_a_driver_state_saved_before_the_stream_had_a_state_of_its_own_still_loads(tmp_path):
+    """Older checkpoints kept the stream's position as `prompts_consumed`."""
+    path = save(CheckpointStore(tmp_path / "run"), 2)
+    state_file = path / "driver_state.json"
+    saved = json.loads(state_file.read_text())
+    assert saved.pop("stream") == {"consumed": 64}
+    state_file.write_text(json.dumps(saved | {"prompts_consumed": 40}))
+    assert read_checkpoint(path, MODEL, 2).stream == StreamState(consumed=40)
 
 
 # ----- a full disk, and pruning -----------------------------------------------------------------

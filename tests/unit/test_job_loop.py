@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +17,14 @@ import pytest
 
 from groupflow.actors.generator import CHUNKS_PER_ENGINE, GeneratorPool
 from groupflow.catalogue import BY_KEY
-from groupflow.checkpoint import CheckpointStore, read_checkpoint
+from groupflow.checkpoint import Checkpointing, CheckpointStore, read_checkpoint
 from groupflow.config import build_config
-from groupflow.job import EVAL_ROLLOUT, MAX_REFILLS, Checkpointing, LearnerLost, TrainingJob
+from groupflow.held_out import EVAL_ROLLOUT
+from groupflow.job import TrainingJob
 from groupflow.peers import PeerDied, SyncHandles
+from groupflow.prompt_stream import MAX_REFILLS
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.scaling import PoolState
 
 PROMPTS_PER_STEP = 8
@@ -44,12 +46,15 @@ class FakeFutures:
     def __init__(self, clock: Clock, log: list):
         self.clock, self.log = clock, log
 
-    def wait_any(self, handles):
+    def wait_any(self, handles, timeout=None):
         handles = list(handles)
         assert handles and len(set(map(id, handles))) == len(handles), (
             "ray.wait needs distinct refs"
         )
-        self.clock.now = max(self.clock.now, min(h.ready_at for h in handles))
+        until = min(h.ready_at for h in handles)
+        if timeout is not None:
+            until = min(until, self.clock.now + timeout)
+        self.clock.now = max(self.clock.now, until)
         return [h for h in handles if h.ready_at <= self.clock.now]
 
     def get(self, handles):
@@ -131,25 +136,40 @@ class FakeEngine:
 
 
 class FakeRewards:
+    """Scores each batch in `score_s` (batches in parallel)."""
+
     num_workers, errors, timeouts = 1, 0, 0
 
-    def __init__(self, clock: Clock, log: list, reward):
-        self.clock, self.log, self.reward = clock, log, reward
-        self.scored: dict[int, list[ScoredGroup]] = defaultdict(list)
+    def __init__(self, clock: Clock, log: list, reward, score_s: float = 0.0):
+        self.clock, self.log, self.reward, self.score_s = clock, log, reward, score_s
+        self.batches: list[tuple[int, FakeRef]] = []  # (rollout id, handle) being scored
 
     def submit(self, groups, rollout_id):
         kind = "score" if rollout_id >= 0 else "score held-out"
         self.log.append((kind, rollout_id, self.clock.now, [g.prompt.uid for g in groups]))
-        self.scored[rollout_id] += [
+        scored = [
             ScoredGroup(g, [Verdict(self.reward(g.prompt, j), "") for j in range(len(g.responses))])
             for g in groups
         ]
+        done = FakeRef(self.clock.now + self.score_s, scored, f"score {rollout_id}")
+        self.batches.append((rollout_id, done))
 
-    def drain(self, rollout_id):
-        return self.scored.pop(rollout_id, [])
+    def in_flight(self):
+        return [ref for _, ref in self.batches]
+
+    def seconds_to_deadline(self):
+        return None  # no batch is ever overdue
+
+    def take(self, ready):
+        taken = [(rollout_id, ref) for rollout_id, ref in self.batches if ref in ready]
+        self.batches = [b for b in self.batches if b not in taken]
+        return [(rollout_id, ref.value) for rollout_id, ref in taken]
+
+    def scoring(self, rollout_id):
+        return any(r == rollout_id for r, _ in self.batches)
 
     def pending_groups(self):
-        return sum(map(len, self.scored.values()))
+        return sum(len(ref.value) for _, ref in self.batches)
 
     def scale_to(self, target):  # a fake pool's workers come and go at once
         self.num_workers = target
@@ -279,6 +299,7 @@ def run_job(
     reward=varied,
     learn_s=1.0,
     seconds_per_prompt=1.0,
+    score_s=0.0,
     engines=2,
     overrides=(),
     loads=True,
@@ -318,6 +339,7 @@ def run_job(
     learner = FakeLearner(clock, log, learn_s, learner_dies_in_step)
     replacements = iter(dies[engines:])  # when each replacement dies in its turn
     started = []
+    restarts = RestartBudget(cfg.trainer.max_restarts)
 
     def start_engine(slot):
         started.append(engine_type(clock, seconds_per_prompt, next(replacements, 0)))
@@ -328,11 +350,12 @@ def run_job(
         futures,
         GROUP_SIZE,
         cfg.rollout.sampling,
+        restarts,
         start_engine,
         starting,
         clock=lambda: clock.now,
     )
-    rewards = FakeRewards(clock, log, reward)
+    rewards = FakeRewards(clock, log, reward, score_s)
     job = TrainingJob(
         cfg,
         CountingTask(),
@@ -341,6 +364,7 @@ def run_job(
         learner=learner,
         transport=FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync),
         futures=futures,
+        restarts=restarts,
         learner_figures=lambda results: {"optimizer_updates": len(results)},
         checkpointing=None
         if run_dir is None
@@ -427,6 +451,20 @@ def test_engines_never_wait_for_the_learner_when_generation_is_the_bottleneck(k)
     assert all(r["staleness_max"] <= k for r in run.records)
     # idle only while the last step learns: nothing is left to draw
     assert [r["time_engines_idle_s"] for r in run.records] == [0.0] * (steps - 1) + [1.0]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_slow_scoring_holds_up_no_engine(k):
+    """Each batch takes 3 s to score, longer than a chunk takes to generate (2 s): while the
+    loop waits for a chunk's scores, finished chunks still go to the reward pool and engines
+    with room get their next chunks (a wait on the reward pool alone would leave them idle),
+    so the engines idle only in the last step, with nothing left to draw."""
+    steps = 8
+    run = run_job(steps=steps, staleness=k, learn_s=1.0, seconds_per_prompt=1.0, score_s=3.0)
+    idle = [r["time_engines_idle_s"] for r in run.records]
+    assert idle[:-1] == [0.0] * (steps - 1), idle
+    assert all(r["time_reward_s"] > 0 for r in run.records)  # the scores were waited for
+    assert trained_prompts(run) == [step_prompts(8 * s) for s in range(steps)]
 
 
 def test_at_staleness_zero_the_engines_wait_while_the_learner_trains():

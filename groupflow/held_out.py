@@ -1,0 +1,78 @@
+"""A training job's held-out evaluation: greedy accuracy, and with `trainer.eval_samples` = n
+also mean@n and pass@k of n sampled answers per prompt (groupflow/evaluate.py has the scores),
+of the task's own held-out set and of each `task.eval_sets` set.
+
+The job's engines answer; the reward workers score the task's own set, as in training, so a
+hostile answer cannot stall the driver, and the job's pipeline waits for those scores in its
+one wait, its chunks flowing meanwhile; each extra set has a scorer of its own
+(evaluate.HeldOutSet). Blocking: the job evaluates between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from groupflow.config import Config
+from groupflow.evaluate import HeldOutSet, greedy_share, sampled_scores
+from groupflow.peers import PeerDied
+from groupflow.pipeline import Pipeline
+from groupflow.records import Prompt, SampledGroup
+
+EVAL_ROLLOUT = -1  # the reward pool's batch id for held-out answers (chunks count from 0)
+
+
+class HeldOutEvaluation:
+    def __init__(
+        self,
+        cfg: Config,
+        prompts: list[Prompt],
+        pipeline: Pipeline,
+        held_out_sets: Sequence[HeldOutSet],
+    ):
+        self.cfg = cfg
+        self.prompts = prompts  # the task's own held-out set
+        self.pipeline = pipeline
+        self.generators = pipeline.generators
+        self.held_out_sets = held_out_sets
+
+    def scores(self) -> dict[str, float | dict[str, float]]:
+        """The task's own set's scores (eval_*) and each extra set's (eval_set_*, by name)."""
+        out = {
+            f"eval_{key}": value for key, value in self._scores(self.prompts, self._pool).items()
+        }
+        for held_out in self.held_out_sets:
+            for key, value in self._scores(held_out.prompts, held_out.rewards).items():
+                out.setdefault(f"eval_set_{key}", {})[held_out.name] = value
+        return out
+
+    def _scores(
+        self, prompts: list[Prompt], score: Callable[[list[SampledGroup]], list[list[float]]]
+    ) -> dict[str, float]:
+        trainer = self.cfg.trainer
+        scores = {"accuracy": greedy_share(score(self._answers(prompts, greedy=True)))}
+        if trainer.eval_samples:
+            k = trainer.eval_pass_k or trainer.eval_samples
+            rewards = score(self._answers(prompts, greedy=False))
+            scores["mean_at_n"], scores["pass_at_k"] = sampled_scores(rewards, k)
+        return scores
+
+    def _answers(self, prompts: list[Prompt], greedy: bool) -> list[SampledGroup]:
+        """A group per prompt; an engine that dies answering is replaced and asked again."""
+        while True:
+            if self.generators.needs_weights():  # a replacement gets the weights first
+                self.pipeline.heal()
+            try:
+                return self.generators.complete(
+                    prompts, self.cfg.trainer.eval_samples, self.cfg.rollout.sampling, greedy
+                )
+            except PeerDied:
+                if not self.generators.replace_dead():
+                    raise
+
+    def _pool(self, groups: list[SampledGroup]) -> list[list[float]]:
+        self.pipeline.rewards.submit(groups, EVAL_ROLLOUT)
+        return [sg.rewards for sg in self.pipeline.scores_of(EVAL_ROLLOUT)]
+
+    def close(self) -> None:
+        for held_out in self.held_out_sets:
+            held_out.close()
