@@ -31,8 +31,8 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import make_transport
 from groupflow.config import Config, build_config
-from groupflow.learner.weight_export import bucket_manifest
 from groupflow.quickstart import quickstart_model_path
+from groupflow.weight_format import bucket_manifest
 
 TRANSPORTS = ("object_store", "collective")
 
@@ -85,14 +85,12 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     object store already, the learner idle: the engines' side alone, what the end-to-end
     figure cannot beat however fast the learner's side is."""
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
-    streams = learner.async_stream_weights(bucket_bytes)
+    buckets = bucket_manifest(manifest, bucket_bytes)
+    streams = learner.async_stream_weights(buckets)
     shards = list(zip(*streams, strict=True))
     ray.get([stream.completed() for stream in streams])
     start = time.perf_counter()
-    loads = [
-        e.load_streamed_weights.remote(bucket_manifest(manifest, bucket_bytes), version)
-        for e in engines
-    ]
+    loads = [e.load_streamed_weights.remote(buckets, version) for e in engines]
     for refs in shards:
         for engine in engines:
             engine.add_weights.remote(version, list(refs))

@@ -167,6 +167,7 @@ class TrainingJob:
         self._chunks: deque[Chunk] = deque()  # drawn and not yet consumed, in stream order
         self._front: deque[ScoredGroup] = deque()  # scored groups of a consumed chunk
         self._engine_loads: list[Handle] = []  # weight loads the engines have not finished
+        self._loads_verified = 0  # engine loads checked since the last step record
         self._refilling = False  # dynamic sampling is drawing prompts for skipped groups
         self.dropped_stale = 0
         # Running totals carried over from the checkpoint a job resumed from.
@@ -214,6 +215,7 @@ class TrainingJob:
             record.update(self.learner_figures(results))
             record["groups_dropped_stale"] = taken.dropped_stale
             record["groups_filtered"] = taken.filtered
+            record["weight_sync_verified"], self._loads_verified = self._loads_verified, 0
         record.update(self._running_totals() | self._restart_totals())
         if self.checkpointing is not None:
             record["seconds_since_checkpoint"] = time.monotonic() - self._saved_at
@@ -318,13 +320,16 @@ class TrainingJob:
                 wait = handles.learner
                 self._engine_loads.extend(handles.engines)
             try:
-                self.futures.get(self._stream_until(wait))
-                return
+                done = self.futures.get(self._stream_until(wait))
             except PeerDied as err:
                 self.generators.replace_dead()
                 if self.generators.restarts == restarts:  # no engine died: a rank did
                     raise LearnerLost(f"a learner rank died in a weight sync: {err}") from err
                 self._check_restarts()
+                continue
+            learner_side = len(handles.learner)
+            self._check_loads(wait[learner_side:], done[learner_side:])
+            return
 
     def _heal_engines(self) -> None:
         """Send replaced engines the current weights, and the chunks the dead ones held."""
@@ -412,10 +417,18 @@ class TrainingJob:
         for handle in done:
             self._engine_loads.remove(handle)
             try:
-                self.futures.get([handle])
+                loaded = self.futures.get([handle])
             except PeerDied:
+                self.transport.forget(handle)
                 self.generators.replace_dead()
                 self._check_restarts()
+                continue
+            self._check_loads([handle], loaded)
+
+    def _check_loads(self, handles: Sequence[Handle], loaded: Sequence) -> None:
+        """Finished weight loads against the learner's checksums (a mismatch ends the job)."""
+        for handle, value in zip(handles, loaded, strict=True):
+            self._loads_verified += self.transport.check_load(handle, value)
 
     # ----- checkpoints --------------------------------------------------------------------------
     def _checkpoint_due(self, step: int) -> bool:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
+from groupflow.rollout.weight_intake import broadcast, checksummed
+from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest
 
 if TYPE_CHECKING:
     from groupflow.config import SamplingConfig
@@ -27,6 +29,16 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     seed: int = 0
     chat: ChatSettings = field(default_factory=ChatSettings)
+    enforce_eager: bool = True
+    max_num_seqs: int | None = None  # None: vLLM's default
+    enable_prefix_caching: bool | None = None  # None: vLLM's default
+    tensor_parallel_size: int = 1
+
+
+def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
+    """rollout.enforce_eager: unset, eager on CPU (no CUDA graphs to capture, and compiling the
+    model would cost each engine minutes at start) and CUDA graphs on GPUs."""
+    return num_gpus == 0 if enforce_eager is None else enforce_eager
 
 
 def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
@@ -39,6 +51,12 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=seed,
         chat=ChatSettings(cfg.task.chat_template, cfg.task.system_prompt),
+        enforce_eager=resolved_enforce_eager(
+            cfg.rollout.enforce_eager, cfg.rollout.resources.num_gpus
+        ),
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        enable_prefix_caching=cfg.rollout.enable_prefix_caching,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
     )
 
 
@@ -54,7 +72,11 @@ class RolloutEngine:
             max_model_len=settings.max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             seed=settings.seed,
-            enforce_eager=True,
+            enforce_eager=settings.enforce_eager,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            # None: vLLM's own default for the device.
+            max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=settings.enable_prefix_caching,
             # Log-probs after temperature: the same distribution the learner recomputes.
             logprobs_mode="processed_logprobs",
             worker_extension_cls="groupflow.rollout.weight_receiver.WeightReceiver",
@@ -124,41 +146,28 @@ class RolloutEngine:
             groups.append(SampledGroup(prompt, ids, responses, self.policy_version))
         return groups
 
-    def load_weights(self, named_tensors, version: int) -> None:
+    def load_weights(self, named_tensors, version: int) -> LoadedWeights:
         """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they
-        arrive (the engine lives in this process, so the worker consumes it lazily)."""
-        self.llm.collective_rpc("load_named_tensors", args=(named_tensors,))
+        arrive (the engine lives in this process, so the worker consumes it lazily). Returns
+        the checksum of every tensor loaded (groupflow/weight_format.py)."""
+        loaded = LoadedWeights(version)
+        self.llm.collective_rpc(
+            "load_named_tensors", args=(checksummed(named_tensors, loaded.checksums),)
+        )
         # Cached prefixes were computed by the old weights.
         self.llm.reset_prefix_cache()
         self.policy_version = version
+        return loaded
 
-    def receive_weights(self, group, buckets, version: int, device: str) -> None:
-        """Receive the buckets (learner/weight_export.py's bucket_manifest) from the weight
-        group's rank 0 and load them in one pass: vLLM loads each layer once its tensors have
-        arrived, while the next bucket is in transfer."""
-        self.load_weights(_arriving(group, buckets, device), version)
+    def receive_weights(
+        self, group: Broadcaster, buckets: list[Manifest], version: int, device: str
+    ) -> LoadedWeights:
+        """Receive the buckets from the weight group's rank 0 and load them in one pass: vLLM
+        loads each layer once its tensors have arrived, while the next bucket is in transfer."""
+        return self.load_weights(broadcast(group, buckets, device), version)
 
     def parameters_snapshot(self) -> dict:
         return self.llm.collective_rpc("named_parameters_snapshot")[0]
-
-
-def _arriving(group, buckets, device: str):
-    """The (name, tensor) pairs of `buckets` as each bucket lands, the next one in transfer."""
-    import torch
-
-    from groupflow.learner.weight_export import unpack_bucket
-
-    def start(bucket):
-        numel = sum(torch.Size(shape).numel() for _, shape, _ in bucket)
-        flat = torch.empty(numel, dtype=getattr(torch, bucket[0][2]), device=device)
-        return flat, group.start_broadcast(flat)
-
-    pending = start(buckets[0]) if buckets else None
-    for k, bucket in enumerate(buckets):
-        flat, transfer = pending
-        transfer.wait()
-        pending = start(buckets[k + 1]) if k + 1 < len(buckets) else None
-        yield from unpack_bucket([flat], bucket)
 
 
 def request_seed(seed: int | None, uid: str, version: int) -> int | None:
