@@ -34,7 +34,7 @@ from groupflow.actors.futures import RayFutures
 from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
-from groupflow.learner.device import Device, device_for
+from groupflow.device import Device, device_for
 from groupflow.peers import Futures, GeneratedChunk, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings

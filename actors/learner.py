@@ -12,8 +12,8 @@ from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
+from groupflow.device import device_for
 from groupflow.learner.batching import layout_step
-from groupflow.learner.device import device_for
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_engine import RankSetup

@@ -374,3 +374,24 @@ def test_a_load_that_differs_is_one_line_naming_engine_version_and_tensor(gen):
         assert message.startswith("weight sync of policy version 4: engine 1 (actor 12ab): tensor")
         name = "lm_head.weight" if what == "did not send" else "model.norm.weight"
         assert f"tensor {name}:" in message
+
+
+def test_the_engine_side_imports_nothing_of_the_learner():
+    """The wire format is neutral: the engines' code reaches the learner's through it only."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [*sorted((root / "rollout").glob("*.py")), root / "actors" / "generator.py"]
+    assert len(files) > 3
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                assert not name.startswith(("groupflow.learner", "learner")), (path.name, name)
