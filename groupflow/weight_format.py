@@ -10,12 +10,14 @@ projections, always receives a layer complete. A bucket travels as one flat tens
 learner ranks' ZeRO-3 partitions of it, one flat tensor each: rank r holds elements
 [r*s, (r+1)*s) of every flattened parameter, s = ceil(numel / world), zeros past the end.
 
-The checksum of a tensor is two sums over its elements read as integers of their own width
-(the raw bits: float32 as int32, bfloat16 as int16), modulo 2^64: the plain sum, which any
-change of a single bit changes, and the sum weighted by each element's position, which moved
-or swapped elements change. Both are sums, so a partition's share is computed where it lies,
-with its own offset, and the shares of all ranks add up to the whole tensor's: no rank has to
-gather a parameter to checksum it, and on a GPU no byte leaves the device but the two sums.
+The checksum of a tensor is two sums over its bytes read as little-endian 64-bit words (the
+last one padded with zeros), modulo 2^64: the plain sum, which any change of a single bit
+changes, and the sum weighted by each word's position, which moved or swapped words change.
+Both are sums, so a partition's share is computed where it lies, from its own offset, and the
+shares of all ranks add up to the whole tensor's: no rank has to gather a parameter to
+checksum it, and on a GPU no byte leaves the device but the two sums. Words, whatever the
+dtype, because summing 64-bit integers is as fast as summing floats (a 16-bit dtype widened
+element by element is tens of times slower on CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import groupby
 from typing import Protocol
 
@@ -123,28 +126,52 @@ def bytes_tensor(array) -> torch.Tensor:
 
 # ----- checksums -----------------------------------------------------------------------------
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MOD = 2**64
-# Elements summed per pass: bounds the int64 temporaries whatever the tensor's size.
-_CHUNK = 1 << 22
+_WORD = 8  # bytes
+_ROW = 1024  # words: the sums run over rows and columns of this width, so no temporary is large
 
 
 def checksum(tensor: torch.Tensor, start: int = 0) -> Checksum:
     """The checksum (module doc) of `tensor`'s elements, flattened, as elements `start`,
     `start` + 1, ... of a larger tensor (a partition of it); computed where the tensor lies."""
     flat = tensor.detach().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    bits = flat.view(_BITS[flat.element_size()])
-    total = weighted = 0
-    for offset in range(0, bits.numel(), _CHUNK):
-        chunk = bits[offset : offset + _CHUNK].to(torch.int64)
-        # int64 arithmetic wraps around: the sums are exact modulo 2^64.
-        position = torch.arange(chunk.numel(), dtype=torch.int64, device=chunk.device)
-        part, part_weighted = int(chunk.sum()), int((chunk * position).sum())
-        total += part
-        weighted += part_weighted + (start + offset) * part
+    data = flat.view(torch.uint8)
+    first_byte = start * flat.element_size()
+    head = min((-first_byte) % _WORD, data.numel())  # bytes before the first whole word
+    whole = (data.numel() - head) // _WORD * _WORD
+    total, weighted = _word_sums(data[head : head + whole], (first_byte + head) // _WORD)
+    # the bytes of words this partition shares with its neighbours, each at its place
+    offsets = [*range(head), *range(head + whole, data.numel())]
+    loose = torch.cat([data[:head], data[head + whole :]]).tolist()  # one transfer
+    for offset, value in zip(offsets, loose, strict=True):
+        byte = first_byte + offset
+        value <<= 8 * (byte % _WORD)
+        total += value
+        weighted += (byte // _WORD) * value
     return total % _MOD, weighted % _MOD
+
+
+def _word_sums(data: torch.Tensor, first_word: int) -> tuple[int, int]:
+    """(sum, position-weighted sum) of the words of `data` (whole words of bytes), the first
+    at position `first_word`. int64 arithmetic wraps around: exact modulo 2^64."""
+    if data.numel() == 0:
+        return 0, 0
+    try:
+        words = data.view(torch.int64)
+    except RuntimeError:  # not on a word boundary in memory
+        words = data.clone().view(torch.int64)
+    rows = words.numel() // _ROW
+    grid, rest = words[: rows * _ROW].view(rows, _ROW), words[rows * _ROW :]
+    row_sums, column_sums = grid.sum(1), grid.sum(0)
+    position = partial(torch.arange, dtype=torch.int64, device=words.device)
+    total = int(row_sums.sum()) + int(rest.sum())
+    # the word at (r, c) is at position r * _ROW + c
+    weighted = (
+        _ROW * int((row_sums * position(rows)).sum())
+        + int((column_sums * position(_ROW)).sum())
+        + int((rest * position(rows * _ROW, words.numel())).sum())
+    )
+    return total, weighted + first_word * total
 
 
 def shard_checksums(shard: torch.Tensor, bucket: Manifest, rank: int, world: int) -> Checksums:

@@ -283,15 +283,19 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
 
 # ----- checksums --------------------------------------------------------------------------------
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 
 def reference_checksum(t: torch.Tensor, start: int) -> tuple[int, int]:
-    """The definition, in Python integers: the elements' bits as signed integers of their own
-    width, summed plain and weighted by position, modulo 2^64."""
-    bits = t.reshape(-1).view(INT_OF[t.element_size()]).tolist()
-    total = sum(bits)
-    weighted = sum((start + i) * x for i, x in enumerate(bits))
+    """The definition, in Python integers, over a tensor's bytes: little-endian 64-bit words,
+    counted from byte `start * element size` of the whole, summed plain and weighted by
+    their position, modulo 2^64."""
+    size = t.element_size()
+    data = bytes(t.reshape(-1).view(torch.uint8).tolist())
+    padded = bytes(start * size % 8) + data + bytes(-(start * size + len(data)) % 8)
+    first = start * size // 8
+    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    total = sum(words)
+    weighted = sum((first + i) * w for i, w in enumerate(words))
     return total % 2**64, weighted % 2**64
 
 
@@ -303,14 +307,17 @@ def random_tensor(gen: torch.Generator, dtype: torch.dtype, numel: int) -> torch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk", [7, 1 << 22], ids=["chunked", "whole"])
-def test_checksum_is_the_exact_sums_of_the_raw_bits(gen, dtype, chunk, monkeypatch):
-    monkeypatch.setattr(weight_format, "_CHUNK", chunk)
-    numel = int(torch.randint(1, 200, (), generator=gen))
-    t = random_tensor(gen, dtype, numel).reshape(-1, 1)
-    start = int(torch.randint(0, 2**40, (), generator=gen))
-    assert checksum(t, start) == reference_checksum(t, start)
-    # the int64 sums wrap around: still exact modulo 2^64 where every element is near 2^63
+@pytest.mark.parametrize("row", [3, 1024], ids=["many-rows", "one-row"])
+def test_checksum_is_the_exact_sums_of_the_words(gen, dtype, row, monkeypatch):
+    monkeypatch.setattr(weight_format, "_ROW", row)
+    for _ in range(5):
+        numel = int(torch.randint(1, 200, (), generator=gen))
+        # a view at an odd place in memory too, as a partition inside a bucket lies
+        lead = int(torch.randint(0, 3, (), generator=gen))
+        t = random_tensor(gen, dtype, numel + lead)[lead:].reshape(-1, 1)
+        start = int(torch.randint(0, 2**40, (), generator=gen))
+        assert checksum(t, start) == reference_checksum(t, start)
+    # the int64 sums wrap around: still exact modulo 2^64 where every word is near 2^63
     big = torch.full((numel,), -(2**63) + 5, dtype=torch.int64).view(torch.float64)
     assert checksum(big, start) == reference_checksum(big, start)
 
@@ -319,20 +326,17 @@ def test_checksum_is_the_exact_sums_of_the_raw_bits(gen, dtype, chunk, monkeypat
 def test_a_single_flipped_bit_anywhere_changes_the_checksum(gen, dtype):
     t = random_tensor(gen, dtype, 300)
     before = checksum(t)
-    width = t.element_size() * 8
-    ints = INT_OF[t.element_size()]
-    for bit in range(width):
+    for bit in range(t.element_size() * 8):
         i = int(torch.randint(0, t.numel(), (), generator=gen))
         flipped = t.clone()
-        as_int = flipped.view(ints)
-        as_int[i] ^= torch.tensor(1, dtype=torch.int64).bitwise_left_shift(bit).to(ints)
+        flipped.view(torch.uint8)[i * t.element_size() + bit // 8] ^= 1 << (bit % 8)
         assert checksum(flipped) != before, (bit, i)
 
 
 def test_moved_elements_change_the_weighted_sum(gen):
     t = random_tensor(gen, torch.float32, 100)
     swapped = t.clone()
-    swapped[[3, 70]] = t[[70, 3]]
+    swapped[[2, 70]] = t[[70, 2]]  # the low halves of two words: the plain sum stays
     assert checksum(swapped)[0] == checksum(t)[0] and checksum(swapped) != checksum(t)
     assert checksum(t.roll(1)) != checksum(t)
 
