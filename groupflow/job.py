@@ -322,6 +322,8 @@ class TrainingJob:
             try:
                 done = self.futures.get(self._stream_until(wait))
             except PeerDied as err:
+                for handle in wait[len(handles.learner) :]:  # sent again below, or never
+                    self.transport.forget(handle)
                 self.generators.replace_dead()
                 if self.generators.restarts == restarts:  # no engine died: a rank did
                     raise LearnerLost(f"a learner rank died in a weight sync: {err}") from err
