@@ -12,6 +12,7 @@ import torch
 
 from groupflow import weight_format
 from groupflow.actors.weight_group import open_weight_group
+from groupflow.errors import expected_failure
 from groupflow.learner.weight_export import (
     broadcast_weights,
     joined,
@@ -378,6 +379,8 @@ def test_a_load_that_differs_is_one_line_naming_engine_version_and_tensor(gen):
         assert message.startswith("weight sync of policy version 4: engine 1 (actor 12ab): tensor")
         name = "lm_head.weight" if what == "did not send" else "model.norm.weight"
         assert f"tensor {name}:" in message
+        # the command line ends with this line and exit 1 (groupflow/errors.py)
+        assert expected_failure(err.value) == (message, 1)
 
 
 def test_the_engine_side_imports_nothing_of_the_learner():
