@@ -234,8 +234,10 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(
         1,
         ge=1,
-        description="devices one engine spans; only 1 for now (the engine runs in its actor's "
-        "process, which weight sync loads in place)",
+        le=64,
+        description="devices one engine spans: vLLM's multiprocess executor runs a worker per "
+        "device (per share of the actor's cores on CPU), each loading its own shard of every "
+        "weight sync; on GPUs resources.num_gpus must equal it",
     )
     weight_transport: Literal["object_store", "collective"] = Field(
         "object_store",
@@ -252,10 +254,16 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> RolloutConfig:
-        if self.tensor_parallel_size > 1:
+        tp, res = self.tensor_parallel_size, self.resources
+        if tp > 1 and res.num_gpus and res.num_gpus != tp:
             raise ValueError(
-                f"tensor_parallel_size: {self.tensor_parallel_size}: tensor-parallel engines are "
-                "not supported yet (an engine is one device; set 1)"
+                f"tensor_parallel_size ({tp}) must equal resources.num_gpus ({res.num_gpus:g}): "
+                "an engine's actor holds the devices of its workers"
+            )
+        if tp > 1 and not res.num_gpus and res.cpu_cores and len(res.cpu_cores) < tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) needs as many cores in resources.cpu_cores "
+                f"({res.cpu_cores}): each CPU worker runs on cores of its own"
             )
         return self
 

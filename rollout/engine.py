@@ -60,11 +60,38 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
     )
 
 
+def cpu_threads_bind(cores: list[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` tensor-parallel CPU workers: the cores this
+    process may run on, split into that many runs of neighbours ("0,1|2,3"). vLLM's own
+    choice binds each worker to a NUMA node of its own, which a one-node machine lacks."""
+    if len(cores) < workers:
+        raise ValueError(
+            f"rollout.tensor_parallel_size: {workers} CPU workers need as many cores; this "
+            f"engine may run on {len(cores)} ({cores})"
+        )
+    share, extra = divmod(len(cores), workers)
+    runs, start = [], 0
+    for worker in range(workers):
+        end = start + share + (worker < extra)
+        runs.append(",".join(str(c) for c in cores[start:end]))
+        start = end
+    return "|".join(runs)
+
+
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
+        # The engine core runs in this process; with tensor parallelism its workers are
+        # processes of their own (vLLM's multiprocess executor), one per device or CPU share.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        tp = settings.tensor_parallel_size
+        if tp > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(cores, tp)
+        self.tensor_parallel_size = tp
 
         self.llm = LLM(
             model=settings.model_path,
@@ -73,7 +100,8 @@ class RolloutEngine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             seed=settings.seed,
             enforce_eager=settings.enforce_eager,
-            tensor_parallel_size=settings.tensor_parallel_size,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
             # None: vLLM's own default for the device.
             max_num_seqs=settings.max_num_seqs,
             enable_prefix_caching=settings.enable_prefix_caching,
@@ -151,9 +179,13 @@ class RolloutEngine:
         arrive (the engine lives in this process, so the worker consumes it lazily). Returns
         the checksum of every tensor loaded (groupflow/weight_format.py)."""
         loaded = LoadedWeights(version)
-        self.llm.collective_rpc(
-            "load_named_tensors", args=(checksummed(named_tensors, loaded.checksums),)
-        )
+        pairs = checksummed(named_tensors, loaded.checksums)
+        if self.tensor_parallel_size > 1:
+            # The workers are other processes: the sync reaches them as one message, full
+            # tensors that each worker's weight loaders cut to its own shard, so the engine
+            # holds the model once more while it loads (an iterator does not cross).
+            pairs = list(pairs)
+        self.llm.collective_rpc("load_named_tensors", args=(pairs,))
         # Cached prefixes were computed by the old weights.
         self.llm.reset_prefix_cache()
         self.policy_version = version

@@ -266,6 +266,36 @@ def test_collective_transport_syncs_exactly_too(stack):
     _assert_engines_match(engines, _weights(learner))
 
 
+def test_a_tensor_parallel_engine_samples_what_a_one_device_engine_does_after_a_sync(stack):
+    """TP = 2 on this CPU (vLLM's multiprocess executor, a worker per core): after a verified
+    sync of trained weights, its greedy answers are the one-device engine's."""
+    cfg, engines, learner = stack
+    tp_cfg = build_config({}, ["rollout.tensor_parallel_size=2"])
+    tp_pool = start_generator_pool(tp_cfg, learner.model_path)
+    try:
+        _train(learner, _sample_sequences(engines, seed=7))
+        _sync(ObjectStoreTransport(learner, [engines[0], *tp_pool.engines]), version=20)
+        prompts = make_task("arithmetic").eval_prompts(24)
+        one_device, tensor_parallel = ray.get(
+            [
+                e.complete.remote(prompts, 1, cfg.rollout.sampling, True)
+                for e in [engines[0], tp_pool.engines[0]]
+            ]
+        )
+        assert {g.policy_version for g in one_device + tensor_parallel} == {20}
+        assert [g.responses[0].token_ids for g in tensor_parallel] == [
+            g.responses[0].token_ids for g in one_device
+        ]
+        # each worker holds a shard: worker 0's fused q/k/v projection is half the whole
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        shard, whole = (
+            ray.get(e.parameters_snapshot.remote())[qkv] for e in (tp_pool.engines[0], engines[0])
+        )
+        assert 2 * shard.shape[0] == whole.shape[0]
+    finally:
+        tp_pool.shutdown()
+
+
 def test_a_rank_dead_in_a_sync_fails_the_learners_side_and_the_engines_abandon_it(stack):
     """A rank killed before a sync: the learner's handle fails as a death (the job rebuilds
     the learner), and the engines abandon their loads rather than fail them, which would read

@@ -221,9 +221,10 @@ class RecordingEngine:
     receive_weights = RolloutEngine.receive_weights
     load_weights = RolloutEngine.load_weights
 
-    def __init__(self):
+    def __init__(self, tensor_parallel_size: int = 1):
         self.llm = RecordingLLM()
         self.policy_version = 0
+        self.tensor_parallel_size = tensor_parallel_size
 
 
 def free_port() -> int:
@@ -250,7 +251,8 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
     buckets = bucket_manifest(manifest, bucket_bytes)
     assert len(buckets) > 3
 
-    port, engines = free_port(), [RecordingEngine(), RecordingEngine()]
+    # the second engine tensor-parallel: its workers take the sync as one message
+    port, engines = free_port(), [RecordingEngine(), RecordingEngine(tensor_parallel_size=2)]
     errors: list[BaseException] = []
     sent, loaded = {}, {}
 
