@@ -29,20 +29,20 @@ import time
 from collections.abc import Callable, Sequence
 
 import ray
-import torch
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
-from groupflow.learner.device import Device, device_for
-from groupflow.learner.weight_export import bytes_tensor, unpack_bucket
+from groupflow.device import Device, device_for
 from groupflow.peers import Chunk, Futures, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
 from groupflow.recovery import RestartBudget
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
+from groupflow.rollout.weight_intake import broken_stream, streamed
 from groupflow.scaling import PoolState
+from groupflow.weight_format import LoadedWeights, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,6 @@ class Generator:
         first-call costs (seconds on CPU), which would hold up the whole step."""
         self.engine.sample_groups([Prompt("warm-up", "1+1=", 2)] * 2, group_size, sampling)
 
-    def load_weights(self, named_tensors, version: int) -> int:
-        self.engine.load_weights(named_tensors, version)
-        return version
-
     @ray.method(concurrency_group=WEIGHTS_IN)
     def add_weights(self, version: int, shards: list[ray.ObjectRef] | None) -> None:
         """The references to the next bucket's partitions for sync `version`, in rank order
@@ -90,54 +86,36 @@ class Generator:
         with self._arriving_lock:
             return self._arriving_buckets.setdefault(version, queue.Queue())
 
-    def load_streamed_weights(self, manifest: list, version: int) -> int | None:
+    def load_streamed_weights(self, buckets: list[Manifest], version: int) -> LoadedWeights | None:
         """Load sync `version` in one vLLM pass, each bucket as soon as its references have
-        arrived (add_weights), fetching one bucket at a time; `manifest[k]` names what bucket k
-        holds (learner/weight_export.py). Returns `version`, or None where the learner's
-        stream failed part-way: that failure is the learner's to report (its side of the sync
-        fails, and the job rebuilds it and syncs every engine again), so it must not read as
-        this engine's; the layers not loaded keep their weights (rollout/weight_receiver.py).
-        A failure of the engine's own raises."""
+        arrived (add_weights), fetching one bucket at a time (rollout/weight_intake.py).
+        Returns what was loaded, or None where the learner's stream failed part-way: that
+        failure is the learner's to report (its side of the sync fails, and the job rebuilds
+        it and syncs every engine again), so it must not read as this engine's; the layers not
+        loaded keep their weights (rollout/weight_receiver.py). A failure of the engine's own
+        raises."""
         arriving = self._arriving(version)
-        stream_failed = ""
-
-        def fetched():
-            nonlocal stream_failed
-            for bucket in manifest:
-                refs = arriving.get()
-                try:
-                    if refs is None:
-                        raise RuntimeError("a rank's stream ended early")
-                    arrays = ray.get(refs)
-                except Exception as err:
-                    stream_failed = str(err).splitlines()[0] if str(err) else type(err).__name__
-                    raise
-                dtype = getattr(torch, bucket[0][2])
-                # Put together where the engine computes: on a GPU, each partition crosses
-                # once and the parameters are cut and joined there, not by the host.
-                shards = [bytes_tensor(a).view(dtype).to(self.device.kind) for a in arrays]
-                yield from unpack_bucket(shards, bucket)
-
         try:
-            self.engine.load_weights(fetched(), version)
-        except Exception:
-            if not stream_failed:
+            return self.engine.load_weights(
+                streamed(buckets, arriving.get, ray.get, self.device.kind), version
+            )
+        except Exception as err:
+            broken = broken_stream(err)
+            if broken is None:
                 raise
             log.warning(
-                "weight sync %d abandoned, the learner's stream failed: %s", version, stream_failed
+                "weight sync %d abandoned, the learner's stream failed: %s", version, broken
             )
             return None
         finally:
             with self._arriving_lock:
                 del self._arriving_buckets[version]
-        return version
 
     def open_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.weight_group = open_weight_group(host, port, rank, world_size, self.device.backend)
 
-    def receive_weights(self, manifest, version: int) -> int:
-        self.engine.receive_weights(self.weight_group, manifest, version, self.device.kind)
-        return version
+    def receive_weights(self, buckets: list[Manifest], version: int) -> LoadedWeights:
+        return self.engine.receive_weights(self.weight_group, buckets, version, self.device.kind)
 
     def parameters_snapshot(self) -> dict:
         return self.engine.parameters_snapshot()

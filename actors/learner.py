@@ -12,8 +12,8 @@ from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
+from groupflow.device import device_for
 from groupflow.learner.batching import layout_step
-from groupflow.learner.device import device_for
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_engine import RankSetup
@@ -44,7 +44,7 @@ class LearnerRankActor:
         """Rank 0: the full parameters as one object (for checks; syncs stream buckets)."""
         return self.rank.gathered_weights()
 
-    def stream_weights(self, bucket_bytes: int):
+    def stream_weights(self, buckets: list):
         """Called with num_returns="streaming": yields this rank's partition of each bucket as
         soon as it is laid out, so each enters the object store on its own; nothing is
         gathered among the ranks. A partition goes as the bytes of its flat tensor in a numpy
@@ -54,7 +54,7 @@ class LearnerRankActor:
         yielded value before the generator resumes, and no other call runs meanwhile."""
         import torch
 
-        for shard in self.rank.weight_shard_buckets(bucket_bytes):
+        for shard in self.rank.weight_shard_buckets(buckets):
             # the bytes, on the CPU: a GPU rank keeps its partitions on its device
             yield shard.view(torch.uint8).cpu().numpy()
 
@@ -77,8 +77,13 @@ class LearnerRankActor:
     def weight_manifest(self) -> list:
         return self.rank.weight_manifest()
 
-    def broadcast_weights(self, bucket_bytes: int) -> None:
-        self.rank.broadcast_weights(self.weight_group, bucket_bytes)
+    def broadcast_weights(self, buckets: list) -> None:
+        self.rank.broadcast_weights(self.weight_group, buckets)
+
+    def sent_checksums(self) -> dict:
+        """This rank's shares of the checksums of the last sync it sent (called after it: an
+        actor runs its calls in order)."""
+        return self.rank.sent_checksums
 
 
 class LearnerGroup:
@@ -158,13 +163,18 @@ class LearnerGroup:
         as (name, tensor) pairs, so they enter the object store once and never the driver."""
         return [r.publish_weights.remote() for r in self.ranks]
 
-    def async_stream_weights(self, bucket_bytes: int) -> list[ray.ObjectRefGenerator]:
-        """A stream per rank, each yielding a reference per bucket to the rank's partition of
-        it, in rank order (learner/weight_export.py `shard_buckets`; no collective)."""
+    def async_stream_weights(self, buckets: list) -> list[ray.ObjectRefGenerator]:
+        """A stream per rank, each yielding a reference per bucket of `buckets` to the rank's
+        partition of it, in rank order (learner/weight_export.py `shard_buckets`; no
+        collective)."""
         return [
-            r.stream_weights.options(num_returns="streaming").remote(bucket_bytes)
-            for r in self.ranks
+            r.stream_weights.options(num_returns="streaming").remote(buckets) for r in self.ranks
         ]
+
+    def async_sent_checksums(self) -> list[ray.ObjectRef]:
+        """Each rank's shares of the checksums of the sync it sent last (call after starting
+        that sync: each rank answers once its side of it is done)."""
+        return [r.sent_checksums.remote() for r in self.ranks]
 
     def save_pretrained(self, path: str) -> None:
         """The policy in Hugging Face format; a failed write is the rank's one line."""

@@ -1,6 +1,6 @@
 """Weight sync from the learner to the engines (groupflow.peers.WeightSync).
 
-Both transports send the model in buckets of whole layers (learner/weight_export.py) of up to
+Both transports send the model in buckets of whole layers (groupflow/weight_format.py) of up to
 `rollout.weight_bucket_mb`, one after the other, so no learner rank holds a second copy of the
 model.
 `ObjectStoreTransport` (any cluster): every rank yields its own ZeRO-3 partition of each
@@ -16,7 +16,11 @@ rank 0 gathers the next bucket while the current one is in transfer, and each en
 bucket as soon as it has arrived, while the next one arrives.
 
 Both return with references the caller waits on. An engine runs its calls in order, so it
-loads the weights after the chunks already sent to it and before any sent later.
+loads the weights after the chunks already sent to it and before any sent later. The buckets
+are cut once, from learner rank 0's manifest, and handed to the ranks and the engines alike
+(groupflow/weight_format.py). Every load is verified (`check_load`): the engine reports the
+checksum of each tensor it loaded, the ranks theirs of what they sent, and one that differs
+stops the job.
 """
 
 from __future__ import annotations
@@ -25,27 +29,75 @@ from itertools import zip_longest
 
 import ray
 
+from groupflow.actors.futures import RayFutures
 from groupflow.actors.learner import LearnerGroup
-from groupflow.learner.weight_export import DEFAULT_BUCKET_BYTES, bucket_manifest
 from groupflow.peers import SyncHandles
+from groupflow.weight_format import (
+    DEFAULT_BUCKET_BYTES,
+    LoadedWeights,
+    Manifest,
+    add_checksums,
+    bucket_manifest,
+    check_loaded,
+)
 
 
-class ObjectStoreTransport:
+class WeightTransport:
+    """What both transports share: the buckets, cut once, and the check of every load."""
+
     def __init__(
         self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ):
         self.learner = learner
-        self.engines = engines
+        self.engines = engines  # the generator pool's list: a slot may hold a replacement
         self.bucket_bytes = bucket_bytes
-        self.buckets = None
+        self._buckets: list[Manifest] | None = None
+        # A load not checked yet -> (the engine, in words; the ranks' checksum shares).
+        self._loads: dict[ray.ObjectRef, tuple[str, list[ray.ObjectRef]]] = {}
+
+    @property
+    def buckets(self) -> list[Manifest]:
+        if self._buckets is None:
+            manifest = ray.get(self.learner.ranks[0].weight_manifest.remote())
+            self._buckets = bucket_manifest(manifest, self.bucket_bytes)
+        return self._buckets
 
     def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
+        raise NotImplementedError
+
+    def _note(self, engines: list, loads: list[ray.ObjectRef]) -> None:
+        """Keep what checking `loads` takes: the ranks answer once their side is done."""
+        sent = self.learner.async_sent_checksums()
+        for engine, load in zip(engines, loads, strict=True):
+            self._loads[load] = (self._describe(engine), sent)
+
+    def _describe(self, engine) -> str:
+        slot = next((i for i, e in enumerate(self.engines) if e is engine), None)
+        return f"engine {slot} (actor {engine._actor_id.hex()[:12]})"
+
+    def check_load(self, load: ray.ObjectRef, loaded: LoadedWeights | None) -> bool:
+        """Check an engine's finished load (the value of its handle) against what the ranks
+        sent; True where it was checked and matched, False for a load abandoned with a broken
+        stream (the learner's failure, reported on its side). A mismatch raises
+        WeightSyncMismatch: one line naming the engine, the version and the tensor."""
+        engine, sent = self._loads.pop(load)
+        if loaded is None:
+            return False
+        check_loaded(add_checksums(RayFutures().get(sent)), loaded, engine)
+        return True
+
+    def forget(self, load: ray.ObjectRef) -> None:
+        """A load that will never be checked (its engine died)."""
+        self._loads.pop(load, None)
+
+
+class ObjectStoreTransport(WeightTransport):
+    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
         engines = self.engines if engines is None else engines
-        if self.buckets is None:  # what each flat bucket holds, cut as the learner cuts it
-            manifest = ray.get(self.learner.ranks[0].weight_manifest.remote())
-            self.buckets = bucket_manifest(manifest, self.bucket_bytes)
-        streams = self.learner.async_stream_weights(self.bucket_bytes)
-        loads = [e.load_streamed_weights.remote(self.buckets, version) for e in engines]
+        buckets = self.buckets
+        streams = self.learner.async_stream_weights(buckets)
+        loads = [e.load_streamed_weights.remote(buckets, version) for e in engines]
+        self._note(engines, loads)
         # Each stream hands out a reference per bucket as the rank has laid it out (this
         # waits for it); wrapped in a list, the engines keep them unfetched until they load.
         # A rank that fails ends its stream early (its last reference holds the error).
@@ -58,7 +110,7 @@ class ObjectStoreTransport:
                     engine.add_weights.remote(version, list(shards))
                 forwarded += 1
         finally:
-            if forwarded < len(self.buckets):  # or the engines would wait for the rest
+            if forwarded < len(buckets):  # or the engines would wait for the rest
                 for engine in engines:
                     engine.add_weights.remote(version, None)
         # The buckets are in the object store once the streams complete: the learner may
@@ -66,7 +118,7 @@ class ObjectStoreTransport:
         return SyncHandles([stream.completed() for stream in streams], loads)
 
 
-class CollectiveTransport:
+class CollectiveTransport(WeightTransport):
     """Learner rank 0 broadcasts the parameters bucket by bucket, as they are gathered from the
     ZeRO-3 shards, to every engine over a process group of its own (actors/weight_group.py);
     the engines receive in place and load. The group is opened on the first sync."""
@@ -74,10 +126,8 @@ class CollectiveTransport:
     def __init__(
         self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ):
-        self.learner = learner
-        self.engines = engines
-        self.bucket_bytes = bucket_bytes
-        self.buckets = None
+        super().__init__(learner, engines, bucket_bytes)
+        self._opened = False
 
     def _open(self) -> None:
         ranks = self.learner.ranks
@@ -90,26 +140,25 @@ class CollectiveTransport:
                 for i, e in enumerate(self.engines)
             ]
         )
-        # The engines cut the same buckets as the learner ranks.
-        manifest = ray.get(ranks[0].weight_manifest.remote())
-        self.buckets = bucket_manifest(manifest, self.bucket_bytes)
+        self._opened = True
 
     def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
         if engines is not None and engines != self.engines:
             # Its engines never change (a death ends the job), so none ever awaits alone.
             raise ValueError("the collective transport broadcasts to all of its engines")
-        if self.buckets is None:
+        if not self._opened:
             self._open()
+        buckets = self.buckets
         # The ranks' broadcast ends only when every engine has received.
-        return SyncHandles(
-            [r.broadcast_weights.remote(self.bucket_bytes) for r in self.learner.ranks],
-            [e.receive_weights.remote(self.buckets, version) for e in self.engines],
-        )
+        sending = [r.broadcast_weights.remote(buckets) for r in self.learner.ranks]
+        loads = [e.receive_weights.remote(buckets, version) for e in self.engines]
+        self._note(self.engines, loads)
+        return SyncHandles(sending, loads)
 
 
 def make_transport(
     kind: str, learner: LearnerGroup, engines: list, bucket_mb: int
-) -> ObjectStoreTransport | CollectiveTransport:
+) -> WeightTransport:
     bucket_bytes = bucket_mb * 2**20
     if kind == "object_store":
         return ObjectStoreTransport(learner, engines, bucket_bytes)

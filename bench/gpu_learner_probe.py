@@ -28,8 +28,8 @@ import time
 import torch
 
 from groupflow.config import build_config
+from groupflow.device import Device
 from groupflow.learner.batching import layout_step, padding_share
-from groupflow.learner.device import Device
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_engine import RankSetup
 from groupflow.records import TrainSequence

@@ -12,7 +12,13 @@ side alone: until every rank's partitions are in the object store (object store)
 has gathered and sent every bucket (collective); the engines load meanwhile and after. For the
 object store, also the engines' side alone: their load of a sync already in the object store,
 with the learner idle (on CPU, vLLM's own reload sets it). Costs about a minute of start-up per
-shape.
+shape. Every engine's load is checked against the learner's checksums, as in a job.
+
+    .venv/bin/python bench/weight_sync.py --checksums
+
+prints instead what the checksums cost alone (groupflow/weight_format.py): GB/s of a
+bucket-sized tensor per dtype on one thread, a whole tensor and a partition that starts
+off a word boundary.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import make_transport
 from groupflow.config import Config, build_config
-from groupflow.learner.weight_export import bucket_manifest
 from groupflow.quickstart import quickstart_model_path
+from groupflow.weight_format import bucket_manifest, checksum
 
 TRANSPORTS = ("object_store", "collective")
 
@@ -75,7 +81,8 @@ def time_syncs(
         handles = transport.async_sync(version)
         ray.get(handles.learner)
         learner_done = time.perf_counter() - start
-        ray.get(handles.engines)
+        for handle, loaded in zip(handles.engines, ray.get(handles.engines), strict=True):
+            transport.check_load(handle, loaded)
         seconds.append((learner_done, time.perf_counter() - start))
     return seconds
 
@@ -85,14 +92,12 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     object store already, the learner idle: the engines' side alone, what the end-to-end
     figure cannot beat however fast the learner's side is."""
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
-    streams = learner.async_stream_weights(bucket_bytes)
+    buckets = bucket_manifest(manifest, bucket_bytes)
+    streams = learner.async_stream_weights(buckets)
     shards = list(zip(*streams, strict=True))
     ray.get([stream.completed() for stream in streams])
     start = time.perf_counter()
-    loads = [
-        e.load_streamed_weights.remote(bucket_manifest(manifest, bucket_bytes), version)
-        for e in engines
-    ]
+    loads = [e.load_streamed_weights.remote(buckets, version) for e in engines]
     for refs in shards:
         for engine in engines:
             engine.add_weights.remote(version, list(refs))
@@ -132,14 +137,34 @@ def bench_shape(hidden: int, layers: int, engines: int, repeats: int, bucket_mb:
             pool.shutdown()
 
 
+def bench_checksums(bucket_mb: int, repeats: int) -> None:
+    print("dtype      MiB   whole tensor      partition off a word boundary", flush=True)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        numel = bucket_mb * 2**20 // torch.empty((), dtype=dtype).element_size()
+        tensor = torch.randn(numel + 1).to(dtype)
+        figures = []
+        for part, start in ((tensor[:numel], 0), (tensor[1:], 1)):
+            checksum(part, start)  # warm-up
+            began = time.perf_counter()
+            for _ in range(repeats):
+                checksum(part, start)
+            seconds = (time.perf_counter() - began) / repeats
+            figures.append(f"{seconds:6.3f} s {bucket_mb * 2**20 / seconds / 1e9:5.2f} GB/s")
+        print(f"{str(dtype).removeprefix('torch.'):9s} {bucket_mb:4d}   {'   '.join(figures)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="256x4,512x8,1024x8,1024x16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=64, help="rollout.weight_bucket_mb")
+    parser.add_argument("--checksums", action="store_true", help="the checksums' cost alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.checksums:
+        bench_checksums(args.bucket_mb, args.repeats)
+        return
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
     print(
         "shape      model bytes  transport    median time       effective  learner side"

@@ -88,6 +88,7 @@ PANEL_ROWS = {
     "Checkpoints": "Cluster",
     "Restarts": "Cluster",
     "Scaling": "Cluster",
+    "Weight sync": "Cluster",
 }
 
 _STEP = "Step and policy version"
@@ -333,6 +334,15 @@ METRICS: tuple[Metric, ...] = (
         "",
         "Restarts",
         Series("groupflow_learner_restarts", "running_total"),
+    ),
+    # weight sync (actors/transport.py): a load that fails its check ends the job instead
+    Metric(
+        "weight_sync_verified",
+        "engine weight loads finished since the previous step whose checksum of every tensor "
+        "matched what the learner sent",
+        "",
+        "Weight sync",
+        Series("groupflow_weight_sync_verified", "counter"),
     ),
     # scaling (groupflow/scaling.py): the counts a step ran with; live counts are LIVE_GAUGES
     Metric("num_engines", "generator engines that served the step", ""),

@@ -213,6 +213,32 @@ class RolloutConfig(Section):
     )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = Field(256, ge=8)
+    enforce_eager: bool | None = Field(
+        None,
+        description="run the engine's model eagerly (true) or let vLLM capture CUDA graphs of "
+        "its decode steps and compile it (false); null (the default): eagerly on CPU, CUDA "
+        "graphs on GPUs (resources.num_gpus > 0)",
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="sequences an engine runs at once (a prompt's request of n = group_size "
+        "counts group_size); null: vLLM's default for the device",
+    )
+    enable_prefix_caching: bool | None = Field(
+        None,
+        description="reuse the KV cache of prompt prefixes the engine computed already (a "
+        "group's responses share their prompt); null: vLLM's default (on). Every weight load "
+        "empties the cache",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="devices one engine spans: vLLM's multiprocess executor runs a worker per "
+        "device (per share of the actor's cores on CPU), each loading its own shard of every "
+        "weight sync; on GPUs resources.num_gpus must equal it",
+    )
     weight_transport: Literal["object_store", "collective"] = Field(
         "object_store",
         description="how new weights reach the engines: Ray's object store, or a broadcast "
@@ -225,6 +251,21 @@ class RolloutConfig(Section):
         "size; a larger layer is a bucket of its own): both transports send the model bucket by "
         "bucket, so learner rank 0 holds at most two buckets, never a second copy of the model",
     )
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> RolloutConfig:
+        tp, res = self.tensor_parallel_size, self.resources
+        if tp > 1 and res.num_gpus and res.num_gpus != tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must equal resources.num_gpus ({res.num_gpus:g}): "
+                "an engine's actor holds the devices of its workers"
+            )
+        if tp > 1 and not res.num_gpus and res.cpu_cores and len(res.cpu_cores) < tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) needs as many cores in resources.cpu_cores "
+                f"({res.cpu_cores}): each CPU worker runs on cores of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_autoscale(self) -> RolloutConfig:

@@ -136,6 +136,8 @@ class TrainingJob:
             record.update(self.learner_figures(results))
             record["groups_dropped_stale"] = taken.dropped_stale
             record["groups_filtered"] = taken.filtered
+            record["weight_sync_verified"] = self.pipeline.loads_verified  # since the last step
+            self.pipeline.loads_verified = 0
         record.update(self._running_totals() | self.restarts.state_dict())
         if self.checkpointing is not None:
             record["seconds_since_checkpoint"] = time.monotonic() - self._saved_at

@@ -194,3 +194,12 @@ class WeightSync(Protocol):
     def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
         """Start making every engine (or only `engines`) serve the learner's parameters as
         `version`; the engines load them after the chunks already queued on them."""
+
+    def check_load(self, load: Handle, loaded: Any) -> bool:
+        """Check a finished engine load (`load`, one of SyncHandles.engines; `loaded`, its
+        value) against what the learner sent: True where it matched, False where there was
+        nothing to check (a load abandoned with the learner's broken stream); a mismatch
+        raises (groupflow.weight_format.WeightSyncMismatch)."""
+
+    def forget(self, load: Handle) -> None:
+        """A load that will never be checked (its engine died)."""

@@ -49,6 +49,7 @@ class Pipeline:
         # version and can be sent to an engine; None while it trains or is rebuilt.
         self.version: int | None = 0
         self._engine_loads: list[Handle] = []  # weight loads the engines have not finished
+        self.loads_verified = 0  # engine loads checked against the learner's checksums
         self._scored: dict[int, list[ScoredGroup]] = defaultdict(list)  # by rollout id
 
     def wait_for(self, handles: Sequence[Handle]) -> list[Any]:
@@ -102,12 +103,17 @@ class Pipeline:
                 wait = handles.learner
                 self._engine_loads.extend(handles.engines)
             try:
-                self.wait_for(wait)
-                return
+                done = self.wait_for(wait)
             except PeerDied as err:
+                for load in wait[len(handles.learner) :]:  # sent again below, or never
+                    self.transport.forget(load)
                 self.generators.replace_dead()
                 if self.restarts.engines == replaced:  # no engine died: a rank did
                     raise LearnerLost(f"a learner rank died in a weight sync: {err}") from err
+                continue
+            learner_side = len(handles.learner)
+            self._check_loads(wait[learner_side:], done[learner_side:])
+            return
 
     def abandon(self) -> None:
         """The learner is lost: draw and send nothing more, let the rollouts in flight finish
@@ -119,6 +125,11 @@ class Pipeline:
         self.stream.abandon()
         self._scored.clear()
         self.generators.drop_lost()
+
+    def _check_loads(self, loads: Sequence[Handle], loaded: Sequence) -> None:
+        """Finished weight loads against the learner's checksums (a mismatch ends the job)."""
+        for load, value in zip(loads, loaded, strict=True):
+            self.loads_verified += self.transport.check_load(load, value)
 
     def _stream_until(self, handles: Sequence[Handle]) -> Sequence[Handle]:
         waiting = set(handles)
@@ -144,9 +155,12 @@ class Pipeline:
         for load in (h for h in ready if h in loads):
             self._engine_loads.remove(load)
             try:
-                self.futures.get([load])
+                loaded = self.futures.get([load])
             except PeerDied:  # its chunks are sent again once the replacement has the weights
+                self.transport.forget(load)
                 self.generators.replace_dead()
+                continue
+            self._check_loads([load], loaded)
         # A peer that died fails its handle at once; the others may never finish (ranks
         # blocked in a collective with the dead one).
         self.futures.get([h for h in ready if h in waiting and h not in chunks | batches | loads])

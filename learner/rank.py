@@ -18,7 +18,6 @@ from groupflow.learner.micro_batch import check_packing
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
-    Broadcaster,
     broadcast_weights,
     gathered_weights,
     save_pretrained,
@@ -26,6 +25,7 @@ from groupflow.learner.weight_export import (
     weight_manifest,
 )
 from groupflow.learner.zero_engine import RankSetup, build_zero_engines
+from groupflow.weight_format import Broadcaster, Checksums, Manifest
 
 
 class LearnerRank:
@@ -41,6 +41,7 @@ class LearnerRank:
         if cfg.learner.pack_sequences:
             policy = self.engines.policy
             check_packing(policy.model, self._module.config.vocab_size, policy.device)
+        self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
 
     @property
     def _module(self) -> torch.nn.Module:
@@ -65,16 +66,21 @@ class LearnerRank:
         """Full parameters in Hugging Face names on rank 0 (None elsewhere)."""
         return gathered_weights(self._module, self._is_source)
 
-    def weight_shard_buckets(self, bucket_bytes: int) -> Iterator[torch.Tensor]:
-        """This rank's partition of each bucket as one flat tensor (local: no collective)."""
-        return shard_buckets(self._module, bucket_bytes)
+    def weight_shard_buckets(self, buckets: list[Manifest]) -> Iterator[torch.Tensor]:
+        """This rank's partition of each bucket as one flat tensor (local: no collective);
+        its shares of the checksums are `sent_checksums` once the last one is out."""
+        self.sent_checksums = {}
+        setup = self.setup
+        return shard_buckets(
+            self._module, buckets, setup.rank, setup.world_size, self.sent_checksums
+        )
 
-    def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+    def weight_manifest(self) -> Manifest:
         return weight_manifest(self._module)
 
-    def broadcast_weights(self, group: Broadcaster | None, bucket_bytes: int) -> None:
+    def broadcast_weights(self, group: Broadcaster | None, buckets: list[Manifest]) -> None:
         """Rank 0 passes the engines' weight group, the other ranks None (they only gather)."""
-        broadcast_weights(self._module, group, bucket_bytes)
+        self.sent_checksums = broadcast_weights(self._module, group, buckets)
 
     def save_pretrained(self, path: str) -> None:
         with saving_to(path):

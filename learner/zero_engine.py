@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from groupflow.config import Config
-from groupflow.learner.device import Device
+from groupflow.device import Device
 from groupflow.learner.model_setup import prepare_model
 from groupflow.learner.zero_config import deepspeed_config
 

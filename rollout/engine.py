@@ -1,7 +1,8 @@
 """A vLLM engine for grouped sampling: one request with n = G per prompt.
 
-No Ray in here; actors/generator.py wraps it. The engine lives in the caller's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be swapped in place.
+No Ray in here; actors/generator.py wraps it. The engine core lives in the caller's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be swapped in place: in its one worker,
+or, tensor-parallel, in worker processes of vLLM's multiprocess executor, one per shard.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
+from groupflow.rollout.weight_intake import broadcast, checksummed
+from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest
 
 if TYPE_CHECKING:
     from groupflow.config import SamplingConfig
@@ -27,6 +30,16 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     seed: int = 0
     chat: ChatSettings = field(default_factory=ChatSettings)
+    enforce_eager: bool = True
+    max_num_seqs: int | None = None  # None: vLLM's default
+    enable_prefix_caching: bool | None = None  # None: vLLM's default
+    tensor_parallel_size: int = 1
+
+
+def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
+    """rollout.enforce_eager: unset, eager on CPU (no CUDA graphs to capture, and compiling the
+    model would cost each engine minutes at start) and CUDA graphs on GPUs."""
+    return num_gpus == 0 if enforce_eager is None else enforce_eager
 
 
 def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
@@ -39,7 +52,31 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=seed,
         chat=ChatSettings(cfg.task.chat_template, cfg.task.system_prompt),
+        enforce_eager=resolved_enforce_eager(
+            cfg.rollout.enforce_eager, cfg.rollout.resources.num_gpus
+        ),
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        enable_prefix_caching=cfg.rollout.enable_prefix_caching,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
     )
+
+
+def cpu_threads_bind(cores: list[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` tensor-parallel CPU workers: the cores this
+    process may run on, split into that many runs of neighbours ("0,1|2,3"). vLLM's own
+    choice binds each worker to a NUMA node of its own, which a one-node machine lacks."""
+    if len(cores) < workers:
+        raise ValueError(
+            f"rollout.tensor_parallel_size: {workers} CPU workers need as many cores; this "
+            f"engine may run on {len(cores)} ({cores})"
+        )
+    share, extra = divmod(len(cores), workers)
+    runs, start = [], 0
+    for worker in range(workers):
+        end = start + share + (worker < extra)
+        runs.append(",".join(str(c) for c in cores[start:end]))
+        start = end
+    return "|".join(runs)
 
 
 class RolloutEngine:
@@ -47,6 +84,13 @@ class RolloutEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        tp = settings.tensor_parallel_size
+        if tp > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(cores, tp)
+        self.tensor_parallel_size = tp
 
         self.llm = LLM(
             model=settings.model_path,
@@ -54,7 +98,12 @@ class RolloutEngine:
             max_model_len=settings.max_model_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             seed=settings.seed,
-            enforce_eager=True,
+            enforce_eager=settings.enforce_eager,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
+            # None: vLLM's own default for the device.
+            max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=settings.enable_prefix_caching,
             # Log-probs after temperature: the same distribution the learner recomputes.
             logprobs_mode="processed_logprobs",
             worker_extension_cls="groupflow.rollout.weight_receiver.WeightReceiver",
@@ -124,41 +173,32 @@ class RolloutEngine:
             groups.append(SampledGroup(prompt, ids, responses, self.policy_version))
         return groups
 
-    def load_weights(self, named_tensors, version: int) -> None:
+    def load_weights(self, named_tensors, version: int) -> LoadedWeights:
         """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they
-        arrive (the engine lives in this process, so the worker consumes it lazily)."""
-        self.llm.collective_rpc("load_named_tensors", args=(named_tensors,))
+        arrive (the engine lives in this process, so the worker consumes it lazily). Returns
+        the checksum of every tensor loaded (groupflow/weight_format.py)."""
+        loaded = LoadedWeights(version)
+        pairs = checksummed(named_tensors, loaded.checksums)
+        if self.tensor_parallel_size > 1:
+            # The workers are other processes: the sync reaches them as one message, full
+            # tensors that each worker's weight loaders cut to its own shard, so the engine
+            # holds the model once more while it loads (an iterator does not cross).
+            pairs = list(pairs)
+        self.llm.collective_rpc("load_named_tensors", args=(pairs,))
         # Cached prefixes were computed by the old weights.
         self.llm.reset_prefix_cache()
         self.policy_version = version
+        return loaded
 
-    def receive_weights(self, group, buckets, version: int, device: str) -> None:
-        """Receive the buckets (learner/weight_export.py's bucket_manifest) from the weight
-        group's rank 0 and load them in one pass: vLLM loads each layer once its tensors have
-        arrived, while the next bucket is in transfer."""
-        self.load_weights(_arriving(group, buckets, device), version)
+    def receive_weights(
+        self, group: Broadcaster, buckets: list[Manifest], version: int, device: str
+    ) -> LoadedWeights:
+        """Receive the buckets from the weight group's rank 0 and load them in one pass: vLLM
+        loads each layer once its tensors have arrived, while the next bucket is in transfer."""
+        return self.load_weights(broadcast(group, buckets, device), version)
 
     def parameters_snapshot(self) -> dict:
         return self.llm.collective_rpc("named_parameters_snapshot")[0]
-
-
-def _arriving(group, buckets, device: str):
-    """The (name, tensor) pairs of `buckets` as each bucket lands, the next one in transfer."""
-    import torch
-
-    from groupflow.learner.weight_export import unpack_bucket
-
-    def start(bucket):
-        numel = sum(torch.Size(shape).numel() for _, shape, _ in bucket)
-        flat = torch.empty(numel, dtype=getattr(torch, bucket[0][2]), device=device)
-        return flat, group.start_broadcast(flat)
-
-    pending = start(buckets[0]) if buckets else None
-    for k, bucket in enumerate(buckets):
-        flat, transfer = pending
-        transfer.wait()
-        pending = start(buckets[k + 1]) if k + 1 < len(buckets) else None
-        yield from unpack_bucket([flat], bucket)
 
 
 def request_seed(seed: int | None, uid: str, version: int) -> int | None:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from groupflow.learner.weight_export import layer_of
+from groupflow.weight_format import layer_of
 
 # With tied embeddings vLLM's output projection shares the input embedding's weight.
 TIED_HEAD = {"model.embed_tokens": "lm_head"}

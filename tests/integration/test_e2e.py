@@ -31,6 +31,7 @@ STEP_KEYS = {
     "time_sync_s",
     "time_step_s",
     "staleness_mean",
+    "weight_sync_verified",
 }
 
 
@@ -74,6 +75,9 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
         assert STEP_KEYS <= r.keys(), STEP_KEYS - r.keys()
         # every key the job writes is documented in the metric catalogue
         assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
+    # every engine load that finished was checked against the learner's checksums (the
+    # engine's load of version 1 ran before it sampled step 3's groups)
+    assert sum(r["weight_sync_verified"] for r in records) >= 1
     # generation of step k+1 ran on version k-1 weights while step k trained: exactly one behind
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
     cfg = load_config(run / "config.resolved.yaml")

@@ -10,9 +10,9 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
 from groupflow.config import SamplingConfig, build_config
-from groupflow.learner.weight_export import bucket_manifest
 from groupflow.records import Prompt, TrainSequence
 from groupflow.reward_workers.tasks import make_task
+from groupflow.weight_format import WeightSyncMismatch, bucket_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,12 @@ def _weights(learner) -> dict[str, torch.Tensor]:
 
 
 def _sync(transport, version: int) -> None:
-    ray.get(transport.async_sync(version).handles(), timeout=300)
+    """A sync, every engine's load checked against the learner's checksums."""
+    handles = transport.async_sync(version)
+    ray.get(handles.learner, timeout=300)
+    loaded = ray.get(handles.engines, timeout=300)
+    for handle, value in zip(handles.engines, loaded, strict=True):
+        assert transport.check_load(handle, value), "verified"
 
 
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
@@ -91,6 +96,49 @@ def test_weight_sync_is_exact_on_every_engine(stack):
     _assert_engines_match(engines, after)
 
 
+class CorruptingEngine:
+    """An engine's handle whose first bucket arrives with one bit flipped on the way: the
+    partition of learner rank 0, its first element's lowest bit (a change vLLM loads
+    silently, the engine samples on)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._actor_id = engine._actor_id
+        self.load_streamed_weights = engine.load_streamed_weights
+        self.add_weights = self
+        self.corrupted = False
+
+    def remote(self, version, shards):  # stands in for add_weights.remote
+        if shards is not None and not self.corrupted:
+            array = ray.get(shards[0]).copy()
+            array[0] ^= 1
+            shards = [ray.put(array), *shards[1:]]
+            self.corrupted = True
+        return self.engine.add_weights.remote(version, shards)
+
+
+def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
+    cfg, engines, learner = stack
+    corrupting = CorruptingEngine(engines[1])
+    transport = ObjectStoreTransport(learner, [engines[0], corrupting])
+    handles = transport.async_sync(version=1)  # the version the engines hold: later tests
+    # count on the engines being at version 1 here
+    ray.get(handles.learner, timeout=300)
+    loaded = ray.get(handles.engines, timeout=300)
+    assert corrupting.corrupted
+    assert transport.check_load(handles.engines[0], loaded[0])
+    first = transport.buckets[0][0][0]  # the bucket's first tensor holds the flipped bit
+    with pytest.raises(WeightSyncMismatch) as err:
+        transport.check_load(handles.engines[1], loaded[1])
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("weight sync of policy version 1: engine 1 (actor ")
+    assert f"tensor {first}: loaded checksum" in line
+    # a clean sync makes the engine whole again, verified
+    _sync(ObjectStoreTransport(learner, engines), version=1)
+    _assert_engines_match(engines, _weights(learner))
+
+
 def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(stack):
     """The engine's load starts before the buckets arrive, behind a chunk it is sampling:
     the references reach it meanwhile (their own concurrency group) and it loads exactly.
@@ -108,9 +156,10 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     # abandons the load (the learner's side reports the failure) and still samples (the
     # layers not loaded keep their weights) until a whole sync makes it exact again.
     _train(learner, _sample_sequences(engines, seed=6))
-    streams = learner.async_stream_weights(2**20)
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
-    load = engines[0].load_streamed_weights.remote(bucket_manifest(manifest, 2**20), 3)
+    buckets = bucket_manifest(manifest, 2**20)
+    streams = learner.async_stream_weights(buckets)
+    load = engines[0].load_streamed_weights.remote(buckets, 3)
     engines[0].add_weights.remote(3, [next(stream) for stream in streams])
     engines[0].add_weights.remote(3, None)
     assert ray.get(load, timeout=120) is None, "the load is abandoned, not failed"
@@ -215,6 +264,36 @@ def test_collective_transport_syncs_exactly_too(stack):
     _train(learner, _sample_sequences(engines, seed=4))
     _sync(transport, version=11)  # the group is reused
     _assert_engines_match(engines, _weights(learner))
+
+
+def test_a_tensor_parallel_engine_samples_what_a_one_device_engine_does_after_a_sync(stack):
+    """TP = 2 on this CPU (vLLM's multiprocess executor, a worker per core): after a verified
+    sync of trained weights, its greedy answers are the one-device engine's."""
+    cfg, engines, learner = stack
+    tp_cfg = build_config({}, ["rollout.tensor_parallel_size=2"])
+    tp_pool = start_generator_pool(tp_cfg, learner.model_path)
+    try:
+        _train(learner, _sample_sequences(engines, seed=7))
+        _sync(ObjectStoreTransport(learner, [engines[0], *tp_pool.engines]), version=20)
+        prompts = make_task("arithmetic").eval_prompts(24)
+        one_device, tensor_parallel = ray.get(
+            [
+                e.complete.remote(prompts, 1, cfg.rollout.sampling, True)
+                for e in [engines[0], tp_pool.engines[0]]
+            ]
+        )
+        assert {g.policy_version for g in one_device + tensor_parallel} == {20}
+        assert [g.responses[0].token_ids for g in tensor_parallel] == [
+            g.responses[0].token_ids for g in one_device
+        ]
+        # each worker holds a shard: worker 0's fused q/k/v projection is half the whole
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        shard, whole = (
+            ray.get(e.parameters_snapshot.remote())[qkv] for e in (tp_pool.engines[0], engines[0])
+        )
+        assert 2 * shard.shape[0] == whole.shape[0]
+    finally:
+        tp_pool.shutdown()
 
 
 def test_a_rank_dead_in_a_sync_fails_the_learners_side_and_the_engines_abandon_it(stack):

@@ -275,3 +275,61 @@ def test_set_values_go_through_the_same_bounded_reader(value, problem):
         build_config({}, [f"task.options.x={value}"])
     assert str(err.value).startswith("--set task.options.x: ")
     assert "\n" not in str(err.value)
+
+
+# ----- engine settings (rollout/engine.py) -------------------------------------------------------
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        (
+            "rollout.tensor_parallel_size=2 rollout.resources.num_gpus=1",
+            r"^rollout: tensor_parallel_size \(2\) must equal resources.num_gpus \(1\)",
+        ),
+        (
+            "rollout.tensor_parallel_size=4 rollout.resources.cpu_cores=[0,1]",
+            r"^rollout: tensor_parallel_size \(4\) needs as many cores",
+        ),
+        ("rollout.tensor_parallel_size=0", r"^rollout\.tensor_parallel_size: "),
+        ("rollout.max_num_seqs=0", r"^rollout\.max_num_seqs: "),
+        ("rollout.enforce_eager=sometimes", r"^rollout\.enforce_eager: "),
+    ],
+)
+def test_engine_settings_out_of_range_are_one_line_naming_the_key(override, problem):
+    with pytest.raises(ConfigError, match=problem) as err:
+        build_config({}, override.split())
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("gpus", [0.0, 1.0])
+@pytest.mark.parametrize("eager", [None, True, False])
+def test_engine_settings_reach_the_engine_eager_by_default_only_on_cpu(gpus, eager):
+    from groupflow.rollout.engine import engine_settings
+
+    overrides = [
+        f"rollout.resources.num_gpus={gpus}",
+        "rollout.max_num_seqs=48",
+        "rollout.enable_prefix_caching=false",
+    ]
+    if eager is not None:
+        overrides.append(f"rollout.enforce_eager={str(eager).lower()}")
+    settings = engine_settings(build_config({}, overrides), "/model", seed=3)
+    assert settings.enforce_eager is (gpus == 0 if eager is None else eager)
+    assert (settings.max_num_seqs, settings.enable_prefix_caching) == (48, False)
+    assert settings.tensor_parallel_size == 1 and settings.seed == 3
+
+
+def test_unset_engine_settings_leave_vllms_defaults():
+    from groupflow.rollout.engine import engine_settings
+
+    settings = engine_settings(build_config({}, []), "/model", seed=0)
+    assert settings.max_num_seqs is None and settings.enable_prefix_caching is None
+
+
+def test_tensor_parallel_cpu_workers_split_the_cores_into_neighbour_runs():
+    from groupflow.rollout.engine import cpu_threads_bind
+
+    assert cpu_threads_bind([0, 1], 2) == "0|1"
+    assert cpu_threads_bind([2, 3, 4, 5, 6], 2) == "2,3,4|5,6"
+    assert cpu_threads_bind(list(range(8)), 4) == "0,1|2,3|4,5|6,7"
+    with pytest.raises(ValueError, match=r"^rollout.tensor_parallel_size: 3 CPU workers"):
+        cpu_threads_bind([0, 1], 3)

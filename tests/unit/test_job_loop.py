@@ -26,6 +26,7 @@ from groupflow.prompt_stream import MAX_REFILLS
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.scaling import PoolState
+from groupflow.weight_format import WeightSyncMismatch
 
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 2
@@ -234,6 +235,18 @@ class FakeTransport:
         self, engines: list[FakeEngine], loads: bool = True, skip=frozenset(), rank_dies_at=None
     ):
         self.engines, self.loads, self.skip, self.rank_dies_at = engines, loads, skip, rank_dies_at
+        self.corrupt_at = None  # the version whose loads fail their checksum check
+        self.checked: list[object] = []  # the values of the loads checked, in order
+        self.forgotten = 0
+
+    def check_load(self, load, loaded) -> bool:
+        self.checked.append(loaded)
+        if loaded is not None and loaded == self.corrupt_at:
+            raise WeightSyncMismatch(f"weight sync of policy version {loaded}: engine 0: x")
+        return loaded is not None
+
+    def forget(self, load) -> None:
+        self.forgotten += 1
 
     def async_sync(self, version, engines=None):
         if not self.loads:
@@ -314,6 +327,7 @@ def run_job(
     engine_type=FakeEngine,
     starting=None,
     scaler=None,
+    corrupt_sync_at=None,
 ) -> Run:
     """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
     on from the newest checkpoint, as a restarted driver with new peers would. `starting`
@@ -356,13 +370,15 @@ def run_job(
         clock=lambda: clock.now,
     )
     rewards = FakeRewards(clock, log, reward, score_s)
+    transport = FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync)
+    transport.corrupt_at = corrupt_sync_at
     job = TrainingJob(
         cfg,
         CountingTask(),
         generators=pool,
         rewards=rewards,
         learner=learner,
-        transport=FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync),
+        transport=transport,
         futures=futures,
         restarts=restarts,
         learner_figures=lambda results: {"optimizer_updates": len(results)},
@@ -682,6 +698,40 @@ def test_a_dead_learner_rank_rebuilds_the_learner_from_the_newest_checkpoint(
     assert [r["step"] for r in run.records] == steps
     assert [r["learner_restarts"] for r in run.records] == [0] * (len(steps) - 3) + [1] * 3
     assert [r["engine_restarts"] for r in run.records] == [1] * len(steps)
+
+
+# ----- verified weight syncs -------------------------------------------------------------------
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_every_finished_load_is_checked_and_the_records_count_the_verified_ones(staleness):
+    run = run_job(steps=5, staleness=staleness, engines=2)
+    checked = run.job.pipeline.transport.checked
+    # each engine's loads of versions 1-4 finished while the job ran (the last sync's may not)
+    assert sorted(v for v in checked if v is not None)[: 2 * 4] == sorted([1, 2, 3, 4] * 2)
+    assert sum(r["weight_sync_verified"] for r in run.records) == len(checked) > 0
+
+
+def test_an_abandoned_load_is_checked_but_not_counted_as_verified(tmp_path):
+    run = run_job(
+        steps=4,
+        run_dir=tmp_path,
+        overrides=["trainer.checkpoint_every=1"],
+        rank_dies_in_sync=2,  # the engines abandon their loads of version 2
+    )
+    checked = run.job.pipeline.transport.checked
+    assert checked.count(None) == 2
+    verified = sum(r["weight_sync_verified"] for r in run.records)
+    assert 0 < verified <= len(checked) - 2
+
+
+def test_a_load_that_fails_its_check_stops_the_job():
+    with pytest.raises(WeightSyncMismatch, match="policy version 2"):
+        run_job(steps=4, staleness=1, corrupt_sync_at=2)
+
+
+def test_a_load_on_an_engine_that_died_is_forgotten_not_checked():
+    run = run_job(steps=3, engine_dies_at="load 2")
+    assert run.job.pipeline.transport.forgotten == 1
+    assert 2 not in [v for v in run.job.pipeline.transport.checked if v is not None][:1]
 
 
 def test_held_out_scores_greedy_and_sampled_through_the_reward_pool():

@@ -1,5 +1,6 @@
-"""Weight sync in buckets (learner/weight_export.py, rollout/engine.py): how a model is cut,
-and a round trip through a real gloo weight group between two threads."""
+"""Weight sync in buckets (groupflow/weight_format.py, learner/weight_export.py,
+rollout/weight_intake.py): how a model is cut, the checksums that verify a load, and a round
+trip through a real gloo weight group between two threads."""
 
 from __future__ import annotations
 
@@ -9,18 +10,28 @@ import threading
 import pytest
 import torch
 
+from groupflow import weight_format
 from groupflow.actors.weight_group import open_weight_group
+from groupflow.errors import expected_failure
 from groupflow.learner.weight_export import (
     broadcast_weights,
-    bucket_manifest,
-    bytes_tensor,
     joined,
-    layer_of,
     shard_buckets,
-    unpack_bucket,
     weight_manifest,
 )
 from groupflow.rollout.engine import RolloutEngine
+from groupflow.weight_format import (
+    LoadedWeights,
+    WeightSyncMismatch,
+    add_checksums,
+    bucket_manifest,
+    bytes_tensor,
+    check_loaded,
+    checksum,
+    layer_of,
+    shard_checksums,
+    unpack_bucket,
+)
 
 
 def random_manifest(gen: torch.Generator) -> list[tuple[str, tuple[int, ...], str]]:
@@ -136,9 +147,12 @@ def test_shard_buckets_round_trip_and_copy_nothing_from_one_buffer(gen, world, f
     limit = int(torch.randint(100, 20_000, (), generator=gen))
     ranks = [Zero3Rank(weights, world, r, flat) for r in range(world)]
     assert weight_manifest(ranks[0]) == manifest
-    streams = [list(shard_buckets(rank, limit)) for rank in ranks]
-    buffers = {p.ds_tensor.untyped_storage().data_ptr() for _, p in ranks[0].params}
     buckets = bucket_manifest(manifest, limit)
+    shares = [{} for _ in ranks]
+    streams = [
+        list(shard_buckets(rank, buckets, r, world, shares[r])) for r, rank in enumerate(ranks)
+    ]
+    buffers = {p.ds_tensor.untyped_storage().data_ptr() for _, p in ranks[0].params}
     for bucket, shard in zip(buckets, streams[0], strict=True):
         # a view of the partitions' own memory where they lie back to back, else a copy
         viewed = shard.untyped_storage().data_ptr() in buffers
@@ -149,6 +163,8 @@ def test_shard_buckets_round_trip_and_copy_nothing_from_one_buffer(gen, world, f
     assert [n for n, _ in got] == [e[0] for e in manifest]
     for name, tensor in got:
         assert tensor.dtype == weights[name].dtype and torch.equal(tensor, weights[name]), name
+    # the ranks' checksum shares, taken as each bucket was laid out, add up to the whole's
+    assert add_checksums(shares) == {name: checksum(w) for name, w in weights.items()}
 
 
 def test_joined_views_only_tensors_back_to_back(gen):
@@ -183,17 +199,32 @@ def test_layer_of_names_the_unit_vllm_loads_whole():
     assert layer_of("lm_head.weight") == "lm_head"
 
 
-class RecordingEngine:
-    """The engine's loading step, recorded: what receive_weights hands over, consumed as vLLM
-    consumes it (one pass, as the pairs arrive)."""
-
-    receive_weights = RolloutEngine.receive_weights
+class RecordingLLM:
+    """vLLM's side of a load, recorded: the pairs consumed as its worker consumes them (one
+    pass, as they arrive)."""
 
     def __init__(self):
-        self.loads: list[tuple[list[tuple[str, torch.Tensor]], int]] = []
+        self.loads: list[list[tuple[str, torch.Tensor]]] = []
 
-    def load_weights(self, named, version):
-        self.loads.append(([(n, t.clone()) for n, t in named], version))
+    def collective_rpc(self, method, args):
+        assert method == "load_named_tensors"
+        (named,) = args
+        self.loads.append([(n, t.clone()) for n, t in named])
+
+    def reset_prefix_cache(self):
+        pass
+
+
+class RecordingEngine:
+    """The engine's receiving and loading steps, over a recording stand-in for vLLM."""
+
+    receive_weights = RolloutEngine.receive_weights
+    load_weights = RolloutEngine.load_weights
+
+    def __init__(self, tensor_parallel_size: int = 1):
+        self.llm = RecordingLLM()
+        self.policy_version = 0
+        self.tensor_parallel_size = tensor_parallel_size
 
 
 def free_port() -> int:
@@ -220,16 +251,18 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
     buckets = bucket_manifest(manifest, bucket_bytes)
     assert len(buckets) > 3
 
-    port, engines = free_port(), [RecordingEngine(), RecordingEngine()]
+    # the second engine tensor-parallel: its workers take the sync as one message
+    port, engines = free_port(), [RecordingEngine(), RecordingEngine(tensor_parallel_size=2)]
     errors: list[BaseException] = []
+    sent, loaded = {}, {}
 
     def member(rank: int) -> None:
         try:
             group = open_weight_group("127.0.0.1", port, rank, 3, "gloo")
             if rank == 0:
-                broadcast_weights(model, group, bucket_bytes)
+                sent.update(broadcast_weights(model, group, buckets))
             else:
-                engines[rank - 1].receive_weights(group, buckets, 7, "cpu")
+                loaded[rank] = engines[rank - 1].receive_weights(group, buckets, 7, "cpu")
         except BaseException as err:  # re-raised in the test's thread
             errors.append(err)
 
@@ -240,10 +273,134 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
         t.join(timeout=120)
     assert not errors, errors
     want = dict(model.named_parameters())
-    for engine in engines:
-        assert len(engine.loads) == 1, "one load per sync, fed as the buckets arrive"
-        got, version = engine.loads[0]
-        assert version == 7
+    assert sent == {name: checksum(p) for name, p in want.items()}
+    for rank, engine in enumerate(engines, start=1):
+        assert len(engine.llm.loads) == 1, "one load per sync, fed as the buckets arrive"
+        assert engine.policy_version == loaded[rank].version == 7
+        check_loaded(sent, loaded[rank], f"engine {rank}")
+        got = engine.llm.loads[0]
         assert [n for n, _ in got] == [e[0] for e in manifest]
         for name, tensor in got:
             assert torch.equal(tensor, want[name].detach()), name
+
+
+# ----- checksums --------------------------------------------------------------------------------
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def reference_checksum(t: torch.Tensor, start: int) -> tuple[int, int]:
+    """The definition, in Python integers, over a tensor's bytes: little-endian 64-bit words,
+    counted from byte `start * element size` of the whole, summed plain and weighted by
+    their position, modulo 2^64."""
+    size = t.element_size()
+    data = bytes(t.reshape(-1).view(torch.uint8).tolist())
+    padded = bytes(start * size % 8) + data + bytes(-(start * size + len(data)) % 8)
+    first = start * size // 8
+    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    total = sum(words)
+    weighted = sum((first + i) * w for i, w in enumerate(words))
+    return total % 2**64, weighted % 2**64
+
+
+def random_tensor(gen: torch.Generator, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    # wide exponents and both signs, so that high bits and the sign bit are exercised
+    t = torch.randn(numel, dtype=torch.float64, generator=gen)
+    t = t * torch.exp2(torch.randint(-60, 60, (numel,), generator=gen).double())
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row", [3, 1024], ids=["many-rows", "one-row"])
+def test_checksum_is_the_exact_sums_of_the_words(gen, dtype, row, monkeypatch):
+    monkeypatch.setattr(weight_format, "_ROW", row)
+    for _ in range(5):
+        numel = int(torch.randint(1, 200, (), generator=gen))
+        # a view at an odd place in memory too, as a partition inside a bucket lies
+        lead = int(torch.randint(0, 3, (), generator=gen))
+        t = random_tensor(gen, dtype, numel + lead)[lead:].reshape(-1, 1)
+        start = int(torch.randint(0, 2**40, (), generator=gen))
+        assert checksum(t, start) == reference_checksum(t, start)
+    # the int64 sums wrap around: still exact modulo 2^64 where every word is near 2^63
+    big = torch.full((numel,), -(2**63) + 5, dtype=torch.int64).view(torch.float64)
+    assert checksum(big, start) == reference_checksum(big, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_single_flipped_bit_anywhere_changes_the_checksum(gen, dtype):
+    t = random_tensor(gen, dtype, 300)
+    before = checksum(t)
+    for bit in range(t.element_size() * 8):
+        i = int(torch.randint(0, t.numel(), (), generator=gen))
+        flipped = t.clone()
+        flipped.view(torch.uint8)[i * t.element_size() + bit // 8] ^= 1 << (bit % 8)
+        assert checksum(flipped) != before, (bit, i)
+
+
+def test_moved_elements_change_the_weighted_sum(gen):
+    t = random_tensor(gen, torch.float32, 100)
+    swapped = t.clone()
+    swapped[[2, 70]] = t[[70, 2]]  # the low halves of two words: the plain sum stays
+    assert checksum(swapped)[0] == checksum(t)[0] and checksum(swapped) != checksum(t)
+    assert checksum(t.roll(1)) != checksum(t)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_the_ranks_shares_add_up_to_each_tensors_checksum_over_chunked_buckets(gen, world):
+    manifest = random_manifest(gen)
+    weights = {
+        name: random_tensor(gen, getattr(torch, dtype), torch.Size(shape).numel()).view(shape)
+        for name, shape, dtype in manifest
+    }
+    buckets = bucket_manifest(manifest, int(torch.randint(100, 5_000, (), generator=gen)))
+    assert len(buckets) > 1
+    shares = [{} for _ in range(world)]
+    for bucket in buckets:
+        per_param = [zero3_partitions(weights[name], world) for name, _, _ in bucket]
+        for r in range(world):
+            shard = torch.cat([parts[r] for parts in per_param])
+            shares[r].update(shard_checksums(shard, bucket, r, world))
+    assert add_checksums(shares) == {n: reference_checksum(w, 0) for n, w in weights.items()}
+
+
+def test_a_load_that_differs_is_one_line_naming_engine_version_and_tensor(gen):
+    a, b = random_tensor(gen, torch.float32, 50), random_tensor(gen, torch.float32, 20)
+    sent = {"model.layers.0.q.weight": checksum(a), "model.norm.weight": checksum(b)}
+    check_loaded(sent, LoadedWeights(4, dict(sent)), "engine 0")  # the same: passes
+    corrupt = b.clone()
+    corrupt.view(torch.int32)[7] ^= 1 << 12
+    cases = {
+        "loaded checksum": {**sent, "model.norm.weight": checksum(corrupt)},
+        "did not load it": {"model.layers.0.q.weight": checksum(a)},
+        "did not send": {**sent, "lm_head.weight": checksum(a)},
+    }
+    for what, loaded in cases.items():
+        with pytest.raises(WeightSyncMismatch) as err:
+            check_loaded(sent, LoadedWeights(4, loaded), "engine 1 (actor 12ab)")
+        message = str(err.value)
+        assert "\n" not in message and what in message
+        assert message.startswith("weight sync of policy version 4: engine 1 (actor 12ab): tensor")
+        name = "lm_head.weight" if what == "did not send" else "model.norm.weight"
+        assert f"tensor {name}:" in message
+        # the command line ends with this line and exit 1 (groupflow/errors.py)
+        assert expected_failure(err.value) == (message, 1)
+
+
+def test_the_engine_side_imports_nothing_of_the_learner():
+    """The wire format is neutral: the engines' code reaches the learner's through it only."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [*sorted((root / "rollout").glob("*.py")), root / "actors" / "generator.py"]
+    assert len(files) > 3
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                assert not name.startswith(("groupflow.learner", "learner")), (path.name, name)
