@@ -356,10 +356,16 @@ class GeneratorPool:
             ray.kill(engine)
 
 
-def start_generator_pool(cfg: Config, model_path: str, restarts: RestartBudget) -> GeneratorPool:
+def start_generator_pool(
+    cfg: Config, model_path: str, restarts: RestartBudget | None = None
+) -> GeneratorPool:
     """`rollout.num_engines` generator actors, each placed by its declared resources; a dead
     one is replaced by a new actor with the same settings (with the object-store transport:
-    the collective one's process group cannot take a new member, so a death ends the job)."""
+    the collective one's process group cannot take a new member, so a death ends the job).
+    Replacements are charged to `restarts`, the job's budget shared with the learner (a
+    pool on its own gets one of its own)."""
+    if restarts is None:
+        restarts = RestartBudget(cfg.trainer.max_restarts)
     res = cfg.rollout.resources
     device = device_for(res.num_gpus)
     actor = ray.remote(concurrency_groups={WEIGHTS_IN: 1})(Generator).options(
