@@ -69,12 +69,15 @@ def build_model(tokenizer, seed: int):
 
 
 def _sft_batch(task, prompts, tokenizer, batch_size: int):
-    """Prompt + answer + eos, loss on the answer tokens only."""
+    """Prompt + demonstration + eos, loss on the demonstration tokens only. A task that
+    teaches a worked answer (long_addition's scratchpad) says so with `demonstration`;
+    otherwise the demonstration is the bare answer."""
+    demonstrate = getattr(task, "demonstration", lambda p: str(p.answer))
     texts = [next(prompts) for _ in range(batch_size)]
     ids, labels = [], []
     for p in texts:
         prompt_ids = tokenizer.encode(p.text)
-        answer_ids = tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id]
+        answer_ids = tokenizer.encode(demonstrate(p)) + [tokenizer.eos_token_id]
         ids.append(prompt_ids + answer_ids)
         labels.append([-100] * len(prompt_ids) + answer_ids)
     width = max(map(len, ids))
