@@ -5,9 +5,11 @@ The distribution is a histogram of log10 p over fixed bins, so every rank adds i
 into the same few hundred counts and one all-reduce of that vector makes it global, whatever
 the number of tokens (no gather of per-token values). Each mini-batch decays the running
 counts by `decay` and adds its own, so the threshold follows the policy as it sharpens or
-flattens, and the first mini-batch already has one. The threshold is the upper edge of the
-bin where the cumulative share reaches the target: at most one bin (a factor of 10**0.05,
-12%) above the exact quantile, never below it.
+flattens, and the first mini-batch already has one. The threshold is the lower edge of the
+bin where the cumulative share reaches the target, so less than the target share lies below
+it and at most one bin (a factor of 10**0.05, 12%) separates it from the exact quantile.
+The lower edge, not the upper: a peaked policy has most of its tokens in the top bin
+[0.89, 1], and an upper edge there would make every token a candidate.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def probability_histogram(p: Tensor) -> Tensor:
     return torch.bincount(index.flatten(), minlength=NUM_BINS).to(torch.float64)
 
 
-def upper_edge(bin_index: int) -> float:
-    return 10 ** (LOG10_P_MIN + (bin_index + 1) / BINS_PER_DECADE)
+def lower_edge(bin_index: int) -> float:
+    return 10 ** (LOG10_P_MIN + bin_index / BINS_PER_DECADE)
 
 
 class RunningProbabilityThreshold:
@@ -59,4 +61,4 @@ class RunningProbabilityThreshold:
         # a share hit exactly by whole bins is not pushed one bin up)
         reached = cumulative >= self.target_share * (1 - 1e-12)
         index = int(torch.nonzero(reached)[0]) if bool(reached.any()) else NUM_BINS - 1
-        return min(upper_edge(index), 1.0)
+        return lower_edge(index)
