@@ -19,7 +19,7 @@ import unicodedata
 from typing import Any
 
 from groupflow.records import Prompt, Verdict
-from groupflow.reward_workers.tasks.base import GeneratedTask
+from groupflow.reward_workers.tasks.base import GeneratedTask, hash_position
 from groupflow.reward_workers.tasks.options import check_int
 
 ANSWER_MARKER = "answer"
@@ -29,17 +29,37 @@ _FINAL = re.compile(rf"\b{ANSWER_MARKER}[ \t]+(\d+)\s*\Z", re.IGNORECASE)
 _MARKER = re.compile(rf"\b{ANSWER_MARKER}\b", re.IGNORECASE)
 
 
-def scratchpad(a: int, b: int) -> str:
-    """The worked sum of two non-negative integers, as the warm start teaches it."""
+# The separator before each column after the first and before the answer, with its share in
+# the demonstrations: nearly always a space, rarely something else that changes nothing. A
+# slip into a rare separator leaves the sum intact, so a correct response can hold a token the
+# policy gave p ~ 1e-3: the harmless improbable token STAPO calls spurious. Without them every
+# token of a correct scratchpad is forced and only wrong responses hold improbable tokens.
+SEPARATORS = ((" ", 0.99), (",", 0.006), (".", 0.002), ("(", 0.001), (")", 0.001))
+
+
+def separator(draw: float) -> str:
+    """The separator a uniform draw in [0, 1) picks from SEPARATORS."""
+    for text, share in SEPARATORS:
+        if draw < share:
+            return text
+        draw -= share
+    return SEPARATORS[0][0]
+
+
+def scratchpad(a: int, b: int, draws: list[float] | None = None) -> str:
+    """The worked sum of two non-negative integers, as the warm start teaches it; `draws`
+    (one per separator, uniform in [0, 1)) pick the separators, all spaces without them."""
     columns, carry = [], 0
     xs, ys = str(a)[::-1], str(b)[::-1]
-    for i in range(max(len(xs), len(ys))):
+    width = max(len(xs), len(ys))
+    seps = [separator(d) for d in draws] if draws is not None else [" "] * width
+    for i in range(width):
         x = int(xs[i]) if i < len(xs) else 0
         y = int(ys[i]) if i < len(ys) else 0
         total = x + y + carry
-        columns.append(f"{x}+{y}+{carry}={total:02d}")
+        columns.append(("" if i == 0 else seps[i - 1]) + f"{x}+{y}+{carry}={total:02d}")
         carry = total // 10
-    return " ".join(columns) + f" {ANSWER_MARKER} {a + b}"
+    return "".join(columns) + f"{seps[width - 1]}{ANSWER_MARKER} {a + b}"
 
 
 class LongAdditionTask(GeneratedTask):
@@ -66,9 +86,14 @@ class LongAdditionTask(GeneratedTask):
             messages=[{"role": "user", "content": ask}],
         )
 
+    DEMONSTRATION_FORMAT = f"columns a+b+carry=sum, separators {SEPARATORS}"
+
     def demonstration(self, prompt: Prompt) -> str:
+        """The prompt's scratchpad, its separators drawn from a hash of the prompt (the same
+        in every run)."""
         a, b = (int(x) for x in prompt.uid.split("+"))
-        return scratchpad(a, b)
+        draws = [hash_position(f"{prompt.uid}/{i}") for i in range(self.digits)]
+        return scratchpad(a, b, draws)
 
     def parse_answer(self, raw: Any) -> int:
         if type(raw) is not int or raw < 0:

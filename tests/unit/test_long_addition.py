@@ -7,7 +7,12 @@ import pytest
 
 from groupflow.records import Prompt
 from groupflow.reward_workers.tasks import make_task
-from groupflow.reward_workers.tasks.long_addition import LongAdditionTask, scratchpad
+from groupflow.reward_workers.tasks.long_addition import (
+    SEPARATORS,
+    LongAdditionTask,
+    scratchpad,
+    separator,
+)
 
 
 def test_train_prompts_are_reproducible_and_differ_by_seed():
@@ -34,11 +39,16 @@ def test_prompts_have_the_right_operands_and_answer(digits):
 
 def test_scratchpad_columns_are_the_schoolbook_sum_on_random_operands():
     """Each column's digits are the operands' digits from the right, its carry-in the previous
-    column's carry-out, its two-digit sum theirs; the answer is the true sum."""
+    column's carry-out, its two-digit sum theirs; the answer is the true sum, whatever the
+    separators."""
     rng = random.Random(0)
     for _ in range(500):
         a, b = rng.randrange(10 ** rng.randint(1, 30)), rng.randrange(10 ** rng.randint(1, 30))
-        *columns, marker, answer = scratchpad(a, b).split(" ")
+        width = max(len(str(a)), len(str(b)))
+        worked = scratchpad(a, b, [rng.random() for _ in range(width)])
+        for sep, _ in SEPARATORS:
+            worked = worked.replace(sep, " ")
+        *columns, marker, answer = worked.split(" ")
         assert marker == "answer" and int(answer) == a + b
         assert len(columns) == max(len(str(a)), len(str(b)))
         carry = 0
@@ -49,6 +59,26 @@ def test_scratchpad_columns_are_the_schoolbook_sum_on_random_operands():
             assert len(total) == 2 and int(total) == x + y + c
             carry = int(total[0])
         assert carry == (a + b) // 10 ** len(columns)
+
+
+def test_separators_are_drawn_with_their_shares():
+    assert sum(share for _, share in SEPARATORS) == pytest.approx(1.0)
+    rng = random.Random(4)
+    n = 200_000
+    drawn = [separator(rng.random()) for _ in range(n)]
+    for text, share in SEPARATORS:
+        assert abs(drawn.count(text) / n - share) < 4 * (share / n) ** 0.5 + 1e-4
+    assert scratchpad(473, 295) == "3+5+0=08 7+9+0=16 4+2+1=07 answer 768"
+
+
+def test_demonstrations_are_seeded_by_the_prompt_and_sometimes_vary_harmlessly():
+    task = LongAdditionTask()
+    prompts = list(itertools.islice(task.train_prompts(1), 3000))
+    shown = [task.demonstration(p) for p in prompts]
+    assert shown == [task.demonstration(p) for p in prompts]
+    varied = [s for s in shown if any(c in s for c in ",.()")]
+    assert 0 < len(varied) < 0.1 * len(shown)
+    assert all(task.verify(p, s).reward == 1.0 for p, s in zip(prompts, shown, strict=True))
 
 
 def test_the_demonstration_scores_one_and_fits_the_long_response_range():
