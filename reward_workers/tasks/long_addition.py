@@ -34,7 +34,18 @@ _MARKER = re.compile(rf"\b{ANSWER_MARKER}\b", re.IGNORECASE)
 # slip into a rare separator leaves the sum intact, so a correct response can hold a token the
 # policy gave p ~ 1e-3: the harmless improbable token STAPO calls spurious. Without them every
 # token of a correct scratchpad is forced and only wrong responses hold improbable tokens.
-SEPARATORS = ((" ", 0.99), (",", 0.006), (".", 0.002), ("(", 0.001), (")", 0.001))
+# Each rare one is taught at 0.15%, so that the warm-started policy gives it p < 0.002 (at
+# 0.6% it learned p ~ 0.005: improbable, but above STAPO's tau_p), and six of them keep a slip
+# at about 1% of separators, a few in every step of 128 responses.
+SEPARATORS = (
+    (" ", 0.991),
+    (",", 0.0015),
+    (".", 0.0015),
+    ("(", 0.0015),
+    (")", 0.0015),
+    ("*", 0.0015),
+    ("/", 0.0015),
+)
 
 
 def separator(draw: float) -> str:

@@ -76,7 +76,7 @@ def test_demonstrations_are_seeded_by_the_prompt_and_sometimes_vary_harmlessly()
     prompts = list(itertools.islice(task.train_prompts(1), 3000))
     shown = [task.demonstration(p) for p in prompts]
     assert shown == [task.demonstration(p) for p in prompts]
-    varied = [s for s in shown if any(c in s for c in ",.()")]
+    varied = [s for s in shown if any(c in s for c in ",.()*/")]
     assert 0 < len(varied) < 0.1 * len(shown)
     assert all(task.verify(p, s).reward == 1.0 for p, s in zip(prompts, shown, strict=True))
 
