@@ -4,10 +4,10 @@ left, each column as `a+b+carry=` and its two-digit sum (carry out, then the dig
 
     8+6+0=14 3+5+1=09 7+9+0=16 4+2+1=07 answer 7694
 
-A response is 9 characters per column plus the answer, 40-60 tokens with the built-in
-character tokenizer for 4-5 digits: long enough that a confident policy samples a token it
-was sure against now and then, which is what the token-credit methods act on
-(docs/algorithms.md). Only the final answer is checked; the scratchpad is the model's own
+A response is 9 characters per column plus the answer, 38-56 tokens with the built-in
+character tokenizer for 3-5 digits (3 by default): long enough that a confident policy
+samples a token it was sure against now and then, which is what the token-credit methods act
+on (docs/algorithms.md, docs/long_addition.md). Only the final answer is checked; the scratchpad is the model's own
 business (docs/verifiers.md).
 """
 
