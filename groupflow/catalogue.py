@@ -413,6 +413,11 @@ METRICS: tuple[Metric, ...] = (
         _gauge("groupflow_lowprob_grad_share"),
     ),
     Metric("stapo_silenced_frac", "fraction of tokens STAPO silenced", "fraction", _TOKENS),
+    Metric(
+        "stapo_tau_p",
+        "STAPO's probability threshold (set from the data with stapo.tau_p: auto)",
+        "probability",
+    ),
     Metric("trained_frac", "fraction of tokens that carry a gradient", "fraction"),
     Metric("valid_tokens", "response tokens of the step, over all ranks", "tokens"),
     Metric("num_stages", "optimizer passes per mini-batch (Lopti makes two)", ""),

@@ -439,12 +439,35 @@ class StapoConfig(Section):
         description="STAPO: silence spurious tokens (low probability, low entropy, in positive "
         "responses) and renormalise (arXiv 2602.15620); its would-be share is always measured",
     )
-    tau_p: float = Field(
+    tau_p: float | Literal["auto"] = Field(
         0.002,
-        gt=0,
-        le=1,
-        description="STAPO probability threshold: candidates have p < tau_p (arXiv 2602.15620)",
+        description="STAPO probability threshold: candidates have p < tau_p (arXiv 2602.15620); "
+        "'auto' sets it each mini-batch so that target_share of the running distribution of "
+        "the probabilities STAPO examines (tokens of positive-advantage responses) is below it",
     )
+    target_share: float = Field(
+        0.01,
+        gt=0,
+        lt=1,
+        description="with tau_p: auto, the share of examined tokens to put below the threshold",
+    )
+    auto_decay: float = Field(
+        0.8,
+        ge=0,
+        lt=1,
+        description="with tau_p: auto, how much of the running distribution each mini-batch "
+        "keeps before adding its own tokens (0 = this mini-batch's alone)",
+    )
+
+    @field_validator("tau_p", mode="before")
+    @classmethod
+    def _tau_p_probability_or_auto(cls, tau_p: object) -> object:
+        if tau_p == "auto":
+            return tau_p
+        if isinstance(tau_p, bool) or not isinstance(tau_p, int | float) or not 0 < tau_p <= 1:
+            raise ValueError("must be a probability in (0, 1] or 'auto'")
+        return tau_p
+
     quantile: float = Field(
         0.75,
         ge=0,

@@ -69,12 +69,15 @@ def build_model(tokenizer, seed: int):
 
 
 def _sft_batch(task, prompts, tokenizer, batch_size: int):
-    """Prompt + answer + eos, loss on the answer tokens only."""
+    """Prompt + demonstration + eos, loss on the demonstration tokens only. A task that
+    teaches a worked answer (long_addition's scratchpad) says so with `demonstration`;
+    otherwise the demonstration is the bare answer."""
+    demonstrate = getattr(task, "demonstration", lambda p: str(p.answer))
     texts = [next(prompts) for _ in range(batch_size)]
     ids, labels = [], []
     for p in texts:
         prompt_ids = tokenizer.encode(p.text)
-        answer_ids = tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id]
+        answer_ids = tokenizer.encode(demonstrate(p)) + [tokenizer.eos_token_id]
         ids.append(prompt_ids + answer_ids)
         labels.append([-100] * len(prompt_ids) + answer_ids)
     width = max(map(len, ids))
@@ -120,6 +123,7 @@ def quickstart_model_path(
     """Return the cached quickstart model directory, building it on first use."""
     from groupflow.reward_workers.tasks import make_task
 
+    task = make_task(task_name, task_options)
     spec = dict(
         version=1,
         architecture=ARCHITECTURE,
@@ -129,6 +133,10 @@ def quickstart_model_path(
         task=task_name,
         options=task_options,
     )
+    # A task that teaches worked answers names their format, so that a change of the format
+    # is a new model (tasks that teach the bare answer keep their models' old keys).
+    if hasattr(task, "DEMONSTRATION_FORMAT"):
+        spec["demonstration"] = task.DEMONSTRATION_FORMAT
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     target = cache_root() / f"quickstart-{digest}"
     if (target / "config.json").is_file():
@@ -141,7 +149,7 @@ def quickstart_model_path(
     random.seed(WARM_START["seed"])
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=WARM_START["seed"])
-    warm_start(model, tokenizer, make_task(task_name, task_options), warm_start_steps, progress)
+    warm_start(model, tokenizer, task, warm_start_steps, progress)
     # Write to a temporary directory and rename, so a cut-off build never looks finished.
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
 from groupflow.learner.advantages import GroupIndex
+from groupflow.learner.auto_threshold import RunningProbabilityThreshold, probability_histogram
 from groupflow.learner.diagnostics import logit_grad_norm_sq
 from groupflow.learner.losses import sequence_log_ratio
 from groupflow.learner.off_policy import (
@@ -114,6 +115,7 @@ class CreditStats:
     num_sequences: float
     trained_frac: float  # valid tokens left by STAPO and 20-Entropy
     spurious_frac: float  # what STAPO silences, or would silence when it is off
+    stapo_tau_p: float  # the probability threshold it used (set by the data with tau_p: auto)
     stapo_silenced_frac: float
     lowprob_frac: float  # p < lowprob_eta under the current policy
     lowprob_grad_share: float  # share of the logit-gradient norm from those tokens
@@ -396,10 +398,36 @@ def micro_batch_rows(tokens: MiniBatchTokens, cfg: AlgorithmConfig, scale: float
     return CreditRows(token_adv, [valid * coef])
 
 
-def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer) -> CreditPlan:
-    """The credit plan of one rank's share of a mini-batch (see the module docstring).
+def _stapo_tau_p(
+    p: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    cfg: AlgorithmConfig,
+    reducer: Reducer,
+    auto: RunningProbabilityThreshold | None,
+) -> float:
+    """STAPO's threshold: the configured one, or with `tau_p: auto` the one that puts
+    `stapo.target_share` of the running distribution of the probabilities STAPO examines
+    (valid tokens of positive-advantage responses) below it."""
+    if cfg.stapo.tau_p != "auto":
+        return cfg.stapo.tau_p
+    if auto is None:
+        raise ValueError("stapo.tau_p is 'auto' but the learner keeps no running threshold")
+    examined = valid & (advantages.unsqueeze(-1) > 0)
+    return auto.update(reducer.sum(probability_histogram(p[examined])))
 
-    Collectives, in order: a gather of STAPO candidate entropies (always, for spurious_frac),
+
+def plan_credit(
+    tokens: MiniBatchTokens,
+    cfg: AlgorithmConfig,
+    reducer: Reducer,
+    auto_tau_p: RunningProbabilityThreshold | None = None,
+) -> CreditPlan:
+    """The credit plan of one rank's share of a mini-batch (see the module docstring).
+    `auto_tau_p` is the rank's running threshold, needed with `stapo.tau_p: auto`.
+
+    Collectives, in order: with `stapo.tau_p: auto` a sum of the probability histogram, a
+    gather of STAPO candidate entropies (always, for spurious_frac),
     a gather of valid-token entropies (20-Entropy only), one sum of a small vector, and a
     max of the response length (`constant` aggregation only).
     """
@@ -407,12 +435,13 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
     token_adv, correction = _corrected_advantages(tokens, cfg)
 
     stapo_p, stapo_entropy = _stapo_source(tokens, cfg, valid)
+    tau_p = _stapo_tau_p(stapo_p, tokens.advantages, valid, cfg, reducer, auto_tau_p)
     spurious = stapo_mask(
         stapo_p,
         stapo_entropy,
         tokens.advantages,
         tokens.mask,
-        cfg.stapo.tau_p,
+        tau_p,
         cfg.stapo.quantile,
         reducer,
     )
@@ -460,6 +489,7 @@ def plan_credit(tokens: MiniBatchTokens, cfg: AlgorithmConfig, reducer: Reducer)
         num_sequences=totals["sequences"],
         trained_frac=_fraction(totals["trained_tokens"], valid_tokens),
         spurious_frac=_fraction(totals["spurious_tokens"], valid_tokens),
+        stapo_tau_p=tau_p,
         stapo_silenced_frac=_fraction(totals["silenced_tokens"], valid_tokens),
         lowprob_frac=_fraction(totals["lowprob_tokens"], valid_tokens),
         lowprob_grad_share=_fraction(totals["lowprob_grad_norm"], totals["grad_norm"]),

@@ -32,7 +32,7 @@ class LearnerRank:
     def __init__(self, setup: RankSetup, cfg: Config):
         self.setup = setup
         self.engines = build_zero_engines(setup, cfg)
-        self.settings = StepSettings(
+        self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
             reducer=DistributedReducer(setup.world_size),

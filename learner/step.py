@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
+from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import (
     CreditPlan,
     MiniBatchTokens,
@@ -64,6 +65,18 @@ class StepSettings:
     temperature: float  # the sampling temperature: log-probs are taken at logits / T
     reducer: Reducer
     packed: bool = True  # several sequences to a row (learner.pack_sequences)
+    # STAPO's running threshold with `stapo.tau_p: auto` (kept by the rank across steps)
+    auto_tau_p: RunningProbabilityThreshold | None = None
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, temperature: float, reducer: Reducer, packed: bool):
+        """The settings of a rank for the run; the running threshold starts empty."""
+        auto = None
+        if algorithm.stapo.tau_p == "auto":
+            auto = RunningProbabilityThreshold(
+                algorithm.stapo.target_share, algorithm.stapo.auto_decay
+            )
+        return cls(algorithm, temperature, reducer, packed, auto)
 
 
 def no_grad_stats(
@@ -165,7 +178,10 @@ def plan_each_micro_batch(
     grad_norms = [policy.step()]
     seqs = [s for mb in micro_batches for s in mb]
     plan = plan_credit(
-        mini_batch_tokens(seqs, olds, currents, policy.device), algo, settings.reducer
+        mini_batch_tokens(seqs, olds, currents, policy.device),
+        algo,
+        settings.reducer,
+        settings.auto_tau_p,
     )
     return _figures(
         seqs, olds, update, plan, grad_norms, grads if algo.cancellation_diagnostic else None
@@ -207,7 +223,7 @@ def plan_whole_mini_batch(
     seqs = [s for mb in micro_batches for s in mb]
     flat_old = [s for mb in old for s in mb]
     tokens = mini_batch_tokens(seqs, flat_old, [s for mb in current for s in mb], policy.device)
-    plan = plan_credit(tokens, algo, settings.reducer)
+    plan = plan_credit(tokens, algo, settings.reducer, settings.auto_tau_p)
     # Each micro-batch carries its own rows of the plan, its behaviour and reference rows and
     # its gradient accumulators: nothing is looked up by a running offset.
     rows = plan.split([len(mb) for mb in micro_batches])

@@ -11,6 +11,7 @@ from groupflow.reward_workers.tasks.base import Task
 # name -> (module under groupflow.reward_workers.tasks, class)
 TASKS: dict[str, tuple[str, str]] = {
     "arithmetic": ("arithmetic", "ArithmeticTask"),
+    "long_addition": ("long_addition", "LongAdditionTask"),
     "countdown": ("countdown", "CountdownTask"),
     "knights_and_knaves": ("knights", "KnightsAndKnavesTask"),
     "math": ("math_problems", "MathTask"),

@@ -84,6 +84,10 @@ RIDERS = {
         "metrics.loggers=[wandb]",
         "metrics.wandb_mode=offline",
         "learner.micro_batch_tokens=96",  # several micro-batches, planned as a whole
+        # the threshold from the running probability histogram, all-reduced over the 2 ranks:
+        # on the quickstart's 3-token answers a fixed 0.002 finds no candidate at all
+        "algorithm.stapo.tau_p=auto",
+        "algorithm.stapo.target_share=0.05",
     ],
 }
 
@@ -116,6 +120,9 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
         assert list((tmp_path / preset / "wandb").glob("offline-run-*/run-*.wandb"))
+        # tau_p: auto puts 5% of the examined tokens below a threshold in (0, 1): STAPO acts
+        assert all(0.0 < r["stapo_tau_p"] < 1.0 for r in records)
+        assert any(r["spurious_frac"] > 0 and r["stapo_silenced_frac"] > 0 for r in records)
     if preset == "dfpo":
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward

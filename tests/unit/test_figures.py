@@ -49,6 +49,7 @@ LEARNER_KEYS = {
     "num_sequences",
     "trained_frac",
     "spurious_frac",
+    "stapo_tau_p",
     "stapo_silenced_frac",
     "lowprob_frac",
     "lowprob_grad_share",
@@ -116,7 +117,7 @@ def test_vllm_logprobs_of_the_wrong_length_are_refused(gen):
 
 
 def credit(valid: float, passes: float) -> CreditStats:
-    return CreditStats(valid, valid / 4, 0.9, 0.1, 0.05, 0.3, 0.2, passes)
+    return CreditStats(valid, valid / 4, 0.9, 0.1, 0.002, 0.05, 0.3, 0.2, passes)
 
 
 def rank_figures(seed: int, credits: list[CreditStats], grad_norms: list[float]) -> RankFigures:
