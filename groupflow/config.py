@@ -286,6 +286,13 @@ class RewardConfig(Section):
         "each in a process killed and replaced at its deadline",
     )
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.25))
+    max_unscored_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="steps in a row whose responses were all unscored (reward workers timed "
+        "out or were never placed) before the job stops; such a step is never trained on",
+    )
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None,
         description="DAPO's soft overlong punishment (arXiv 2503.14476), added to the "

@@ -66,6 +66,7 @@ from groupflow.rollout_figures import rollout_record
 from groupflow.scaling import Scaler
 from groupflow.sequences import group_advantages, train_sequences
 from groupflow.timing import stage_timer, time_keys
+from groupflow.unscored import UnscoredSteps
 
 # Dynamic sampling looks at most this many steps' worth of extra groups per step (DAPO keeps
 # drawing; a bound keeps a task that is all-solved or all-failed from stalling the job).
@@ -153,6 +154,7 @@ class TrainingJob:
         self.sample_log = sample_log
         self.held_out_sets = held_out_sets
         self.scaler = scaler  # resizes the pools between steps (groupflow/scaling.py)
+        self.unscored = UnscoredSteps(cfg.reward.max_unscored_steps)
         self.prompts = task.train_prompts(cfg.trainer.seed)
         self.eval_set = task.eval_prompts(cfg.task.eval_size)
         self.version = 0
@@ -198,6 +200,8 @@ class TrainingJob:
         started, times = time.monotonic(), {}
         idle_before = self.generators.idle_engine_seconds()
         taken = self._take_groups(step, times)
+        while not self.unscored.trainable(taken.groups):  # never train on nothing
+            taken = self._take_groups(step, times)
         self._export_queues()
         advantages = group_advantages(taken.groups, self.cfg)
         if self.sample_log is not None:
