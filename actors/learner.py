@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from groupflow.actors.affinity import pin_to_cores
@@ -84,12 +85,19 @@ class LearnerRankActor:
 class LearnerGroup:
     """`learner.num_ranks` ranks packed into one placement group, called collectively."""
 
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        placed: Callable[[PlacementGroup], None] = lambda pg: ray.get(pg.ready()),
+    ):
         self.cfg = cfg
         self.model_path = model_path
-        self._start()
+        self._start(placed)
 
-    def _start(self) -> None:
+    def _start(self, placed: Callable[[PlacementGroup], None] = lambda pg: ray.get(pg.ready())):
+        """`placed` waits for the ranks' placement group: at the job's start, the startup
+        check (actors/placement.py, with a deadline); in a rebuild, as long as a node takes."""
         cfg, model_path = self.cfg, self.model_path
         res = cfg.learner.resources
         n = cfg.learner.num_ranks
@@ -99,7 +107,11 @@ class LearnerGroup:
             **res.custom,
         }
         self.placement = placement_group([bundle] * n, strategy="PACK")
-        ray.get(self.placement.ready())
+        try:
+            placed(self.placement)
+        except BaseException:
+            ray.util.remove_placement_group(self.placement)
+            raise
         actor = ray.remote(LearnerRankActor)
         self.ranks = [
             actor.options(

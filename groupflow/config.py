@@ -82,6 +82,21 @@ class Resources(Section):
     )
 
 
+# Each pool's defaults, as a Resources of its own: a `resources` setting given in part (e.g.
+# only `custom`, to pin the pool to a worker group) keeps the pool's defaults for every key it
+# leaves out, rather than Resources' 1 CPU, which would starve a CPU cluster of room.
+class EngineResources(Resources):
+    num_cpus: float = Field(0.5, ge=0)
+
+
+class RewardWorkerResources(Resources):
+    num_cpus: float = Field(0.25, ge=0)
+
+
+class LearnerRankResources(Resources):
+    num_cpus: float = Field(0.5, ge=0)
+
+
 class ModelConfig(Section):
     path: str | None = Field(
         None,
@@ -207,7 +222,7 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=1, description="G: responses sampled per prompt")
     prompts_per_step: int = Field(32, ge=1)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    resources: EngineResources = Field(default_factory=EngineResources)
     kv_cache_gib: float = Field(
         1.0, gt=0, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
     )
@@ -285,7 +300,7 @@ class RewardConfig(Section):
         description="scorer processes per reward worker: verifier calls in flight at once, "
         "each in a process killed and replaced at its deadline",
     )
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.25))
+    resources: RewardWorkerResources = Field(default_factory=RewardWorkerResources)
     max_unscored_steps: int = Field(
         3,
         ge=1,
@@ -361,7 +376,7 @@ class LearnerConfig(Section):
         "weights to the accelerator in every forward and backward; frees the shards' memory, "
         "costs that transfer on every pass",
     )
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    resources: LearnerRankResources = Field(default_factory=LearnerRankResources)
 
 
 class ClipConfig(Section):
@@ -703,6 +718,15 @@ class ClusterConfig(Section):
     address: str | None = Field(None, description="Ray address; unset = a local cluster")
     num_cpus: float | None = Field(
         None, gt=0, description="CPUs of a local cluster; unset = detected"
+    )
+    placement_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="seconds every actor the job starts with may wait for a node before the "
+        "job fails, naming the pool that was not placed (raise it where an autoscaler adds "
+        "nodes slowly)",
     )
 
 

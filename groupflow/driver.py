@@ -24,6 +24,7 @@ from groupflow.actors.control import ActorInbox, start_control
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
+from groupflow.actors.placement import startup_placement
 from groupflow.actors.reward import RewardPool
 from groupflow.actors.transport import make_transport
 from groupflow.checkpoint import (
@@ -263,7 +264,9 @@ def start_job(run: OpenRun) -> TrainingJob:
         undo.callback(generators.shutdown)
         rewards = RewardPool(cfg)
         undo.callback(rewards.shutdown)
-        learner = LearnerGroup(cfg, run.model_path)
+        # Every pool placed within cluster.placement_timeout_s, or one line naming it.
+        placed = partial(startup_placement, cfg, generators.engines, rewards.workers)
+        learner = LearnerGroup(cfg, run.model_path, placed)
         undo.callback(learner.shutdown)
         control = start_control(cfg.trainer.run_name, limits_for(cfg))
         inbox = None if control is None else ActorInbox(control)
