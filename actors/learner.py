@@ -11,6 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
+from groupflow.actors.starting import wait_started
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
 from groupflow.learner.batching import layout_step
@@ -82,6 +83,11 @@ class LearnerRankActor:
         self.rank.broadcast_weights(self.weight_group, bucket_bytes)
 
 
+def ray_get_ready(placement: PlacementGroup) -> None:
+    """Wait for the placement group, however long a node takes to join."""
+    ray.get(placement.ready())
+
+
 class LearnerGroup:
     """`learner.num_ranks` ranks packed into one placement group, called collectively."""
 
@@ -89,29 +95,34 @@ class LearnerGroup:
         self,
         cfg: Config,
         model_path: str,
-        placed: Callable[[PlacementGroup], None] = lambda pg: ray.get(pg.ready()),
+        placed: Callable[[PlacementGroup], None] = ray_get_ready,
     ):
         self.cfg = cfg
         self.model_path = model_path
         self._start(placed)
 
-    def _start(self, placed: Callable[[PlacementGroup], None] = lambda pg: ray.get(pg.ready())):
+    def _start(self, placed: Callable[[PlacementGroup], None] = ray_get_ready) -> None:
         """`placed` waits for the ranks' placement group: at the job's start, the startup
         check (actors/placement.py, with a deadline); in a rebuild, as long as a node takes."""
-        cfg, model_path = self.cfg, self.model_path
-        res = cfg.learner.resources
-        n = cfg.learner.num_ranks
+        res = self.cfg.learner.resources
+        n = self.cfg.learner.num_ranks
         bundle = {
             "CPU": res.num_cpus,
             **({"GPU": res.num_gpus} if res.num_gpus else {}),
             **res.custom,
         }
         self.placement = placement_group([bundle] * n, strategy="PACK")
+        self.ranks = []
         try:
-            placed(self.placement)
-        except BaseException:
-            ray.util.remove_placement_group(self.placement)
+            self._start_ranks(placed)
+        except BaseException:  # nothing is left holding the cluster's resources
+            self.shutdown()
             raise
+
+    def _start_ranks(self, placed: Callable[[PlacementGroup], None]) -> None:
+        cfg, model_path = self.cfg, self.model_path
+        res, n = cfg.learner.resources, cfg.learner.num_ranks
+        placed(self.placement)
         actor = ray.remote(LearnerRankActor)
         self.ranks = [
             actor.options(
@@ -123,9 +134,10 @@ class LearnerGroup:
             ).remote()
             for i in range(n)
         ]
-        addr, port = ray.get(self.ranks[0].address.remote())
+        [(addr, port)] = wait_started("learner rank", [self.ranks[0].address.remote()])
         device = device_for(res.num_gpus)
-        ray.get(
+        wait_started(
+            "learner rank",
             [
                 r.init.remote(
                     RankSetup(
@@ -139,7 +151,7 @@ class LearnerGroup:
                     cfg,
                 )
                 for i, r in enumerate(self.ranks)
-            ]
+            ],
         )
 
     @property

@@ -715,7 +715,11 @@ class MetricsConfig(Section):
 
 
 class ClusterConfig(Section):
-    address: str | None = Field(None, description="Ray address; unset = a local cluster")
+    address: str | None = Field(
+        None,
+        description="Ray address of a cluster to drive the job from this process (e.g. auto, "
+        "HOST:6379); unset = a local cluster. Not ray:// (Ray Client): use groupflow submit",
+    )
     num_cpus: float | None = Field(
         None, gt=0, description="CPUs of a local cluster; unset = detected"
     )
@@ -727,6 +731,28 @@ class ClusterConfig(Section):
         description="seconds every actor the job starts with may wait for a node before the "
         "job fails, naming the pool that was not placed (raise it where an autoscaler adds "
         "nodes slowly)",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _not_ray_client(cls, address: str | None) -> str | None:
+        refusal = ray_client_refusal(address)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return address
+
+
+def ray_client_refusal(address: str | None) -> str | None:
+    """Why a job cannot be driven from `address`, when it is a Ray Client one (ray://): the
+    weights reach the engines through streaming actor methods, which Ray Client does not
+    carry, so such a job would train up to its first weight sync and then crash."""
+    if address is None or not address.strip().lower().startswith("ray://"):
+        return None
+    return (
+        f"{address} is a Ray Client address, and a job cannot be driven through Ray Client "
+        "(its streaming actor methods, which carry the weights to the engines, are not "
+        "supported there); run it on the cluster with `groupflow submit --address "
+        "http://HEAD:8265`"
     )
 
 

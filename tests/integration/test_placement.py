@@ -60,3 +60,24 @@ def test_an_unplaceable_pool_fails_the_job_in_one_line(
     new_groups = set(ray.util.placement_group_table()) - groups_before
     table = ray.util.placement_group_table()
     assert new_groups and all(table[g]["state"] == "REMOVED" for g in new_groups)
+
+
+class _NeedsAModel:
+    def __init__(self, path: str):
+        open(path)  # noqa: SIM115 - a node without the model fails here
+
+
+def test_an_actor_that_dies_starting_fails_with_its_own_error_and_node(ray_cluster, tmp_path):
+    import ray
+
+    from groupflow.actors.starting import wait_started
+    from groupflow.start_errors import StartError
+
+    missing = tmp_path / "not-on-this-node" / "config.json"
+    actor = ray.remote(_NeedsAModel).options(num_cpus=0.1).remote(str(missing))
+    with pytest.raises(StartError) as err:
+        wait_started("engine", [actor.__ray_ready__.remote()])
+    assert str(err.value) == (
+        f"an engine failed to start on node {ray.util.get_node_ip_address()}: "
+        f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
+    )
