@@ -23,9 +23,7 @@ def test_other_addresses_pass(address):
     assert build_config({"cluster": {"address": address}}).cluster.address == address
 
 
-def test_a_ray_client_address_in_RAY_ADDRESS_is_refused_before_the_run_opens(
-    monkeypatch, tmp_path
-):
+def test_a_ray_client_address_in_RAY_ADDRESS_is_refused_before_the_run_opens(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     cfg = build_config({"trainer": {"output_dir": str(tmp_path)}})
