@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from groupflow.scaling import (
     CONTROL_NAMESPACE,
@@ -78,6 +79,11 @@ def start_control(run_name: str, limits: ScaleLimits):
                 name=control_actor_name(run_name),
                 namespace=CONTROL_NAMESPACE,
                 num_cpus=0,  # must start even on a full cluster
+                # Beside the driver: on another node it could be lost with that node, and
+                # `scale` and `status` with it, while the job goes on.
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=False
+                ),
             )
             .remote(limits)
         )

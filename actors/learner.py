@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
+from groupflow.actors.starting import wait_started
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
 from groupflow.device import device_for
@@ -86,25 +88,46 @@ class LearnerRankActor:
         return self.rank.sent_checksums
 
 
+def ray_get_ready(placement: PlacementGroup) -> None:
+    """Wait for the placement group, however long a node takes to join."""
+    ray.get(placement.ready())
+
+
 class LearnerGroup:
     """`learner.num_ranks` ranks packed into one placement group, called collectively."""
 
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        placed: Callable[[PlacementGroup], None] = ray_get_ready,
+    ):
         self.cfg = cfg
         self.model_path = model_path
-        self._start()
+        self._start(placed)
 
-    def _start(self) -> None:
-        cfg, model_path = self.cfg, self.model_path
-        res = cfg.learner.resources
-        n = cfg.learner.num_ranks
+    def _start(self, placed: Callable[[PlacementGroup], None] = ray_get_ready) -> None:
+        """`placed` waits for the ranks' placement group: at the job's start, the startup
+        check (actors/placement.py, with a deadline); in a rebuild, as long as a node takes."""
+        res = self.cfg.learner.resources
+        n = self.cfg.learner.num_ranks
         bundle = {
             "CPU": res.num_cpus,
             **({"GPU": res.num_gpus} if res.num_gpus else {}),
             **res.custom,
         }
         self.placement = placement_group([bundle] * n, strategy="PACK")
-        ray.get(self.placement.ready())
+        self.ranks = []
+        try:
+            self._start_ranks(placed)
+        except BaseException:  # nothing is left holding the cluster's resources
+            self.shutdown()
+            raise
+
+    def _start_ranks(self, placed: Callable[[PlacementGroup], None]) -> None:
+        cfg, model_path = self.cfg, self.model_path
+        res, n = cfg.learner.resources, cfg.learner.num_ranks
+        placed(self.placement)
         actor = ray.remote(LearnerRankActor)
         self.ranks = [
             actor.options(
@@ -116,9 +139,10 @@ class LearnerGroup:
             ).remote()
             for i in range(n)
         ]
-        addr, port = ray.get(self.ranks[0].address.remote())
+        [(addr, port)] = wait_started("learner rank", [self.ranks[0].address.remote()])
         device = device_for(res.num_gpus)
-        ray.get(
+        wait_started(
+            "learner rank",
             [
                 r.init.remote(
                     RankSetup(
@@ -132,7 +156,7 @@ class LearnerGroup:
                     cfg,
                 )
                 for i, r in enumerate(self.ranks)
-            ]
+            ],
         )
 
     @property

@@ -14,15 +14,26 @@ KubeRay's) reads as demand for a node. The pool polls these actors between steps
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
 
 from groupflow.scaling import PoolState
+from groupflow.start_errors import StartError, start_failure
 
 log = logging.getLogger(__name__)
+
+
+def wait_started(what: str, refs: Sequence[ray.ObjectRef]) -> list:
+    """The values of `refs`, calls that end an actor's start (its constructor, a rank's
+    init); an actor that failed fails the job with one line: its own error and its node,
+    not Ray's "the actor died" (groupflow/start_errors.py)."""
+    try:
+        return ray.get(list(refs))
+    except RayError as err:
+        raise StartError(start_failure(what, str(err))) from None
 
 
 @dataclass
@@ -63,7 +74,7 @@ class StartingActors:
             try:
                 ray.get(s.ready)
             except RayError as err:  # its constructor or warm-up raised, or its process died
-                log.warning("a new %s failed to start: %s", self.what, str(err).splitlines()[0])
+                log.warning("%s", start_failure(f"new {self.what}", str(err)))
                 ray.kill(s.actor, no_restart=True)
                 failed += 1
                 continue

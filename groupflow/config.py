@@ -82,6 +82,21 @@ class Resources(Section):
     )
 
 
+# Each pool's defaults, as a Resources of its own: a `resources` setting given in part (e.g.
+# only `custom`, to pin the pool to a worker group) keeps the pool's defaults for every key it
+# leaves out, rather than Resources' 1 CPU, which would starve a CPU cluster of room.
+class EngineResources(Resources):
+    num_cpus: float = Field(0.5, ge=0)
+
+
+class RewardWorkerResources(Resources):
+    num_cpus: float = Field(0.25, ge=0)
+
+
+class LearnerRankResources(Resources):
+    num_cpus: float = Field(0.5, ge=0)
+
+
 class ModelConfig(Section):
     path: str | None = Field(
         None,
@@ -207,7 +222,7 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=1, description="G: responses sampled per prompt")
     prompts_per_step: int = Field(32, ge=1)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    resources: EngineResources = Field(default_factory=EngineResources)
     kv_cache_gib: float = Field(
         1.0, gt=0, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
     )
@@ -326,7 +341,14 @@ class RewardConfig(Section):
         description="scorer processes per reward worker: verifier calls in flight at once, "
         "each in a process killed and replaced at its deadline",
     )
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.25))
+    resources: RewardWorkerResources = Field(default_factory=RewardWorkerResources)
+    max_unscored_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="steps in a row whose responses were all unscored (reward workers timed "
+        "out or were never placed) before the job stops; such a step is never trained on",
+    )
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None,
         description="DAPO's soft overlong punishment (arXiv 2503.14476), added to the "
@@ -395,7 +417,7 @@ class LearnerConfig(Section):
         "weights to the accelerator in every forward and backward; frees the shards' memory, "
         "costs that transfer on every pass",
     )
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    resources: LearnerRankResources = Field(default_factory=LearnerRankResources)
 
 
 class ClipConfig(Section):
@@ -757,9 +779,44 @@ class MetricsConfig(Section):
 
 
 class ClusterConfig(Section):
-    address: str | None = Field(None, description="Ray address; unset = a local cluster")
+    address: str | None = Field(
+        None,
+        description="Ray address of a cluster to drive the job from this process (e.g. auto, "
+        "HOST:6379); unset = a local cluster. Not ray:// (Ray Client): use groupflow submit",
+    )
     num_cpus: float | None = Field(
         None, gt=0, description="CPUs of a local cluster; unset = detected"
+    )
+    placement_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="seconds every actor the job starts with may wait for a node before the "
+        "job fails, naming the pool that was not placed (raise it where an autoscaler adds "
+        "nodes slowly)",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _not_ray_client(cls, address: str | None) -> str | None:
+        refusal = ray_client_refusal(address)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return address
+
+
+def ray_client_refusal(address: str | None) -> str | None:
+    """Why a job cannot be driven from `address`, when it is a Ray Client one (ray://): the
+    weights reach the engines through streaming actor methods, which Ray Client does not
+    carry, so such a job would train up to its first weight sync and then crash."""
+    if address is None or not address.strip().lower().startswith("ray://"):
+        return None
+    return (
+        f"{address} is a Ray Client address, and a job cannot be driven through Ray Client "
+        "(its streaming actor methods, which carry the weights to the engines, are not "
+        "supported there); run it on the cluster with `groupflow submit --address "
+        "http://HEAD:8265`"
     )
 
 

@@ -24,7 +24,9 @@ from groupflow.actors.control import ActorInbox, start_control
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
+from groupflow.actors.placement import startup_placement
 from groupflow.actors.reward import RewardPool
+from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import make_transport
 from groupflow.checkpoint import (
     CheckpointError,
@@ -35,7 +37,7 @@ from groupflow.checkpoint import (
     resume_target,
     rewind_metrics,
 )
-from groupflow.config import Config
+from groupflow.config import Config, ray_client_refusal
 from groupflow.evaluate import HeldOutSet
 from groupflow.job import TrainingJob
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
@@ -229,6 +231,10 @@ def check_prompt_rendering(cfg: Config, model_path: str) -> None:
 def open_run(cfg: Config) -> OpenRun:
     """Check the model, hold the run name, check the checkpoint to resume from, and only
     then make (or rewind) the run directory; serve metrics and connect to Ray."""
+    if cfg.cluster.address is None and not ray.is_initialized():  # ray.init reads RAY_ADDRESS
+        refusal = ray_client_refusal(os.environ.get("RAY_ADDRESS"))
+        if refusal is not None:
+            raise RunError(f"RAY_ADDRESS: {refusal}")
     model_path = resolve_model_path(cfg)
     check_trackers(cfg)
     check_prompt_rendering(cfg, model_path)
@@ -264,8 +270,12 @@ def start_job(run: OpenRun) -> TrainingJob:
         undo.callback(generators.shutdown)
         rewards = RewardPool(cfg)
         undo.callback(rewards.shutdown)
-        learner = LearnerGroup(cfg, run.model_path)
+        # Every pool placed within cluster.placement_timeout_s, or one line naming it.
+        placed = partial(startup_placement, cfg, generators.engines, rewards.workers)
+        learner = LearnerGroup(cfg, run.model_path, placed)
         undo.callback(learner.shutdown)
+        wait_started("engine", [e.__ray_ready__.remote() for e in generators.engines])
+        wait_started("reward worker", [w.__ray_ready__.remote() for w in rewards.workers])
         control = start_control(cfg.trainer.run_name, limits_for(cfg))
         inbox = None if control is None else ActorInbox(control)
         if inbox is not None:

@@ -38,7 +38,7 @@ from groupflow.learner.lr_schedule import lr_at
 from groupflow.peers import Futures, Generation, Learner, PeerDied, Scoring, WeightSync
 from groupflow.pipeline import Pipeline
 from groupflow.prometheus import PrometheusExporter
-from groupflow.prompt_stream import PromptStream
+from groupflow.prompt_stream import PromptStream, StepGroups
 from groupflow.records import ScoredGroup, TrainSequence
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks.base import Task
@@ -46,6 +46,7 @@ from groupflow.rollout_figures import rollout_record
 from groupflow.scaling import Scaler
 from groupflow.sequences import group_advantages, train_sequences
 from groupflow.timing import stage_timer, time_keys
+from groupflow.unscored import UnscoredSteps
 
 
 class StepSink(Protocol):
@@ -92,6 +93,7 @@ class TrainingJob:
         self.evaluation = HeldOutEvaluation(
             cfg, task.eval_prompts(cfg.task.eval_size), self.pipeline, held_out_sets
         )
+        self.unscored = UnscoredSteps(cfg.reward.max_unscored_steps)
         self.version = 0
         self.first_step = 1
         self.warm_accuracy: float | None = None
@@ -117,9 +119,9 @@ class TrainingJob:
     def _step(self, step: int) -> dict:
         started, times = time.monotonic(), {}
         idle_before = self.generators.idle_engine_seconds()
-        taken = self.stream.take_step(
-            step, self.version, lambda chunk: self.pipeline.scored(chunk, times)
-        )
+        taken = self._take_groups(step, times)
+        while not self.unscored.trainable(taken.groups):  # never train on nothing
+            taken = self._take_groups(step, times)
         self.pipeline.feed()  # the next steps' chunks generate while this one learns
         self._export_queues()
         advantages = group_advantages(taken.groups, self.cfg)
@@ -151,6 +153,11 @@ class TrainingJob:
         times["engines_idle"] = idle / max(1, self.generators.num_engines)
         record.update(time_keys(times))
         return record
+
+    def _take_groups(self, step: int, times: dict[str, float]) -> StepGroups:
+        return self.stream.take_step(
+            step, self.version, lambda chunk: self.pipeline.scored(chunk, times)
+        )
 
     def _learn(self, seqs: list[TrainSequence], times: dict[str, float], lr: float) -> list:
         """One learner step, then the new version sent to the engines; the ranks' results."""
