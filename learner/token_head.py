@@ -10,6 +10,9 @@ the forward (and, through DeepSpeed's hooks, the backward) of the module that ow
 statistics are computed inside the forward of `TokenHead`, which replaces the model's lm head
 and owns the same weight Parameter (a tied head stays tied; parameter names do not change),
 and the model's forward calls it when given `response_positions`.
+
+On CUDA the statistics come from fused Triton kernels (learner/fused_token_head.py) that never
+hold a chunk's logits; the chunked head here is the CPU path and their reference.
 """
 
 from __future__ import annotations
@@ -98,9 +101,19 @@ class TokenHead(torch.nn.Module):
         if targets is None:
             return F.linear(hidden, self.weight)
         chunk = max(1, self.chunk_elements // self.weight.shape[0])
-        return _ChunkedHeadStats.apply(
-            hidden, self.weight, targets, float(temperature), chunk, entropy_grad
-        )
+        head_stats = head_stats_function(hidden.device)
+        return head_stats(hidden, self.weight, targets, float(temperature), chunk, entropy_grad)
+
+
+def head_stats_function(device: torch.device):
+    """The head's statistics on `device`: fused Triton kernels on CUDA
+    (learner/fused_token_head.py), the chunked head, their reference, elsewhere. Both take
+    (hidden, weight, targets, temperature, chunk, entropy_grad) -> (logp, entropy, sum_p2)."""
+    if device.type != "cuda":
+        return _ChunkedHeadStats.apply
+    from groupflow.learner.fused_token_head import GPU_TILES, FusedHeadStats
+
+    return lambda *args: FusedHeadStats.apply(*args, GPU_TILES)
 
 
 def install_token_head(
