@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from groupflow.learner.device import to_device
 from groupflow.learner.token_stats import TokenStats, stats_dtype
 
 # Elements of one chunk's [chunk, vocab] logits: 2^27 float32 values are 512 MiB, about 880
@@ -38,11 +39,6 @@ class ResponsePositions:
     cols: torch.Tensor  # (N,) column of each position; column t predicts the token at t + 1
     targets: torch.Tensor  # (N,) the token each position predicts
     sizes: list[int]  # response tokens of each sequence, in order (they sum to N)
-
-    def to(self, device: torch.device | str) -> ResponsePositions:
-        return ResponsePositions(
-            self.rows.to(device), self.cols.to(device), self.targets.to(device), self.sizes
-        )
 
 
 def response_positions(
@@ -76,8 +72,8 @@ def response_positions(
     empty = torch.zeros(0, dtype=torch.long)
     rows_t = torch.cat(row_parts) if row_parts else empty
     cols_t = torch.cat(col_parts) if col_parts else empty
-    targets = input_ids[rows_t.to(input_ids.device), cols_t.to(input_ids.device) + 1]
-    return ResponsePositions(rows_t, cols_t, targets, sizes).to(input_ids.device)
+    rows_t, cols_t = (to_device(t, input_ids.device) for t in (rows_t, cols_t))
+    return ResponsePositions(rows_t, cols_t, input_ids[rows_t, cols_t + 1], sizes)
 
 
 class TokenHead(torch.nn.Module):
