@@ -10,7 +10,9 @@ cancellation diagnostic on (`grpo`, `grpo+diag`, `stapo`, `lopti`, ...). One JSO
 setting: step times (the first pays warm-up), tokens/s, share of the H100 bf16 dense peak
 (989 TFLOP/s, counting 2N FLOPs a token for a behaviour forward when one runs and 6N per
 optimizer pass, plus 2N per token again when activation checkpointing recomputes the
-forward), peak GPU memory, the padded share of the micro-batches. `STEPS=2` shortens it.
+forward), peak GPU memory, the padded share of the micro-batches, and the host
+synchronisations of one more step (torch.cuda.set_sync_debug_mode: `syncs_per_step`, and
+the five call sites that made most of them). `STEPS=2` shortens it.
 
 Needs torch, transformers, DeepSpeed and pydantic, and the project importable as `groupflow`
 (`pip install --no-deps .`). Run one setting per process for a clean memory peak.
@@ -24,6 +26,8 @@ import os
 import random
 import socket
 import time
+import warnings
+from collections import Counter
 
 import torch
 
@@ -97,6 +101,24 @@ def groups(n_prompts: int, group_size: int, prompt_len: int, max_response: int, 
     return seqs
 
 
+def count_syncs(step) -> tuple[int, list[tuple[str, int]]]:
+    """Host synchronisations torch flags while `step` runs (item, tolist, device-to-host
+    and pageable copies, value-sized results), and the five call sites with most of them."""
+    sites: Counter[str] = Counter()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchronizing" in str(w.message):
+            sites[f"{w.filename}:{w.lineno}"] += 1
+    return sum(sites.values()), sites.most_common(5)
+
+
 def probe(setting: str, path: str, nparams: int, seqs, micro: int, overrides: list[str]) -> dict:
     preset, _, diag = setting.partition("+")
     cfg = build_config(
@@ -130,6 +152,7 @@ def probe(setting: str, path: str, nparams: int, seqs, micro: int, overrides: li
             figures = rank.train_step(share)
             torch.cuda.synchronize()
             times.append(time.time() - t)
+        syncs, sites = count_syncs(lambda: rank.train_step(share))
     except Exception as err:  # report and go on with the next setting
         return dict(setting=setting, error=repr(err)[:600], step_s=times)
     step_s = min(times[1:] or times)
@@ -148,6 +171,8 @@ def probe(setting: str, path: str, nparams: int, seqs, micro: int, overrides: li
         padding=round(padding_share(layout, lengths), 3),
         micro_batches=len(layout[0][0]),
         updates=passes,
+        syncs_per_step=syncs,
+        sync_sites=sites,
     )
     rank.engines.policy.engine.destroy()
     return out

@@ -375,6 +375,36 @@ class OptimizerConfig(Section):
     )
 
 
+class Zero3Config(Section):
+    """ZeRO-3's parameter handling; each unset knob comes from the table in
+    docs/zero3_tuning.md, chosen by the model's parameter count and the number of ranks."""
+
+    param_persistence_threshold: int | None = Field(
+        None,
+        ge=0,
+        description="parameters of at most this many elements stay whole on every rank: never "
+        "gathered, so their modules pay no gather hooks; costs their full size on each rank. "
+        "Unset: from docs/zero3_tuning.md's table",
+    )
+    prefetch_bucket_size: int | None = Field(
+        None,
+        ge=0,
+        description="elements of the parameters gathered ahead of the module that needs them. "
+        "Unset: from docs/zero3_tuning.md's table",
+    )
+    max_live_parameters: int | None = Field(
+        None,
+        ge=0,
+        description="elements of gathered parameters a rank holds at once before it releases "
+        "some. Unset: from docs/zero3_tuning.md's table",
+    )
+    overlap_comm: bool | None = Field(
+        None,
+        description="overlap the gradients' reduce-scatter (and the gathers) with compute, at "
+        "the cost of communication buffers. Unset: from docs/zero3_tuning.md's table",
+    )
+
+
 class LearnerConfig(Section):
     num_ranks: int = Field(2, ge=1)
     zero_stage: Literal[3] = 3
@@ -417,6 +447,7 @@ class LearnerConfig(Section):
         "weights to the accelerator in every forward and backward; frees the shards' memory, "
         "costs that transfer on every pass",
     )
+    zero3: Zero3Config = Field(default_factory=Zero3Config)
     resources: LearnerRankResources = Field(default_factory=LearnerRankResources)
 
 

@@ -47,3 +47,13 @@ class Device:
 
 def device_for(num_gpus: float) -> Device:
     return Device("cuda" if num_gpus > 0 else "cpu")
+
+
+def to_device(tensor, device):
+    """`tensor` (on the host) on `device`, without stalling the host: a copy from pageable
+    memory to a GPU waits for the copy to finish; from pinned memory it is queued on the
+    stream like a kernel. The pinned buffer comes from torch's caching host allocator, which
+    keeps it until the copy is done."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -15,6 +15,7 @@ from functools import reduce
 import torch
 
 from groupflow.learner.credit import CreditStats
+from groupflow.learner.device import to_device
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats
@@ -36,15 +37,18 @@ class BehaviourFigures:
 
     @classmethod
     def of(cls, seqs: list[TrainSequence], stats: list[TokenStats]) -> BehaviourFigures:
-        """The figures of `seqs` under their behaviour statistics (one TokenStats each)."""
+        """The figures of `seqs` under their behaviour statistics (one TokenStats each),
+        read from the device in one copy."""
         if not seqs:
             return cls()
         entropy = torch.nn.utils.rnn.pad_sequence([s.entropy for s in stats], batch_first=True)
+        per_seq_entropy = entropy.detach().to(torch.float64).sum(-1)  # padding is 0
+        mismatch = _vllm_mismatch(seqs, stats)
+        host = torch.cat([per_seq_entropy, mismatch]).cpu()
+        per_seq_entropy, mismatch = host[: len(seqs)], host[len(seqs) :]
         lengths = torch.tensor([s.num_response_tokens for s in seqs], dtype=torch.float64)
-        per_seq_entropy = entropy.to(torch.float64).sum(-1).cpu()  # padding is 0
         advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float64)
         pos, neg = advantages > 0, advantages < 0
-        mismatch_sum, mismatch_max = _vllm_mismatch(seqs, stats)
         return cls(
             tokens=int(lengths.sum()),
             entropy=per_seq_entropy.sum().item(),
@@ -52,8 +56,8 @@ class BehaviourFigures:
             entropy_pos=per_seq_entropy[pos].sum().item(),
             tokens_neg=int(lengths[neg].sum()),
             entropy_neg=per_seq_entropy[neg].sum().item(),
-            logp_mismatch=mismatch_sum,
-            logp_mismatch_max=mismatch_max,
+            logp_mismatch=mismatch.sum().item(),
+            logp_mismatch_max=mismatch.max().item() if mismatch.numel() else 0.0,
         )
 
     def merge(self, other: BehaviourFigures) -> BehaviourFigures:
@@ -63,18 +67,19 @@ class BehaviourFigures:
         return merged
 
 
-def _vllm_mismatch(seqs: list[TrainSequence], stats: list[TokenStats]) -> tuple[float, float]:
-    """(sum, max) of |learner logp - vLLM logp| over the sequences that carry vLLM's numbers."""
+def _vllm_mismatch(seqs: list[TrainSequence], stats: list[TokenStats]) -> torch.Tensor:
+    """|learner logp - vLLM logp| of every token of the sequences that carry vLLM's numbers,
+    float64 on the statistics' device."""
     ours, theirs = [], []
     for seq, seq_stats in zip(seqs, stats, strict=True):
-        if not seq.vllm_logprobs:
-            continue
-        ours.append(seq_stats.logp.detach().to("cpu", torch.float64))
-        theirs.append(torch.tensor(seq.vllm_logprobs, dtype=torch.float64))
+        if seq.vllm_logprobs:
+            ours.append(seq_stats.logp.detach())
+            theirs.extend(seq.vllm_logprobs)
     if not ours:
-        return 0.0, 0.0
-    diff = (torch.cat(ours) - torch.cat(theirs)).abs()
-    return diff.sum().item(), diff.max().item()
+        return torch.zeros(0, dtype=torch.float64, device=stats[0].logp.device)
+    ours_t = torch.cat(ours).to(torch.float64)
+    theirs_t = to_device(torch.tensor(theirs, dtype=torch.float64), ours_t.device)
+    return (ours_t - theirs_t).abs()
 
 
 @dataclass
@@ -89,6 +94,19 @@ class UpdateFigures:
 
     def merge(self, other: UpdateFigures) -> UpdateFigures:
         return _add_fields(self, other)
+
+    # A micro-batch's figures stay on the device as a float64 vector of these sums, in field
+    # order, added up over a mini-batch and read once (reading per micro-batch would stall
+    # the host on every one).
+    @staticmethod
+    def zero_sums(device: torch.device) -> torch.Tensor:
+        return torch.zeros(len(fields(UpdateFigures)), dtype=torch.float64, device=device)
+
+    @classmethod
+    def of_sums(cls, sums: torch.Tensor) -> UpdateFigures:
+        """The figures of a vector of sums (one synchronisation)."""
+        tokens, clipped_low, clipped_high, approx_kl, kl_ref = sums.tolist()
+        return cls(int(tokens), int(clipped_low), int(clipped_high), approx_kl, kl_ref)
 
 
 @dataclass

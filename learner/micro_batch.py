@@ -18,6 +18,7 @@ from torch import Tensor
 from groupflow.config import AlgorithmConfig
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
+from groupflow.learner.device import to_device
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
 from groupflow.learner.token_head import ResponsePositions, response_positions
@@ -38,8 +39,8 @@ class MicroBatchForward:
 @dataclass
 class MicroBatchLoss:
     loss: Tensor  # scalar, to backpropagate
-    figures: UpdateFigures
-    token_grads: list[Tensor]  # per sequence (n_i,) float64 dLoss/dlogp; empty unless asked
+    figure_sums: Tensor  # UpdateFigures' sums, on the device (UpdateFigures.of_sums)
+    token_grads: list[Tensor]  # per sequence (n_i,) float64 dLoss/dlogp, on the device; or []
 
 
 @dataclass
@@ -74,11 +75,11 @@ def model_inputs(seqs: list[TrainSequence], device: torch.device, packed: bool) 
     for row, end in enumerate(row_end):
         # A row's padding counts from 0 as a sequence of its own: it never joins a real one.
         position_ids[row, end:] = torch.arange(width - end)
-    ids = ids.to(device)
+    ids = to_device(ids, device)
     positions = response_positions(ids, lengths, [s.prompt_len for s in seqs], rows, starts)
     if packed:
-        return ModelInputs(ids, None, position_ids.to(device), positions)
-    return ModelInputs(ids, attention.to(device), None, positions)
+        return ModelInputs(ids, None, to_device(position_ids, device), positions)
+    return ModelInputs(ids, to_device(attention, device), None, positions)
 
 
 def response_token_stats(
@@ -167,7 +168,8 @@ def micro_batch_loss(
     dLoss/dlogp per token comes back for the cancellation residual (a backward through the
     token loss only, not the model)."""
     if forward.empty_loss is not None:
-        return MicroBatchLoss(forward.empty_loss, UpdateFigures(), [])
+        no_figures = UpdateFigures.zero_sums(forward.empty_loss.device)
+        return MicroBatchLoss(forward.empty_loss, no_figures, [])
     logp = _pad([s.logp for s in forward.stats])  # (B, T)
     old_logp = _pad([s.logp for s in old])
     mask = _pad([torch.ones_like(s.logp) for s in forward.stats])
@@ -185,22 +187,15 @@ def micro_batch_loss(
     grads: list[Tensor] = []
     if token_grads:
         (grad,) = torch.autograd.grad(loss, logp, retain_graph=True)
-        grad = grad.detach().to("cpu", torch.float64)
+        grad = grad.detach().to(torch.float64)
         grads = [grad[row, : len(s.logp)] for row, s in enumerate(forward.stats)]
+    # Sums of masked tensors, left on the device: the step reads them once (UpdateFigures).
     valid = mask > 0
     terms = [
         valid.sum(),
-        out.clipped_low[valid].sum(),
-        out.clipped_high[valid].sum(),
-        kl_k2(logp.detach(), old_logp)[valid].sum(),  # KL(old || current), before the update
-        out.kl[valid].sum(),
+        (out.clipped_low & valid).sum(),
+        (out.clipped_high & valid).sum(),
+        torch.where(valid, kl_k2(logp.detach(), old_logp), 0.0).sum(),  # KL(old || current)
+        torch.where(valid, out.kl, 0.0).sum(),
     ]
-    sums = torch.stack([t.to(torch.float64) for t in terms]).tolist()  # one device sync
-    figures = UpdateFigures(
-        tokens=int(sums[0]),
-        clipped_low=int(sums[1]),
-        clipped_high=int(sums[2]),
-        approx_kl=sums[3],
-        kl_ref=sums[4],
-    )
-    return MicroBatchLoss(loss, figures, grads)
+    return MicroBatchLoss(loss, torch.stack([t.to(torch.float64) for t in terms]), grads)

@@ -54,7 +54,22 @@ class OffPolicyFigures:
 @dataclass
 class ImportanceWeights:
     weight: Tensor | None  # (B, T) detached w applied to A_it; None for mode none (w = 1)
-    figures: OffPolicyFigures
+    # The figures' sums, left on the device: a micro-batch planned on its own needs only the
+    # weights, and reading the sums would stall the host once per micro-batch.
+    sums: Tensor  # (6,) float64: tokens, weight, weight_max, truncated, masked, kl
+
+    @property
+    def figures(self) -> OffPolicyFigures:
+        """The figures, read from the device (one synchronisation)."""
+        tokens, weight_sum, weight_max, truncated, masked, kl = self.sums.tolist()
+        return OffPolicyFigures(
+            tokens=int(tokens),
+            weight=weight_sum,
+            weight_max=weight_max,
+            truncated=int(truncated),
+            masked=int(masked),
+            kl=kl,
+        )
 
 
 def importance_weights(
@@ -88,24 +103,17 @@ def importance_weights(
         masked = measured & ((ratio < low) | (ratio > high))
         weight = torch.where(masked, torch.zeros_like(ratio), ratio)
 
-    wide = ratio.to(torch.float64)
+    # Sums over the measured tokens as sums of masked tensors, not of selections: a selection
+    # has a data-dependent size, which the host must wait for. The ratios are >= 0, so a max
+    # over zeros in the unmeasured places is the max over the measured ones (0 if none).
+    wide = torch.where(measured, ratio.to(torch.float64), 0.0)
     kl = kl_k3(behaviour_logp.detach().to(torch.float64), proximal_logp.detach().to(torch.float64))
     parts = [
         measured.sum(),
-        wide[measured].sum(),
-        wide[measured].max() if measured.any() else wide.new_zeros(()),
+        wide.sum(),
+        wide.max() if wide.numel() else wide.new_zeros(()),
         truncated.sum(),
         masked.sum(),
-        kl[measured].sum(),
+        torch.where(measured, kl, 0.0).sum(),
     ]
-    sums = torch.stack([t.to(torch.float64) for t in parts]).tolist()  # one device sync
-    tokens, weight_sum, weight_max, truncated_sum, masked_sum, kl_sum = sums
-    figures = OffPolicyFigures(
-        tokens=int(tokens),
-        weight=weight_sum,
-        weight_max=weight_max,
-        truncated=int(truncated_sum),
-        masked=int(masked_sum),
-        kl=kl_sum,
-    )
-    return ImportanceWeights(weight, figures)
+    return ImportanceWeights(weight, torch.stack([t.to(torch.float64) for t in parts]))

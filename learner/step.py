@@ -34,6 +34,7 @@ from groupflow.learner.credit import (
     plan_credit,
     plans_per_micro_batch,
 )
+from groupflow.learner.device import to_device
 from groupflow.learner.diagnostics import cancellation_residual
 from groupflow.learner.figures import BehaviourFigures, RankFigures, UpdateFigures
 from groupflow.learner.micro_batch import MicroBatchForward, forward_micro_batch, micro_batch_loss
@@ -163,7 +164,8 @@ def plan_each_micro_batch(
     lengths = [s.num_response_tokens for mb in micro_batches for s in mb]
     scale = length_scale(algo.aggregation, lengths, settings.reducer)
     refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
-    olds, currents, grads, update = [], [], [], UpdateFigures()
+    olds, currents, grads = [], [], []
+    update = UpdateFigures.zero_sums(policy.device)
     for k, (mb, mb_ref) in enumerate(zip(micro_batches, refs, strict=True)):
         forward = _forward(policy, mb, settings)
         current = _detached(forward.stats)
@@ -171,7 +173,7 @@ def plan_each_micro_batch(
         rows = micro_batch_rows(mini_batch_tokens(mb, old, current, policy.device), algo, scale)
         out = micro_batch_loss(forward, old, mb_ref, rows, 0, algo, algo.cancellation_diagnostic)
         policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
-        update = update.merge(out.figures)
+        update += out.figure_sums
         olds += old
         currents += current
         grads += out.token_grads
@@ -184,7 +186,12 @@ def plan_each_micro_batch(
         settings.auto_tau_p,
     )
     return _figures(
-        seqs, olds, update, plan, grad_norms, grads if algo.cancellation_diagnostic else None
+        seqs,
+        olds,
+        UpdateFigures.of_sums(update),
+        plan,
+        grad_norms,
+        grads if algo.cancellation_diagnostic else None,
     )
 
 
@@ -230,10 +237,12 @@ def plan_whole_mini_batch(
     refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
     diagnostic = algo.cancellation_diagnostic
     grads = [
-        [torch.zeros(s.num_response_tokens, dtype=torch.float64) for s in mb] if diagnostic else []
+        [torch.zeros(s.num_response_tokens, dtype=torch.float64, device=policy.device) for s in mb]
+        if diagnostic
+        else []
         for mb in micro_batches
     ]
-    update, grad_norms = UpdateFigures(), []
+    update, grad_norms = UpdateFigures.zero_sums(policy.device), []
     for pass_index in range(len(plan.passes)):
         for k, parts in enumerate(zip(micro_batches, rows, old, refs, grads, strict=True)):
             mb, mb_rows, mb_old, mb_ref, mb_grads = parts
@@ -241,12 +250,12 @@ def plan_whole_mini_batch(
             first = None  # later passes run after an update: they need a fresh forward
             out = micro_batch_loss(forward, mb_old, mb_ref, mb_rows, pass_index, algo, diagnostic)
             policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
-            update = update.merge(out.figures)
+            update += out.figure_sums
             for acc, g in zip(mb_grads, out.token_grads, strict=True):
                 acc += g
         grad_norms.append(policy.step())
     flat_grads = [g for mb in grads for g in mb] if diagnostic else None
-    return _figures(seqs, flat_old, update, plan, grad_norms, flat_grads)
+    return _figures(seqs, flat_old, UpdateFigures.of_sums(update), plan, grad_norms, flat_grads)
 
 
 def _figures(
@@ -267,7 +276,10 @@ def _figures(
         off_policy=plan.off_policy,
     )
     if token_grads is not None:
-        groups = _groups(seqs, token_grads)
+        # One copy to the host for all sequences (they lie on the device)
+        sizes = [g.numel() for g in token_grads]
+        host = torch.cat(token_grads).cpu() if token_grads else torch.zeros(0)
+        groups = _groups(seqs, list(host.split(sizes)))
         figures.residual = cancellation_residual(groups)
         figures.residual_whole_group = cancellation_residual(groups, whole_group=True)
     return figures
@@ -310,7 +322,7 @@ def mini_batch_tokens(
 
     A sequence without vLLM's log-probs takes its behaviour row from `old` (weight 1)."""
     behaviour = [
-        torch.tensor(s.vllm_logprobs, dtype=o.logp.dtype, device=o.logp.device)
+        to_device(torch.tensor(s.vllm_logprobs, dtype=o.logp.dtype), o.logp.device)
         if s.vllm_logprobs
         else o.logp
         for s, o in zip(seqs, old, strict=True)
@@ -322,10 +334,12 @@ def mini_batch_tokens(
         old_entropy=_pad([s.entropy for s in old], device),
         cur_entropy=_pad([s.entropy for s in current], device),
         cur_sum_p2=_pad([s.sum_p2 for s in current], device),
-        advantages=torch.tensor([s.advantage for s in seqs], dtype=torch.float64, device=device),
-        group_ids=torch.tensor([s.group_id for s in seqs], dtype=torch.long, device=device),
+        advantages=to_device(
+            torch.tensor([s.advantage for s in seqs], dtype=torch.float64), device
+        ),
+        group_ids=to_device(torch.tensor([s.group_id for s in seqs], dtype=torch.long), device),
         behaviour_logp=_pad(behaviour, device),
-        behaviour_known=torch.tensor(
-            [bool(s.vllm_logprobs) for s in seqs], dtype=torch.bool, device=device
+        behaviour_known=to_device(
+            torch.tensor([bool(s.vllm_logprobs) for s in seqs], dtype=torch.bool), device
         ),
     )

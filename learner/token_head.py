@@ -10,6 +10,9 @@ the forward (and, through DeepSpeed's hooks, the backward) of the module that ow
 statistics are computed inside the forward of `TokenHead`, which replaces the model's lm head
 and owns the same weight Parameter (a tied head stays tied; parameter names do not change),
 and the model's forward calls it when given `response_positions`.
+
+On CUDA the statistics come from fused Triton kernels (learner/fused_token_head.py) that never
+hold a chunk's logits; the chunked head here is the CPU path and their reference.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from groupflow.learner.device import to_device
 from groupflow.learner.token_stats import TokenStats, stats_dtype
 
 # Elements of one chunk's [chunk, vocab] logits: 2^27 float32 values are 512 MiB, about 880
@@ -35,11 +39,6 @@ class ResponsePositions:
     cols: torch.Tensor  # (N,) column of each position; column t predicts the token at t + 1
     targets: torch.Tensor  # (N,) the token each position predicts
     sizes: list[int]  # response tokens of each sequence, in order (they sum to N)
-
-    def to(self, device: torch.device | str) -> ResponsePositions:
-        return ResponsePositions(
-            self.rows.to(device), self.cols.to(device), self.targets.to(device), self.sizes
-        )
 
 
 def response_positions(
@@ -73,8 +72,8 @@ def response_positions(
     empty = torch.zeros(0, dtype=torch.long)
     rows_t = torch.cat(row_parts) if row_parts else empty
     cols_t = torch.cat(col_parts) if col_parts else empty
-    targets = input_ids[rows_t.to(input_ids.device), cols_t.to(input_ids.device) + 1]
-    return ResponsePositions(rows_t, cols_t, targets, sizes).to(input_ids.device)
+    rows_t, cols_t = (to_device(t, input_ids.device) for t in (rows_t, cols_t))
+    return ResponsePositions(rows_t, cols_t, input_ids[rows_t, cols_t + 1], sizes)
 
 
 class TokenHead(torch.nn.Module):
@@ -98,9 +97,19 @@ class TokenHead(torch.nn.Module):
         if targets is None:
             return F.linear(hidden, self.weight)
         chunk = max(1, self.chunk_elements // self.weight.shape[0])
-        return _ChunkedHeadStats.apply(
-            hidden, self.weight, targets, float(temperature), chunk, entropy_grad
-        )
+        head_stats = head_stats_function(hidden.device)
+        return head_stats(hidden, self.weight, targets, float(temperature), chunk, entropy_grad)
+
+
+def head_stats_function(device: torch.device):
+    """The head's statistics on `device`: fused Triton kernels on CUDA
+    (learner/fused_token_head.py), the chunked head, their reference, elsewhere. Both take
+    (hidden, weight, targets, temperature, chunk, entropy_grad) -> (logp, entropy, sum_p2)."""
+    if device.type != "cuda":
+        return _ChunkedHeadStats.apply
+    from groupflow.learner.fused_token_head import GPU_TILES, FusedHeadStats
+
+    return lambda *args: FusedHeadStats.apply(*args, GPU_TILES)
 
 
 def install_token_head(

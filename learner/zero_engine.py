@@ -16,7 +16,7 @@ from torch import Tensor
 from groupflow.config import Config
 from groupflow.device import Device
 from groupflow.learner.model_setup import prepare_model
-from groupflow.learner.zero_config import deepspeed_config
+from groupflow.learner.zero_config import deepspeed_config, model_parameter_count
 
 
 @dataclass
@@ -79,7 +79,9 @@ def build_zero_engines(setup: RankSetup, cfg: Config) -> ZeroEngines:
 
     deepspeed.init_distributed(dist_backend=setup.device.backend, verbose=False)
     torch.manual_seed(cfg.trainer.seed)
-    ds_config = deepspeed_config(cfg.learner, cfg.model.dtype)
+    ds_config = deepspeed_config(
+        cfg.learner, cfg.model.dtype, model_parameter_count(setup.model_path), setup.world_size
+    )
     # Alive during from_pretrained, this makes transformers load straight into ZeRO-3 shards.
     hf_ds_config = HfDeepSpeedConfig(ds_config)
     model = _load_model(setup.model_path, cfg, trainable=True)
