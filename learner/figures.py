@@ -14,8 +14,8 @@ from functools import reduce
 
 import torch
 
+from groupflow.device import to_device
 from groupflow.learner.credit import CreditStats
-from groupflow.learner.device import to_device
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats

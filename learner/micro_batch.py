@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
+from groupflow.device import to_device
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
-from groupflow.learner.device import to_device
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
 from groupflow.learner.token_head import ResponsePositions, response_positions

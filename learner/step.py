@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from groupflow.config import AlgorithmConfig
+from groupflow.device import to_device
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import (
     CreditPlan,
@@ -34,7 +35,6 @@ from groupflow.learner.credit import (
     plan_credit,
     plans_per_micro_batch,
 )
-from groupflow.learner.device import to_device
 from groupflow.learner.diagnostics import cancellation_residual
 from groupflow.learner.figures import BehaviourFigures, RankFigures, UpdateFigures
 from groupflow.learner.micro_batch import MicroBatchForward, forward_micro_batch, micro_batch_loss

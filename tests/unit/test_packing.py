@@ -75,7 +75,12 @@ def test_packed_statistics_and_gradients_equal_the_padded_batchs(gen, tied, dtyp
         for field in ("logp", "entropy", "sum_p2"):
             torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=tol, atol=tol)
     for name, g in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], g, rtol=tol * 10, atol=tol * 10, msg=name)
+        # a gradient sums over every token in another order: its rounding scales with the
+        # largest entry, not with each entry (the exactness claim is float64's)
+        scale = max(1.0, g.abs().max().item())
+        torch.testing.assert_close(
+            packed_grads[name], g, rtol=tol * 10, atol=tol * 10 * scale, msg=name
+        )
 
 
 class IgnoresPositionIds(torch.nn.Module):
