@@ -33,13 +33,16 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
     from transformers.integrations import HfDeepSpeedConfig
 
     from groupflow.checkpoint import CheckpointError
-    from groupflow.config import LearnerConfig
+    from groupflow.config import LearnerConfig, Zero3Config
     from groupflow.learner.checkpoint import TAG, load_rank_checkpoint, save_rank_checkpoint
     from groupflow.learner.zero_config import deepspeed_config
 
-    ds_config = deepspeed_config(LearnerConfig(), "float32")
-    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive for the engine)
+    # Partitioned, as a model too large to keep whole is (docs/zero3_tuning.md).
+    cfg = LearnerConfig(zero3=Zero3Config(param_persistence_threshold=0))
     model = _model(0, tied=False)
+    nparams = sum(p.numel() for p in model.parameters())
+    ds_config = deepspeed_config(cfg, "float32", nparams, world_size=1)
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive for the engine)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=ds_config
     )
