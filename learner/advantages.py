@@ -1,4 +1,4 @@
-"""Per-response advantage estimators (ALGORITHMS.md section 1).
+"""Per-response advantage estimators (docs/algorithms.md, 'Advantage estimators').
 
 Each estimator maps the rewards of a batch of groups (one group per prompt) to one
 advantage per response. `compute_advantages` is the entry point; `ADVANTAGE_ESTIMATORS`

@@ -1,4 +1,5 @@
-"""Token-credit transforms and aggregation for one mini-batch (ALGORITHMS.md sections 3-5).
+"""Token-credit transforms and aggregation for one mini-batch (docs/algorithms.md,
+'Aggregation', 'Token-credit transforms', 'Diagnostics').
 
 `plan_credit` turns one rank's share of a mini-batch into a `CreditPlan`: the per-token
 advantages A_it (after AR and the dfpo sequence weight) and, per optimizer pass, a detached
@@ -208,7 +209,10 @@ def entropy_top_mask(
 
 
 def sequence_weight(cur_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """dfpo's w_i = sg[s_i], s_i = exp(mean_t (cur_logp - old_logp)) (ALGORITHMS.md section 3), [B]."""
+    """dfpo's w_i = sg[s_i], s_i = exp(mean_t (cur_logp - old_logp)), [B].
+
+    docs/algorithms.md, 'Policy losses' (dfpo).
+    """
     return torch.exp(sequence_log_ratio(cur_logp.detach(), old_logp.detach(), mask > 0))
 
 

@@ -1,4 +1,4 @@
-"""Per-token policy losses and KL estimators (ALGORITHMS.md section 2).
+"""Per-token policy losses and KL estimators (docs/algorithms.md, 'Policy losses').
 
 All tensors are padded [B, T]; `mask` is 1.0 on valid response tokens and 0.0 on padding.
 `token_loss` returns the per-token loss l_it; how tokens are weighted and summed
@@ -122,7 +122,9 @@ def linear_loss(
 def dfpo_loss(
     logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, clip: ClipConfig
 ) -> PolicyLossTerms:
-    """dfpo (our construction from arXiv 2604.13088, ALGORITHMS.md section 3): l = -w~_i A_i logp.
+    """dfpo (arXiv 2604.13088, docs/algorithms.md 'Policy losses'): l = -w~_i A_i logp.
+
+    Our construction from the paper's description.
 
     The group-transformed sequence weight w~_i is folded into `adv` by the credit plan, so the
     token loss itself is the linear one.

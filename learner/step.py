@@ -1,5 +1,6 @@
 """One rank's share of a learner step: behaviour statistics, then per mini-batch its credit
-plan and one optimizer update per pass of the plan (ALGORITHMS.md sections 3-5).
+plan and one optimizer update per pass of the plan (docs/algorithms.md,
+'Aggregation', 'Token-credit transforms', 'Diagnostics').
 
 `minibatches[m][k]` is this rank's k-th micro-batch of mini-batch m. Every rank runs the same
 number of micro-batches in a mini-batch (learner/batching.py), a rank with less work getting

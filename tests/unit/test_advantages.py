@@ -1,4 +1,7 @@
-"""Advantage estimators (ALGORITHMS.md sections 1 and 6.9), on fresh random inputs."""
+"""Advantage estimators, on fresh random inputs.
+
+docs/algorithms.md, 'Advantage estimators' and property 9 of 'Properties the tests check'.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def members(group_ids: torch.Tensor) -> dict[int, list[int]]:
 
 
 def loop_advantages(rewards, group_ids, estimator, std, token_counts) -> list[float]:
-    """The formulas of ALGORITHMS.md section 1, one response at a time, in plain Python."""
+    """docs/algorithms.md's 'Advantage estimators', one response at a time, in plain Python."""
     r = rewards.tolist()
     adv = [0.0] * len(r)
     for idx in members(group_ids).values():
@@ -118,7 +121,8 @@ def test_group_of_size_one_gets_zero(gen, estimator):
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 def test_group_advantages_sum_to_zero(gen, estimator):
-    # The premise of token gradient cancellation (section 3): sum_i A_i = 0 in every group.
+    # The premise of token gradient cancellation (docs/algorithms.md, 'Aggregation'):
+    # sum_i A_i = 0 in every group.
     rewards, group_ids, _ = random_groups(gen)
     got = compute_advantages(rewards, group_ids, estimator)
     for idx in members(group_ids).values():

@@ -1,4 +1,6 @@
-"""Property 2 (ALGORITHMS.md section 6): token gradient cancellation on a shared prefix.
+"""Property 2, token gradient cancellation on a shared prefix.
+
+docs/algorithms.md, 'Properties the tests check', property 2.
 
 A tiny recurrent language model (float64) computes the logits of a prefix that all responses
 of a group share ONCE, as one tensor, and every response continues from it. Autograd then

@@ -1,4 +1,8 @@
-"""Token-credit plan: transforms, aggregation, stats (ALGORITHMS.md sections 3-6)."""
+"""Token-credit plan: transforms, aggregation, stats.
+
+docs/algorithms.md: 'Aggregation', 'Token-credit transforms', 'Diagnostics', and the numbered
+properties of 'Properties the tests check'.
+"""
 
 from __future__ import annotations
 
@@ -381,7 +385,7 @@ def test_rank_local_denominators_would_change_the_gradient(gen):
 
 
 def loop_coefficient(tokens: MiniBatchTokens, aggregation: str) -> torch.Tensor:
-    """c_it of section 3, one token at a time."""
+    """c_it of docs/algorithms.md's 'Aggregation', one token at a time."""
     lengths = [int(row.sum().item()) for row in tokens.mask]
     n_seq, n_tok, l_max = sum(n > 0 for n in lengths), sum(lengths), max(lengths)
     coef = torch.zeros_like(tokens.mask)
@@ -598,7 +602,7 @@ def test_lopti_split_depends_on_old_policy_only(gen):
 
 
 def loop_stapo(tokens: MiniBatchTokens, tau_p: float, q: float) -> set[tuple[int, int]]:
-    """Section 4.1 token by token: candidates, their entropy quantile, the silenced set."""
+    """STAPO (docs/algorithms.md) token by token: candidates, entropy quantile, silenced set."""
     p = tokens.cur_logp.exp()
     candidates = [
         (i, t)

@@ -1,4 +1,4 @@
-"""Diagnostics (ALGORITHMS.md section 5) and property 7, the logit-gradient identity."""
+"""Diagnostics (docs/algorithms.md, 'Diagnostics') and property 7, the logit-gradient identity."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A learner step on a tiny float64 transformer (learner/step.py, without DeepSpeed).
 
-Property 3 of ALGORITHMS.md section 6 at the level of the whole step: for every preset, with
-the cancellation diagnostic on and off, cutting the step into many micro-batches or onto two
-ranks leaves the parameter update unchanged. And the behaviour statistics that the first
+Property 3 of docs/algorithms.md ('Properties the tests check') for the whole step: for every
+preset, with the cancellation diagnostic on and off, cutting the step into many micro-batches
+or onto two ranks leaves the parameter update unchanged. And the behaviour statistics that the first
 mini-batch takes from its own forward give bit for bit the update of a separate forward,
 and a micro-batch planned from its own forward (no forward for statistics alone) gives the
 update of the plan made over the whole mini-batch.

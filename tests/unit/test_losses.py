@@ -1,4 +1,7 @@
-"""Per-token policy losses and KL estimators (ALGORITHMS.md section 2), each against a loop."""
+"""Per-token policy losses and KL estimators, each against a loop.
+
+docs/algorithms.md, 'Policy losses'.
+"""
 
 from __future__ import annotations
 
