@@ -1,7 +1,6 @@
 """Diagnostics that make the token-credit theory visible (docs/algorithms.md,
-'Diagnostics'): the
-logit-gradient norm behind STAPO and the low-probability shares, and the token gradient
-cancellation residual. The other per-step figures are sums kept in learner/figures.py.
+'Diagnostics'): the logit-gradient norm behind STAPO and the low-probability shares, and the
+token gradient cancellation residual. The other per-step figures are sums kept in learner/figures.py.
 """
 
 from __future__ import annotations
