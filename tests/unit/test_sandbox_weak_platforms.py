@@ -11,7 +11,6 @@ are then the same user, and only the filter and the hook stand between them.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import stat
@@ -25,6 +24,7 @@ import pytest
 
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.sandbox import Limits, run_python
+from tests.unit.as_nobody import run_sandbox_as_nobody
 
 SMALL = Limits(wall_s=5.0, cpu_s=5, memory_mb=128, max_processes=6, disk_mb=1)
 IS_ROOT = os.geteuid() == 0
@@ -510,49 +510,21 @@ def test_signals_cannot_reach_the_worker_or_other_processes(platform):
         victim.wait()
 
 
-@pytest.fixture
-def world_readable_dir():
-    path = Path(tempfile.mkdtemp(prefix="gf-nonroot-"))  # pytest's tmp_path is root-only
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path)
-
-
-def test_a_non_root_worker_without_namespaces_cannot_be_signalled(world_readable_dir):
+def test_a_non_root_worker_without_namespaces_cannot_be_signalled():
     """The worker and the program are the same user here: the kernel's uid check does not
     apply, so the syscall filter and the hook must refuse every route (round 1: a pidfd)."""
-    if not IS_ROOT or not shutil.which("setpriv"):
-        pytest.skip("needs root to become nobody")
-    copy = world_readable_dir
-    for name in ("sandbox.py", "sandbox_child.py"):
-        shutil.copy(Path(sandbox.__file__).parent / name, copy / name)
     # WORKER and GROUP: run.py, the program's parent, and its process group
     routes = _signal_routes("WORKER", "GROUP")
-    script = copy / "run.py"
-    script.write_text(
-        "import json, os, sys\n"
-        f"sys.path.insert(0, {str(copy)!r})\n"
-        "import sandbox\n"
+    report = run_sandbox_as_nobody(
         "p = sandbox.probe_platform(namespaces=False)\n"
         f"program = {attempts('import os, signal', routes)!r}\n"
         "program = program.replace('WORKER', str(os.getpid()))"
         ".replace('GROUP', str(os.getpgid(0)))\n"
         "r = sandbox.run_python(program, sandbox.Limits(wall_s=5, cpu_s=5))\n"
         "print(json.dumps({'isolation': p.isolation, 'out': r.stdout, 'err': r.stderr, "
-        "'alive': os.getpid()}))\n"
-    )
-    for path in copy.iterdir():
-        path.chmod(0o755)
-    python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
-    out = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(script)],
-        capture_output=True,
-        text=True,
-        cwd="/",
+        "'alive': os.getpid()}))\n",
         timeout=60,
     )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.splitlines()[-1])
     assert "unprivileged-uid" not in report["isolation"]
     assert "syscall-filter" in report["isolation"]
     result = sandbox.SandboxResult(0, report["out"], report["err"], False)

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import code_problems, make_task
 from groupflow.reward_workers.tasks.code_problems import CodeTask
 from groupflow.reward_workers.tasks.math_problems import MathTask
+from tests.unit.as_nobody import run_sandbox_as_nobody
 
 IS_ROOT = os.geteuid() == 0
 SLACK_S = 10.0  # on top of a timeout: process start-up on a busy shared machine
@@ -437,48 +436,20 @@ def test_the_program_has_no_privileges_to_undo_the_walls(nothing_left_behind):
     assert result.stdout.count("refused") == 7
 
 
-@pytest.fixture
-def world_readable_dir():
-    path = Path(tempfile.mkdtemp(prefix="gf-nonroot-"))  # pytest's tmp_path is root-only
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path)
-
-
-def test_a_non_root_worker_gets_namespaces_and_a_non_root_program(world_readable_dir):
+def test_a_non_root_worker_gets_namespaces_and_a_non_root_program():
     """Runs the sandbox module as `nobody` (system python, copied module): user namespaces
     stand in for root, the program is uid 1000 of a nested namespace, and without a memory
     cgroup the platform reports itself weak (code rewards refuse to start)."""
-    if not IS_ROOT or not shutil.which("setpriv"):
-        pytest.skip("needs root to become nobody")
-    copy = world_readable_dir
-    for name in ("sandbox.py", "sandbox_child.py"):
-        shutil.copy(Path(sandbox.__file__).parent / name, copy / name)
-    script = copy / "run.py"
-    script.write_text(
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(copy)!r})\n"
-        "import sandbox\n"
+    report = run_sandbox_as_nobody(
         "p = sandbox.default_platform()\n"
         "program = ('import os\\nprint(os.getuid())\\n'\n"
         '           \'for a in (lambda: os.chroot("/"), lambda: open("/escape", "w")):\\n\'\n'
         '           \'    try:\\n        a()\\n        print("DID")\\n    except OSError:\\n        print("refused")\\n\'\n'
         "           'print(sorted(os.listdir(\"/\")))')\n"
         "r = sandbox.run_python(program)\n"
-        "print(json.dumps({'isolation': p.isolation, 'missing': p.missing, 'out': r.stdout}))\n"
-    )
-    for path in copy.iterdir():
-        path.chmod(0o755)
-    python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
-    out = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(script)],
-        capture_output=True,
-        text=True,
-        cwd="/",
+        "print(json.dumps({'isolation': p.isolation, 'missing': p.missing, 'out': r.stdout}))\n",
         timeout=120,
     )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.splitlines()[-1])
     assert "minimal-root" in report["isolation"] and "ipc-namespace" in report["isolation"]
     lines = report["out"].splitlines()
     assert lines[0] == "1000"
