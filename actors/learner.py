@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_engine import RankSetup
 from groupflow.records import TrainSequence
+
+log = logging.getLogger(__name__)
 
 
 class LearnerRankActor:
@@ -66,8 +69,8 @@ class LearnerRankActor:
     def save_checkpoint(self, directory: str) -> None:
         self.rank.save_checkpoint(directory)
 
-    def load_checkpoint(self, directory: str) -> None:
-        self.rank.load_checkpoint(directory)
+    def load_checkpoint(self, directory: str) -> str | None:
+        return self.rank.load_checkpoint(directory)
 
     def open_weight_group(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the engines' weight group as its source; other ranks only gather."""
@@ -209,8 +212,11 @@ class LearnerGroup:
         return [r.save_checkpoint.remote(directory) for r in self.ranks]
 
     def load_checkpoint(self, directory: str) -> None:
-        """Every rank loads its shards (collective); a refused file is the rank's one line."""
-        RayFutures().get([r.load_checkpoint.remote(directory) for r in self.ranks])
+        """Every rank loads its shards (collective); a refused file is the rank's one line.
+        The ranks' notes (the same on each) are logged here, where the user sees them."""
+        notes = RayFutures().get([r.load_checkpoint.remote(directory) for r in self.ranks])
+        for note in dict.fromkeys(n for n in notes if n is not None):
+            log.info("%s", note)
 
     def restart(self) -> None:
         """New ranks on the base model, in place of ranks of which one died: ZeRO-3 ranks

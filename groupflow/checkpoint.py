@@ -12,11 +12,11 @@ runs/<name>/checkpoints/
 
 The manifest (every file's size and SHA-256) is written last, just before the rename. Before
 anything of a checkpoint is loaded, every file is checked against it (a file cut short, changed
-or added after the save is refused), and every pickle in it (DeepSpeed's shards, the RNG
-states) is opened by torch's weights-only unpickler, which admits tensors, plain containers and
-the few DeepSpeed classes named in `_deepspeed_globals` and runs no code: the hashes catch
-accidents, the restricted unpickler is the wall against a crafted file (whoever can rewrite a
-shard can rewrite the manifest too). The ranks load through the same unpickler.
+or added after the save is refused), and every pickle in it (DeepSpeed's shards, the ranks'
+RNG states and STAPO thresholds) is opened by torch's weights-only unpickler, which admits
+tensors, plain containers and the few DeepSpeed classes named in `_deepspeed_globals` and runs
+no code: the hashes catch accidents, the restricted unpickler is the wall against a crafted
+file (whoever can rewrite a shard can rewrite the manifest too). The ranks load through the same unpickler.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ LEARNER_DIR = "learner"
 HF_DIR = "hf"
 STAGING_PREFIX = ".staging-"
 _STEP_DIR = re.compile(r"step_(\d+)")
-PICKLE_SUFFIX = ".pt"  # torch.save's files: DeepSpeed's shards and the ranks' RNG states
+PICKLE_SUFFIX = ".pt"  # torch.save's files: DeepSpeed's shards, the ranks' own states
 
 
 class CheckpointError(ValueError):

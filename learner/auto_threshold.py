@@ -10,6 +10,9 @@ bin where the cumulative share reaches the target, so less than the target share
 it and at most one bin (a factor of 10**0.05, 12%) separates it from the exact quantile.
 The lower edge, not the upper: a peaked policy has most of its tokens in the top bin
 [0.89, 1], and an upper edge there would make every token a candidate.
+
+The running counts are part of a learner checkpoint (`state_dict`, learner/checkpoint.py), so
+a resumed run, or a learner rebuilt after a failure, goes on with the threshold it had.
 """
 
 from __future__ import annotations
@@ -51,6 +54,28 @@ class RunningProbabilityThreshold:
         token seen yet it is 0 (nothing below it)."""
         self.counts = self.decay * self.counts + global_counts.to(self.counts)
         return self.threshold()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The running counts with the binning they were counted in (the settings, target
+        share and decay, come from the config of the run that loads them)."""
+        binning = torch.tensor([LOG10_P_MIN, BINS_PER_DECADE], dtype=torch.float64)
+        return {"counts": self.counts.clone(), "binning": binning}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> bool:
+        """Go on from saved counts; False (nothing loaded) when they were counted in other
+        bins than these. Counts that no histogram could hold are ValueError."""
+        state = state if isinstance(state, dict) else {}
+        counts, binning = state.get("counts"), state.get("binning")
+        if not isinstance(counts, Tensor) or not isinstance(binning, Tensor):
+            raise ValueError("no running histogram (counts and binning tensors)")
+        if binning.tolist() != [LOG10_P_MIN, BINS_PER_DECADE]:
+            return False
+        if counts.shape != (NUM_BINS,) or counts.dtype != torch.float64:
+            raise ValueError(f"counts of shape {tuple(counts.shape)} and {counts.dtype}")
+        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+            raise ValueError("counts that are negative or not finite")
+        self.counts = counts.clone()
+        return True
 
     def threshold(self) -> float:
         total = float(self.counts.sum())

@@ -1,5 +1,6 @@
 """A rank's share of a checkpoint: DeepSpeed's own save and load of the ZeRO-3 model and
-optimizer shards (each rank writes and reads only its own partition), plus the rank's RNG.
+optimizer shards (each rank writes and reads only its own partition), plus the rank's RNG and,
+with `stapo.tau_p: auto`, its running threshold (learner/auto_threshold.py).
 
 Both are collective: every rank calls them together with the same directory. The directory
 is a staging name the driver renames once every rank has returned (groupflow/checkpoint.py).
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from groupflow.checkpoint import CheckpointError, restricted_load
+from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 
 # DeepSpeed's tag: the subdirectory of the learner directory its files go to.
 TAG = "zero"
@@ -23,6 +25,10 @@ TAG = "zero"
 
 def _rng_file(directory: Path, rank: int) -> Path:
     return directory / f"rng_rank_{rank}.pt"
+
+
+def _threshold_file(directory: Path, rank: int) -> Path:
+    return directory / f"stapo_threshold_rank_{rank}.pt"
 
 
 # Free space below which a failed save is taken for a full disk.
@@ -47,11 +53,16 @@ def saving_to(directory: str):
         ) from None
 
 
-def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
-    """Model and optimizer shards of this rank, and its torch RNG state."""
+def save_rank_checkpoint(
+    engine, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
+) -> None:
+    """Model and optimizer shards of this rank, its torch RNG state and its running STAPO
+    threshold (with `tau_p: auto`)."""
     with saving_to(directory):
         engine.save_checkpoint(directory, tag=TAG, save_latest=False)
         torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
+        if threshold is not None:
+            torch.save(threshold.state_dict(), _threshold_file(Path(directory), rank))
 
 
 def _disk_full(directory: str) -> bool:
@@ -79,9 +90,12 @@ class _RestrictedReads:
         return restricted_load(Path(path), map_location=map_location)
 
 
-def load_rank_checkpoint(engine, directory: str, rank: int) -> None:
+def load_rank_checkpoint(
+    engine, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
+) -> str | None:
     """Restore what save_rank_checkpoint wrote into an engine built for the same model and
-    world size."""
+    world size, and into `threshold` (with `tau_p: auto`). A line for the driver's log when
+    the checkpoint has no threshold to restore and it starts afresh, else None."""
     with _RestrictedReads(engine):
         path, _ = engine.load_checkpoint(
             directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -89,3 +103,20 @@ def load_rank_checkpoint(engine, directory: str, rank: int) -> None:
     if path is None:
         raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint")
     torch.set_rng_state(restricted_load(_rng_file(Path(directory), rank)))
+    return None if threshold is None else _restore_threshold(threshold, Path(directory), rank)
+
+
+def _restore_threshold(
+    threshold: RunningProbabilityThreshold, directory: Path, rank: int
+) -> str | None:
+    path = _threshold_file(directory, rank)
+    afresh = "stapo.tau_p: auto: the threshold starts afresh"
+    if not path.is_file():
+        # a checkpoint saved before the threshold was saved, or by a run with a fixed tau_p
+        return f"{afresh} ({directory} holds no running threshold)"
+    state = restricted_load(path)
+    try:
+        restored = threshold.load_state_dict(state)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: not a running threshold ({err})") from None
+    return None if restored else f"{afresh} ({path} was counted in other bins)"

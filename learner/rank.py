@@ -88,8 +88,14 @@ class LearnerRank:
 
     def save_checkpoint(self, directory: str) -> None:
         """The policy's ZeRO-3 model and optimizer shards (the frozen reference is rebuilt
-        from the model path on a resume, so it is not saved)."""
-        save_rank_checkpoint(self.engines.policy.engine, directory, self.setup.rank)
+        from the model path on a resume, so it is not saved), and STAPO's running threshold."""
+        save_rank_checkpoint(
+            self.engines.policy.engine, directory, self.setup.rank, self.settings.auto_tau_p
+        )
 
-    def load_checkpoint(self, directory: str) -> None:
-        load_rank_checkpoint(self.engines.policy.engine, directory, self.setup.rank)
+    def load_checkpoint(self, directory: str) -> str | None:
+        """On a resume and on new ranks after a failure; a line for the driver's log when
+        STAPO's running threshold starts afresh."""
+        return load_rank_checkpoint(
+            self.engines.policy.engine, directory, self.setup.rank, self.settings.auto_tau_p
+        )

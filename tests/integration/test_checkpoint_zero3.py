@@ -1,5 +1,5 @@
 """A real DeepSpeed ZeRO-3 checkpoint (world size 1, gloo, CPU accelerator) passes the ranks'
-weights-only check and loads; the same files with a code-running pickle in place of the
+weights-only check and loads, STAPO's running threshold with it; the same files with a code-running pickle in place of the
 optimizer shard are refused before DeepSpeed reads them (learner/checkpoint.py)."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
 
     from groupflow.checkpoint import CheckpointError
     from groupflow.config import LearnerConfig, Zero3Config
+    from groupflow.learner.auto_threshold import RunningProbabilityThreshold, probability_histogram
     from groupflow.learner.checkpoint import TAG, load_rank_checkpoint, save_rank_checkpoint
     from groupflow.learner.zero_config import deepspeed_config
 
@@ -46,8 +47,11 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=ds_config
     )
-    save_rank_checkpoint(engine, path, 0)
-    load_rank_checkpoint(engine, path, 0)
+    threshold, restored = (RunningProbabilityThreshold(0.05, 0.8) for _ in range(2))
+    threshold.update(probability_histogram(torch.rand(1000, dtype=torch.float64) ** 8))
+    save_rank_checkpoint(engine, path, 0, threshold)
+    assert load_rank_checkpoint(engine, path, 0, restored) is None
+    assert torch.equal(restored.counts, threshold.counts) and threshold.counts.sum() == 1000
     optim = next(Path(path, TAG).glob("*optim_states.pt"))
     state = torch.load(optim, weights_only=False)
     state["optimizer_state_dict"]["loss_scaler"] = _Touch(f"{path}/MARKER")

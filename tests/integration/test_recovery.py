@@ -18,6 +18,7 @@ from groupflow.actors.learner import LearnerGroup
 from groupflow.checkpoint import CheckpointStore
 from groupflow.cli import main
 from groupflow.config import build_config
+from groupflow.learner.figures import learner_record
 from groupflow.records import TrainSequence
 from tests.integration.driver_process import DriverProcess, run_records
 
@@ -39,31 +40,34 @@ def _weights(learner: LearnerGroup) -> dict[str, torch.Tensor]:
     return dict(ray.get(learner.async_publish_weights()[0]))
 
 
-def _step(learner: LearnerGroup, seed: int) -> None:
-    ray.get(learner.async_train_step(_sequences(seed)))
+def _step(learner: LearnerGroup, seed: int) -> dict[str, float]:
+    return learner_record(ray.get(learner.async_train_step(_sequences(seed))))
 
 
 def test_a_learner_checkpoint_restores_weights_and_optimizer_exactly(
     ray_cluster, quickstart_model, tmp_path
 ):
     """Step A, save, step B; load the save: the weights are A's, and step B again gives B's
-    weights bit for bit, so everything step B changed (AdamW's moments and step count too)
-    came back from the files. (A new process loading a checkpoint is the recovery test's.)"""
-    cfg = build_config({}, ["learner.num_ranks=2", "learner.optimizer.lr=1e-3"])
+    weights bit for bit, so everything step B changed (AdamW's moments and step count too,
+    and STAPO's running threshold) came back from the files. (A new process loading a
+    checkpoint is the recovery test's.)"""
+    stapo = ["algorithm.stapo.enabled=true", "algorithm.stapo.tau_p=auto"]
+    cfg = build_config({}, ["learner.num_ranks=2", "learner.optimizer.lr=1e-3", *stapo])
     seed = int.from_bytes(os.urandom(2))
     learner = LearnerGroup(cfg, quickstart_model)
     try:
         _step(learner, seed)
         ray.get(learner.async_save_checkpoint(str(tmp_path / "learner")))
         after_a = _weights(learner)
-        _step(learner, seed + 1)
+        record_b = _step(learner, seed + 1)
         after_b = _weights(learner)
         learner.load_checkpoint(str(tmp_path / "learner"))
         loaded = _weights(learner)
-        _step(learner, seed + 1)
+        record_again_b = _step(learner, seed + 1)
         again_b = _weights(learner)
     finally:
         learner.shutdown()
+    assert record_again_b["stapo_tau_p"] == record_b["stapo_tau_p"] > 0
     assert any(not torch.equal(after_a[k], after_b[k]) for k in after_a)
     for name, value in after_a.items():
         assert value.dtype == torch.float32 and torch.equal(loaded[name], value), name

@@ -27,8 +27,16 @@ from groupflow.checkpoint import (
     rewind_metrics,
 )
 from groupflow.cli import main
+from groupflow.learner.auto_threshold import (
+    NUM_BINS,
+    RunningProbabilityThreshold,
+    probability_histogram,
+)
+from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from groupflow.prompt_stream import StreamState
+from tests.unit.test_auto_threshold import random_probabilities
 
+F64 = torch.float64
 MODEL = {"model_type": "qwen2", "hidden_size": 64, "vocab_size": 100, "_name_or_path": "/a"}
 
 
@@ -94,11 +102,21 @@ def optim_states(rank: int, numel: int) -> dict:
     )
 
 
+def running_threshold(seed: int, minibatches: int = 3) -> RunningProbabilityThreshold:
+    """STAPO's `tau_p: auto` threshold after a few mini-batches of a peaked policy."""
+    gen = torch.Generator().manual_seed(seed)
+    threshold = RunningProbabilityThreshold(0.05, decay=0.8)
+    for _ in range(minibatches):
+        threshold.update(probability_histogram(random_probabilities(gen, 2000)))
+    return threshold
+
+
 def shard_files(rank: int) -> dict[str, object]:
     return {
         f"zero/zero_pp_rank_{rank}_mp_rank_00_model_states.pt": model_states(rank),
         f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": optim_states(rank, 25),
         f"rng_rank_{rank}.pt": torch.get_rng_state(),
+        f"stapo_threshold_rank_{rank}.pt": running_threshold(rank).state_dict(),
     }
 
 
@@ -357,6 +375,7 @@ TARGETS = [
     "zero/zero_pp_rank_1_mp_rank_00_model_states.pt",
     "zero/zero_pp_rank_0_mp_rank_00_optim_states.pt",
     "rng_rank_1.pt",
+    "stapo_threshold_rank_0.pt",
 ]
 KINDS = ["shell in a zip", "exec in a zip", "shell in a DeepSpeed dict", "shell in a legacy pickle"]
 
@@ -399,10 +418,12 @@ class RestoringEngine:
         return directory, {}
 
 
+def fresh_threshold() -> RunningProbabilityThreshold:
+    return RunningProbabilityThreshold(0.05, decay=0.8)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_rank_loads_through_the_restricted_unpickler(tmp_path, target):
-    from groupflow.learner.checkpoint import load_rank_checkpoint
-
     learner = save(CheckpointStore(tmp_path / "run"), 2) / LEARNER_DIR
     engine = RestoringEngine()
     load_rank_checkpoint(engine, str(learner), 1)  # DeepSpeed's classes are let through
@@ -410,10 +431,86 @@ def test_a_rank_loads_through_the_restricted_unpickler(tmp_path, target):
     marker = tmp_path / "pwned"
     plant(learner / target, "shell in a zip", marker)
     rank = 0 if "rank_0" in target else 1
-    message = one_line_error(lambda: load_rank_checkpoint(RestoringEngine(), str(learner), rank))
+    message = one_line_error(
+        lambda: load_rank_checkpoint(RestoringEngine(), str(learner), rank, fresh_threshold())
+    )
     assert message.startswith(f"{learner / target}:") and not marker.exists()
     # the engine's own load is its class's again afterwards
     assert "load" not in vars(engine.checkpoint_engine)
+
+
+# ----- STAPO's running threshold ----------------------------------------------------------------
+class SavingEngine(RestoringEngine):
+    """A DeepSpeed engine's save: its shard files under the tag."""
+
+    def save_checkpoint(self, directory, tag, **_):
+        (Path(directory) / tag).mkdir(parents=True)
+        torch.save(model_states(0), Path(directory) / tag / "model_states.pt")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_resumed_threshold_is_the_one_the_run_would_have_had(tmp_path, seed):
+    """Saved after some mini-batches and loaded into a new rank's empty threshold, the
+    threshold sets the same next values as the one saved, exactly, on fresh random inputs."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    running = running_threshold(seed, minibatches=int(torch.randint(1, 6, (), generator=gen)))
+    save_rank_checkpoint(SavingEngine(), str(tmp_path), 0, running)
+    resumed, afresh = fresh_threshold(), fresh_threshold()
+    assert load_rank_checkpoint(SavingEngine(), str(tmp_path), 0, resumed) is None
+    # a policy that sharpened since: a threshold without the history would differ
+    for _ in range(3):
+        counts = probability_histogram(10 ** (-8 * torch.rand(500, generator=gen, dtype=F64)))
+        expected = running.update(counts)
+        assert resumed.update(counts) == expected
+        assert afresh.update(counts) != expected
+    assert torch.equal(resumed.counts, running.counts)
+
+
+def test_a_checkpoint_without_a_threshold_still_loads_and_says_it_starts_afresh(tmp_path):
+    """Checkpoints saved before the threshold was, or by a run with a fixed tau_p."""
+    checkpoint = save(CheckpointStore(tmp_path / "run"), 2)
+    for rank in range(2):
+        (checkpoint / LEARNER_DIR / f"stapo_threshold_rank_{rank}.pt").unlink()
+    rewrite_manifest(checkpoint)
+    assert read_checkpoint(checkpoint, MODEL, 2).step == 2
+    threshold = fresh_threshold()
+    note = load_rank_checkpoint(RestoringEngine(), str(checkpoint / LEARNER_DIR), 1, threshold)
+    assert "\n" not in note and "starts afresh" in note and "stapo.tau_p" in note
+    assert threshold.counts.sum() == 0
+    # and a run with a fixed tau_p loads one that has it, with nothing to say
+    assert load_rank_checkpoint(RestoringEngine(), str(checkpoint / LEARNER_DIR), 1) is None
+
+
+def test_a_threshold_counted_in_other_bins_starts_afresh(tmp_path):
+    state = running_threshold(0).state_dict()
+    state["binning"] = torch.tensor([-30.0, 10.0], dtype=F64)
+    save_rank_checkpoint(SavingEngine(), str(tmp_path), 0)
+    torch.save(state, tmp_path / "stapo_threshold_rank_0.pt")
+    threshold = fresh_threshold()
+    note = load_rank_checkpoint(SavingEngine(), str(tmp_path), 0, threshold)
+    assert "other bins" in note and threshold.counts.sum() == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"counts": -torch.ones(NUM_BINS, dtype=F64)},
+        {"counts": torch.full((NUM_BINS,), float("nan"), dtype=F64)},
+        {"counts": torch.ones(7, dtype=F64)},
+        {"counts": torch.ones(NUM_BINS, dtype=torch.float32)},
+        {"counts": [1.0] * NUM_BINS},
+        {"binning": None},
+    ],
+)
+def test_a_threshold_no_histogram_could_hold_is_refused_naming_the_file(tmp_path, bad):
+    state = running_threshold(0).state_dict() | bad
+    save_rank_checkpoint(SavingEngine(), str(tmp_path), 0)
+    path = tmp_path / "stapo_threshold_rank_0.pt"
+    torch.save(state, path)
+    message = one_line_error(
+        lambda: load_rank_checkpoint(SavingEngine(), str(tmp_path), 0, fresh_threshold())
+    )
+    assert message.startswith(f"{path}: not a running threshold")
 
 
 # ----- every file as it was saved ---------------------------------------------------------------
