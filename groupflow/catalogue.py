@@ -89,6 +89,7 @@ PANEL_ROWS = {
     "Restarts": "Cluster",
     "Scaling": "Cluster",
     "Weight sync": "Cluster",
+    "Prompts left out": "Cluster",
 }
 
 _STEP = "Step and policy version"
@@ -508,7 +509,8 @@ METRICS: tuple[Metric, ...] = (
 
 @dataclass(frozen=True)
 class LiveGauge:
-    """A Prometheus gauge the job sets between steps, not from a step record."""
+    """A Prometheus gauge the job sets outside the step records: live counts between steps,
+    and what the run found before its first step."""
 
     name: str
     help: str
@@ -528,6 +530,14 @@ LIVE_GAUGES: dict[str, LiveGauge] = {
     ),
     "queue_depth": LiveGauge(
         "groupflow_queue_depth", "items waiting in a queue", "Queue depths", "queue"
+    ),
+    # also in summary.json; the uids are the task option skip_prompts of config.resolved.yaml
+    "prompts_left_out": LiveGauge(
+        "groupflow_prompts_left_out",
+        "prompts left out of a dataset at the start, too long for rollout.max_model_len, by "
+        "prompt source (task, mixture entry, eval set)",
+        "Prompts left out",
+        "source",
     ),
 }
 

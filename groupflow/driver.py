@@ -185,6 +185,7 @@ class OpenRun:
     started: float
     resume: Resume | None
     lock: int  # the held run name (claim_run_name)
+    prompts_left_out: dict[str, int]  # by prompt source, too long for the engines at vetting
 
     def close(self) -> None:
         (self.run_dir / CLUSTER_FILE).unlink(missing_ok=True)  # the run is no longer live
@@ -217,15 +218,16 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def check_prompt_rendering(cfg: Config, model_path: str) -> None:
+def check_prompt_rendering(cfg: Config, model_path: str) -> dict[str, int]:
     """Before any actor starts: the chat settings against the model's tokenizer, the chat
     template vetted on every prompt the job can draw (rollout/prompt_render.py), and the
     prompts too long for the engines left out of their datasets, or the job refused
-    (reward_workers/tasks/prompt_pool.py)."""
+    (reward_workers/tasks/prompt_pool.py). How many were left out, by prompt source."""
     renderer = PromptRenderer(_tokenizer(model_path), engine_settings(cfg, model_path, 0).chat)
     sources = job_prompt_sources(cfg)
     lengths = renderer.vetted_lengths([p for source in sources for p in source.prompts])
-    fit_to_engines(sources, lengths, cfg.rollout.max_model_len, cfg.rollout.sampling.max_tokens)
+    rollout = cfg.rollout
+    return fit_to_engines(sources, lengths, rollout.max_model_len, rollout.sampling.max_tokens)
 
 
 def open_run(cfg: Config) -> OpenRun:
@@ -237,7 +239,7 @@ def open_run(cfg: Config) -> OpenRun:
             raise RunError(f"RAY_ADDRESS: {refusal}")
     model_path = resolve_model_path(cfg)
     check_trackers(cfg)
-    check_prompt_rendering(cfg, model_path)
+    prompts_left_out = check_prompt_rendering(cfg, model_path)
     output_dir = Path(cfg.trainer.output_dir)
     run_dir = output_dir / cfg.trainer.run_name
     with ExitStack() as undo:
@@ -247,6 +249,7 @@ def open_run(cfg: Config) -> OpenRun:
         exporter = _start_exporter(cfg)
         if exporter is not None:
             undo.callback(exporter.close)
+            exporter.set_prompts_left_out(prompts_left_out)
         run_dir = prepare_run_dir(cfg, run_dir, resume)
         undo.pop_all()
     started_ray = not ray.is_initialized()
@@ -257,7 +260,17 @@ def open_run(cfg: Config) -> OpenRun:
         write_cluster_file(run_dir, cfg.trainer.run_name, ray.get_runtime_context().gcs_address)
     except Exception as err:  # e.g. through Ray Client (ray://), which has no GCS address
         log.warning("groupflow scale/status will not find this run here: %s", err)
-    return OpenRun(cfg, model_path, run_dir, exporter, started_ray, time.monotonic(), resume, lock)
+    return OpenRun(
+        cfg,
+        model_path,
+        run_dir,
+        exporter,
+        started_ray,
+        time.monotonic(),
+        resume,
+        lock,
+        prompts_left_out,
+    )
 
 
 def start_job(run: OpenRun) -> TrainingJob:
@@ -374,6 +387,7 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
         "final_eval": final_scores,
         "policy_version": job.version,
         "resumed_from_step": run.resume.state.step if run.resume is not None else None,
+        "prompts_left_out": run.prompts_left_out,
         "wall_time_s": time.monotonic() - run.started,  # of this process
         "model_dir": str(model_dir),
     }

@@ -14,6 +14,7 @@ its own `job` label on scrape, so the scrape config uses `honor_labels: true` to
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -122,6 +123,11 @@ class PrometheusExporter:
     def set_pending(self, pool: str, count: int) -> None:
         """Actors of a pool ("engines", "reward_workers") waiting for room on the cluster."""
         self._live["pending_actors"].labels(self.job, pool).set(count)
+
+    def set_prompts_left_out(self, counts: Mapping[str, int]) -> None:
+        """Prompts each source (task, mixture entry, eval set) left out at vetting."""
+        for source, count in counts.items():
+            self._live["prompts_left_out"].labels(self.job, source).set(count)
 
     def set_queue_depth(self, name: str, depth: int) -> None:
         """Items waiting in the named queue (e.g. "generation", "reward")."""

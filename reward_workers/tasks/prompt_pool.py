@@ -239,16 +239,20 @@ def prompt_source(
 
 def fit_to_engines(
     sources: Sequence[PromptSource], lengths: Sequence[int], max_model_len: int, max_tokens: int
-) -> None:
+) -> dict[str, int]:
     """Given every source's prompts' token counts in order: leave out the prompts too long for
-    the engines where they are a few rows of a dataset, else ValueError naming the first."""
+    the engines where they are a few rows of a dataset, else ValueError naming the first.
+    How many each source left out, by its name (0 included)."""
     measured = iter(lengths)
+    left_out = {}
     for source in sources:
         counts = [next(measured) for _ in source.prompts]
         overlong = too_long(source.prompts, counts, max_model_len, max_tokens)
         if overlong:
             message = too_long_message(overlong, len(source.prompts), max_model_len, max_tokens)
             leave_out(source, [p for p, _ in overlong], f"{source.name}: {message}")
+        left_out[source.name] = len(overlong)
+    return left_out
 
 
 def leave_out(source: PromptSource, overlong: list[Prompt], error: str) -> None:

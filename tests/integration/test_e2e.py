@@ -100,6 +100,7 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["final_eval"]["eval_set_accuracy"]) == ["long"]
     assert {"warm_start_accuracy", "final_accuracy"} <= summary.keys()
+    assert summary["prompts_left_out"] == {"task": 0, "task.eval_sets long": 0}
 
     from transformers import AutoModelForCausalLM
 

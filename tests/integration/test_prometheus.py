@@ -99,14 +99,19 @@ def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat
         )
     )
     job.start()
-    reward, latency, per_task = [], [], []
+    reward, latency, per_task, left_out = [], [], [], []
     deadline = time.monotonic() + 300
-    while job.is_alive() and time.monotonic() < deadline and not (reward and latency and per_task):
+    while (
+        job.is_alive()
+        and time.monotonic() < deadline
+        and not (reward and latency and per_task and left_out)
+    ):
         time.sleep(1)
         reward = _query(prom_port, 'groupflow_reward_mean{job="groupflow"}')
         latency = _query(prom_port, 'groupflow_stage_latency_seconds_count{stage="generation"} > 0')
         per_task = _query(prom_port, 'groupflow_task_accuracy{job="groupflow"}')
         per_task = per_task if len(per_task) == 2 else []
+        left_out = _query(prom_port, 'groupflow_prompts_left_out{job="groupflow"}')
     job.join(timeout=600)
     assert codes == [0]
     assert reward and 0.0 <= float(reward[0]["value"][1]) <= 1.0
@@ -114,6 +119,11 @@ def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat
     assert latency[0]["metric"]["stage"] == "generation"
     assert {series["metric"]["task"] for series in per_task} == {"sums", "long"}
     assert all(0.0 <= float(series["value"][1]) <= 1.0 for series in per_task)
+    # set once before the first step: the built-in tasks have no rows to leave out
+    assert {s["metric"]["source"]: float(s["value"][1]) for s in left_out} == {
+        "task sums": 0.0,
+        "task long": 0.0,
+    }
     # what the engines generated from: each task's chat wording after the system turn (the toy
     # tokenizer's decode drops spaces)
     rows = [json.loads(line) for line in (tmp_path / "prom/samples/step_1.jsonl").open()]

@@ -155,6 +155,13 @@ def test_cluster_counts_and_queue_depths(exporter):
     assert sample(samples, "groupflow_queue_depth", queue="generation") == 3
 
 
+def test_prompts_left_out_by_source(exporter):
+    exporter.set_prompts_left_out({"task math": 3, "task.eval_sets hard": 0})
+    samples = scrape(exporter.port)
+    assert sample(samples, "groupflow_prompts_left_out", source="task math") == 3
+    assert sample(samples, "groupflow_prompts_left_out", source="task.eval_sets hard") == 0
+
+
 def test_keys_missing_from_a_record_export_nothing(exporter):
     exporter.observe_step({"step": 1, "reward_mean": 0.5})
     names = {name for name, _ in scrape(exporter.port)}

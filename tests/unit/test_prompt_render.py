@@ -218,10 +218,10 @@ def job_config(task: dict | list, **sections):
     return cfg
 
 
-def check(cfg, tokenizer_dir):
+def check(cfg, tokenizer_dir) -> dict[str, int]:
     from groupflow.driver import check_prompt_rendering
 
-    check_prompt_rendering(cfg, tokenizer_dir)
+    return check_prompt_rendering(cfg, tokenizer_dir)
 
 
 def test_a_few_rows_too_long_are_left_out_and_logged(tmp_path, tokenizer_dir, caplog):
@@ -230,7 +230,7 @@ def test_a_few_rows_too_long_are_left_out_and_logged(tmp_path, tokenizer_dir, ca
     # 48 tokens + 16 for the response fit 64 exactly; 49 do not.
     path = dataset(tmp_path / "d.jsonl", [10] * 200 + [48, 49, 300])
     cfg = job_config({"name": "math", "options": {"dataset": path, "instruction": ""}})
-    check(cfg, tokenizer_dir)
+    assert check(cfg, tokenizer_dir) == {"task": 2}
     assert cfg.task.options["skip_prompts"] == ["d.jsonl:202", "d.jsonl:203"]
     task = make_task("math", cfg.task.options)  # as every process of the job builds it
     uids = {p.uid for p in task.pool.train + task.pool.held_out}
@@ -273,6 +273,38 @@ def test_prompts_too_long_are_refused_in_one_line(tmp_path, tokenizer_dir, task,
     with pytest.raises(ValueError, match=culprit) as err:
         check(job_config(task), tokenizer_dir)
     assert "\n" not in str(err.value)
+
+
+def test_the_prompts_left_out_are_counted_by_source(tmp_path, tokenizer_dir):
+    """Each mixture entry and eval set reports how many of its rows it left out (the count
+    the job exports as groupflow_prompts_left_out and writes to summary.json)."""
+    rng = random.Random()
+    names = ["a", "b", "hard"]
+    overlong = {name: rng.randint(0, 2) for name in names}  # 1% of 200 rows at most
+    paths = {}
+    for name in names:
+        lengths = [10] * 200 + [rng.randint(49, 90) for _ in range(overlong[name])]
+        rng.shuffle(lengths)
+        paths[name] = dataset(tmp_path / f"{name}.jsonl", lengths)
+    options = {name: {"dataset": paths[name], "instruction": ""} for name in names}
+    task = {
+        "name": "mixture",
+        "options": {
+            "tasks": [
+                {"name": "math", "label": name, "options": options[name]} for name in ("a", "b")
+            ]
+        },
+        "eval_sets": [{"name": "hard", "task": "math", "options": options["hard"]}],
+    }
+    cfg = job_config(task)
+    counts = check(cfg, tokenizer_dir)
+    assert counts == {
+        "task a": overlong["a"],
+        "task b": overlong["b"],
+        "task.eval_sets hard": overlong["hard"],
+    }
+    entries = [e["options"] for e in cfg.task.options["tasks"]] + [cfg.task.eval_sets[0].options]
+    assert [len(o.get("skip_prompts", [])) for o in entries] == list(counts.values())
 
 
 def test_an_eval_set_too_long_is_named(tmp_path, tokenizer_dir):
