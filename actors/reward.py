@@ -19,7 +19,6 @@ are scored (a retiring worker takes no new batch, so nothing is scored twice or 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -65,9 +64,6 @@ class RewardWorker:
         budget_s = max(0.0, deadline_unix - time.time())
         scored = self.scorer.score_groups(groups, budget_s=budget_s)
         return scored, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 @dataclass
@@ -212,9 +208,6 @@ class RewardPool:
 
     def pending_groups(self) -> int:
         return sum(len(b.groups) for b in self._pending)
-
-    def pids(self) -> list[int]:
-        return ray.get([w.pid.remote() for w in self.workers])
 
     # ----- scaling (between steps) --------------------------------------------------------------
     def scale_to(self, target: int) -> None:

@@ -77,7 +77,7 @@ def scorer_rate(task_name: str, processes: int, responses: int) -> float:
 def throughput(task_name: str, workers: int, responses: int) -> float:
     cfg = build_config({"task": {"name": task_name}}, [f"reward.num_workers={workers}"])
     pool = RewardPool(cfg)
-    pool.pids()  # wait until every worker is up
+    ray.get([w.__ray_ready__.remote() for w in pool.workers])  # every worker is up
     groups = groups_for(task_name, responses)
     start = time.monotonic()
     for i in range(0, len(groups), 2):

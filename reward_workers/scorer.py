@@ -49,9 +49,6 @@ class Scorer:
         self.timeouts = 0
         self._log = LogOnce(logger)
 
-    def score_group(self, group: SampledGroup) -> ScoredGroup:
-        return self.score_groups([group])[0]
-
     def score_groups(
         self, groups: list[SampledGroup], budget_s: float | None = None
     ) -> list[ScoredGroup]:
@@ -61,9 +58,6 @@ class Scorer:
         return [
             ScoredGroup(group=g, verdicts=[next(verdicts) for _ in g.responses]) for g in groups
         ]
-
-    def score_response(self, prompt: Prompt, response: str) -> Verdict:
-        return next(self._count(iter([self.pool.verify(prompt, response)])))
 
     def score_stream(self, items: list[tuple[Prompt, str]]) -> Iterator[Verdict]:
         """Verdicts in input order as they come, several in flight at once."""

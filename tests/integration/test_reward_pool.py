@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from groupflow.actors.reward import RewardPool
 from groupflow.cli import main
@@ -38,7 +39,8 @@ def _groups(n: int, group_size: int = 4) -> list[SampledGroup]:
 def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     cfg = build_config({}, ["reward.num_workers=2", f"reward.verifier={PLUGINS}:slow_exact"])
     pool = RewardPool(cfg)
-    victim = pool.pids()[0]  # asked first: an actor answers calls in order
+    # asked first: an actor answers calls in order
+    victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
     groups = _groups(16)
     # 4 batches of 16 responses, about 0.8 s each, of two rollouts taking turns
     for i in range(0, 16, 4):

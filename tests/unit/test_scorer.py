@@ -41,7 +41,7 @@ def plugin_scorer(tmp_path):
 def test_scores_a_group_with_the_task_verifier():
     scorer = Scorer("arithmetic", {"digits": 2})
     sampled = group(Prompt("37+45", "37+45=", 82), "82", "81", "")
-    scored = scorer.score_group(sampled)
+    (scored,) = scorer.score_groups([sampled])
     scorer.close()
     assert scored.group is sampled
     assert scored.rewards == [1.0, 0.0, 0.0]
@@ -51,8 +51,8 @@ def test_scores_a_group_with_the_task_verifier():
 def test_a_plugin_replaces_the_verifier_and_failures_are_counted(plugin_scorer, caplog):
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="groupflow.reward_workers.scorer"):
-        scored = plugin_scorer.score_group(
-            group(Prompt("1+1", "1+1=", 2), "yes", "2", "boom", "hang", "hang", "die", "yes")
+        (scored,) = plugin_scorer.score_groups(
+            [group(Prompt("1+1", "1+1=", 2), "yes", "2", "boom", "hang", "hang", "die", "yes")]
         )
     # two hangs side by side in two processes, each ended at its deadline
     assert time.monotonic() - start < 30
@@ -73,7 +73,7 @@ def test_a_batch_budget_ends_the_batch(plugin_scorer):
     assert elapsed < 0.5 + DEADLINE_MARGIN_S + 5  # loose: the machine is shared
     assert [v.error for v in scored[0].verdicts][:3] == ["timeout"] * 3
     # whatever happened before, the next correct answer scores 1
-    assert plugin_scorer.score_response(prompt, "yes").reward == 1.0
+    assert plugin_scorer.score_groups([group(prompt, "yes")])[0].rewards == [1.0]
 
 
 def test_bad_configuration_fails_at_construction(tmp_path):
