@@ -268,7 +268,7 @@ def _dashboard(address: str | None) -> str:
 def _status(args: argparse.Namespace) -> int:
     from groupflow import live
 
-    local = live._local_target(args.job_id, Path(args.runs))
+    local = live.local_target(args.job_id, Path(args.runs))
     if local is not None:  # a job trained here: no Jobs API involved
         actor = live.connect(local)
         print(f"run {local.run}  RUNNING  (driver on {local.host or 'this machine'})")
@@ -296,11 +296,11 @@ def _status(args: argparse.Namespace) -> int:
         print(line)
     if info.status.value == "RUNNING" and run != "-":
         dashboard = _dashboard(args.address)
-        target = live.Target(run, live._ray_address_for(dashboard, args.ray_address), job_id)
+        target = live.Target(run, live.ray_address_for(dashboard, args.ray_address), job_id)
         try:
             live.print_live(live.connect(target))
         except Exception as err:  # the job's own status stands without the live part
-            print(f"live: unavailable ({str(err).strip().splitlines()[0]})")
+            print(f"live: unavailable ({first_line(err)})")
     return 0
 
 
