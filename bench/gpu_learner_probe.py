@@ -36,6 +36,7 @@ from groupflow.device import Device
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_engine import RankSetup
+from groupflow.random_model import random_causal_lm
 from groupflow.records import TrainSequence
 
 SHAPES = {  # Qwen2.5 shapes
@@ -65,13 +66,9 @@ def free_port() -> int:
 
 
 def build(shape: str, path: str) -> int:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True, **SHAPES[shape]
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model = random_causal_lm(
+        VOCAB, seed=0, max_position_embeddings=4096, tie_word_embeddings=True, **SHAPES[shape]
+    ).to(torch.bfloat16)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 

@@ -31,6 +31,7 @@ from groupflow.learner.step import (
 )
 from groupflow.learner.token_head import install_token_head
 from groupflow.presets import PRESETS
+from groupflow.random_model import random_causal_lm
 from groupflow.records import TrainSequence
 from tests.unit.threaded_ranks import RankReducer, ThreadedRanks
 
@@ -52,25 +53,19 @@ def one_thread():
 def tiny_model(gen: torch.Generator, architecture: str = "qwen2") -> torch.nn.Module:
     """A random 2-layer causal LM in float64, with logits spread wide enough that sampled tokens
     range from p < 0.002 (STAPO's candidates) to p > 0.5 (Lopti's high side)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-    }[architecture]
-    config = config_class(
-        vocab_size=VOCAB,
+    model = random_causal_lm(
+        VOCAB,
+        architecture=architecture,
+        seed=int(torch.randint(0, 2**31, (), generator=gen)),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
         initializer_range=0.6,
         use_cache=False,
     )
-    torch.manual_seed(int(torch.randint(0, 2**31, (), generator=gen)))
-    model = model_class(config).to(F64).train()
+    model = model.to(F64).train()
     install_token_head(model)  # as learner/model_setup.py prepares a rank's model
     return model
 
