@@ -53,7 +53,8 @@ JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "groupflow-job.yaml"
 ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
-# The design card's folders, installed as groupflow.<name> (see pyproject.toml).
+# The design card's folders, installed as groupflow.<name>: pyproject.toml's package-dir is
+# the list (tests/unit/test_packaging.py checks this copy against it).
 SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
 
