@@ -8,7 +8,7 @@ groups x 8 responses (128 prompt tokens, 128 to 1024 response tokens) and times
 laid out as the learner group lays them out. A SETTING is a preset name; `+diag` turns the
 cancellation diagnostic on (`grpo`, `grpo+diag`, `stapo`, `lopti`, ...). One JSON line per
 setting: step times (the first pays warm-up), tokens/s, share of the H100 bf16 dense peak
-(989 TFLOP/s, counting 2N FLOPs a token for a behaviour forward when one runs and 6N per
+(989 TFLOP/s, counting 2N FLOPs a token for a proximal forward when one runs and 6N per
 optimizer pass, plus 2N per token again when activation checkpointing recomputes the
 forward), peak GPU memory, the padded share of the micro-batches, and the host
 synchronisations of one more step (torch.cuda.set_sync_debug_mode: `syncs_per_step`, and

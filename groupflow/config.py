@@ -531,7 +531,8 @@ class StapoConfig(Section):
     prob_source: Literal["current", "old"] = Field(
         "current",
         description="whose p and entropy select STAPO's tokens: the current policy inside the "
-        "mini-batch loop (the paper's choice) or the behaviour policy",
+        "mini-batch loop (the paper's choice) or the proximal policy (the learner's at the "
+        "step's start)",
     )
 
 
