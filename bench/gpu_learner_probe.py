@@ -35,7 +35,7 @@ from groupflow.config import build_config
 from groupflow.device import Device
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.rank import LearnerRank
-from groupflow.learner.zero_engine import RankSetup
+from groupflow.learner.zero_models import RankSetup
 from groupflow.random_model import random_causal_lm
 from groupflow.records import TrainSequence
 
@@ -171,7 +171,7 @@ def probe(setting: str, path: str, nparams: int, seqs, micro: int, overrides: li
         syncs_per_step=syncs,
         sync_sites=sites,
     )
-    rank.engines.policy.engine.destroy()
+    rank.models.policy.zero_model.destroy()
     return out
 
 

@@ -47,10 +47,10 @@ def saving_to(directory: str):
         ) from None
 
 
-def save_rank_checkpoint(engine, directory: str, rank: int) -> None:
+def save_rank_checkpoint(zero_model, directory: str, rank: int) -> None:
     """Model and optimizer shards of this rank, and its torch RNG state."""
     with saving_to(directory):
-        engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        zero_model.save_checkpoint(directory, tag=TAG, save_latest=False)
         torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
 
 
@@ -65,8 +65,8 @@ def _disk_full(directory: str) -> bool:
 class _RestrictedReads:
     """DeepSpeed's checkpoint engine for the length of a load, its reads made restricted."""
 
-    def __init__(self, engine):
-        self.checkpoint_engine = engine.checkpoint_engine
+    def __init__(self, zero_model):
+        self.checkpoint_engine = zero_model.checkpoint_engine
 
     def __enter__(self):
         self.checkpoint_engine.load = self._load
@@ -79,11 +79,11 @@ class _RestrictedReads:
         return restricted_load(Path(path), map_location=map_location)
 
 
-def load_rank_checkpoint(engine, directory: str, rank: int) -> None:
-    """Restore what save_rank_checkpoint wrote into an engine built for the same model and
+def load_rank_checkpoint(zero_model, directory: str, rank: int) -> None:
+    """Restore what save_rank_checkpoint wrote into a ZeRO-3 model built for the same model and
     world size."""
-    with _RestrictedReads(engine):
-        path, _ = engine.load_checkpoint(
+    with _RestrictedReads(zero_model):
+        path, _ = zero_model.load_checkpoint(
             directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )
     if path is None:

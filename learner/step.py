@@ -11,7 +11,7 @@ parameter gathers, the credit plan's reductions) in the same order.
 the proximal policy of the off-policy correction (learner/off_policy.py). The sampler's
 log-probs, the behaviour policy, come with the sequences (TrainSequence.vllm_logprobs).
 
-The training engine is a `Policy`: DeepSpeed ZeRO-3 in production (learner/zero_engine.py), a
+The model trained is a `Policy`: DeepSpeed ZeRO-3 in production (learner/zero_models.py), a
 plain torch model in the tests, where the micro-batching invariants are checked in float64.
 """
 
@@ -47,7 +47,7 @@ MicroBatchStats = list[list[TokenStats]]  # [micro-batch] -> one TokenStats per 
 
 
 class Policy(Protocol):
-    """The model being trained, with the backward and the optimizer update of its engine."""
+    """The model being trained, with the backward and the optimizer update of its wrapper (DeepSpeed in production)."""
 
     model: torch.nn.Module  # (input_ids, attention_mask) -> output with .logits
     device: torch.device
