@@ -200,9 +200,7 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "is_masked_frac": _ratio(off_policy.masked, off_policy.tokens),
         "kl_behaviour_proximal": _ratio(off_policy.kl, off_policy.tokens),
     }
-    # The credit figures, averaged over the step's mini-batches. "num_stages" is the
-    # metrics.jsonl name of the optimizer passes per mini-batch.
-    credit_keys = {f.name: f.name for f in fields(CreditStats)} | {"optimizer_passes": "num_stages"}
-    for name, key in credit_keys.items():
-        record[key] = _credit_mean(total.credit, name)
+    # The credit figures, averaged over the step's mini-batches.
+    for f in fields(CreditStats):
+        record[f.name] = _credit_mean(total.credit, f.name)
     return record

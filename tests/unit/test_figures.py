@@ -53,7 +53,7 @@ LEARNER_KEYS = {
     "stapo_silenced_frac",
     "lowprob_frac",
     "lowprob_grad_share",
-    "num_stages",
+    "optimizer_passes",
 }
 
 
@@ -187,7 +187,7 @@ def test_learner_record_keys_and_values():
     assert record["optimizer_updates"] == 3
     assert record["cancellation_residual"] == pytest.approx(6.0 / 8.0)
     assert record["cancellation_residual_whole_group"] == 0.0
-    assert record["valid_tokens"] == 80 and record["num_stages"] == 1.5
+    assert record["valid_tokens"] == 80 and record["optimizer_passes"] == 1.5
     # off-policy figures: sums over both ranks' 21 + 22 tokens, the max over ranks
     assert record["is_weight_mean"] == pytest.approx((22.0 + 23.0) / 43)
     assert record["is_weight_max"] == 3.5
