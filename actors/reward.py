@@ -1,7 +1,7 @@
 """A pool of reward-worker actors, sized independently of the engines.
 
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
-each batch tagged with its rollout. The pool is reached like the generator pool, through the
+each batch tagged with its chunk id. The pool is reached like the generator pool, through the
 job's futures (groupflow.peers.Futures): the job loop waits on the batches `in_flight` with
 everything else, in its one wait, at most until `seconds_to_deadline`, and hands what is ready
 to `take`. A worker scores a batch within `reward.timeout_s` (its
@@ -68,7 +68,7 @@ class RewardWorker:
 
 @dataclass
 class _Batch:
-    rollout_id: int
+    chunk_id: int
     groups: list[SampledGroup]
     worker: int
     actor: ray.actor.ActorHandle
@@ -112,18 +112,18 @@ class RewardPool:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def submit(self, groups: list[SampledGroup], rollout_id: int) -> None:
+    def submit(self, groups: list[SampledGroup], chunk_id: int) -> None:
         """Queue groups for scoring on the least-loaded worker."""
         if groups:
-            self._pending.append(self._launch(rollout_id, groups, attempts=1))
+            self._pending.append(self._launch(chunk_id, groups, attempts=1))
 
-    def _launch(self, rollout_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
+    def _launch(self, chunk_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
         taking = [w for w in range(len(self.workers)) if w not in self.slots.retiring]
         worker = min(taking, key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
         ref = actor.score.remote(groups, time.time() + self.cfg.reward.timeout_s)
-        return _Batch(rollout_id, groups, worker, actor, ref, time.monotonic(), attempts)
+        return _Batch(chunk_id, groups, worker, actor, ref, time.monotonic(), attempts)
 
     def _replace(self, batch: _Batch) -> None:
         """Replace the batch's worker, unless another failed batch already did."""
@@ -142,7 +142,7 @@ class RewardPool:
                 batch.worker,
                 batch.attempts + 1,
             )
-            self._pending.append(self._launch(batch.rollout_id, batch.groups, batch.attempts + 1))
+            self._pending.append(self._launch(batch.chunk_id, batch.groups, batch.attempts + 1))
             return []
         log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
         return self._zero(batch, why)
@@ -165,12 +165,12 @@ class RewardPool:
         first = min(b.started + self._deadline_s(b) for b in self._pending)
         return max(0.0, first - time.monotonic())
 
-    def scoring(self, rollout_id: int) -> bool:
-        return any(b.rollout_id == rollout_id for b in self._pending)
+    def scoring(self, chunk_id: int) -> bool:
+        return any(b.chunk_id == chunk_id for b in self._pending)
 
     def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
         """The groups of the batches among `ready`, and of the overdue ones (scored 0), by
-        rollout id; a batch whose worker died is sent again instead (up to max_retries)."""
+        chunk id; a batch whose worker died is sent again instead (up to max_retries)."""
         ready, now = set(ready), time.monotonic()
         taken = []
         for batch in list(self._pending):
@@ -180,7 +180,7 @@ class RewardPool:
             self._pending.remove(batch)
             if self.workers[batch.worker] is batch.actor:
                 self._load[batch.worker] -= len(batch.groups)
-            taken.append((batch.rollout_id, self._result(batch, finished)))
+            taken.append((batch.chunk_id, self._result(batch, finished)))
         return taken
 
     def _result(self, batch: _Batch, finished: bool) -> list[ScoredGroup]:
@@ -197,13 +197,13 @@ class RewardPool:
         return scored
 
     def wait_all(self) -> dict[int, list[ScoredGroup]]:
-        """Block until every batch is scored; the groups by rollout id, in completion order.
+        """Block until every batch is scored; the groups by chunk id, in completion order.
         For a caller without a job loop (a benchmark, a test of the pool)."""
         done: dict[int, list[ScoredGroup]] = defaultdict(list)
         while self._pending:
             ready = self.futures.wait_any(self.in_flight(), self.seconds_to_deadline())
-            for rollout_id, groups in self.take(ready):
-                done[rollout_id] += groups
+            for chunk_id, groups in self.take(ready):
+                done[chunk_id] += groups
         return done
 
     def pending_groups(self) -> int:

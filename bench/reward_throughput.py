@@ -81,7 +81,7 @@ def throughput(task_name: str, workers: int, responses: int) -> float:
     groups = groups_for(task_name, responses)
     start = time.monotonic()
     for i in range(0, len(groups), 2):
-        pool.submit(groups[i : i + 2], rollout_id=0)
+        pool.submit(groups[i : i + 2], chunk_id=0)
     scored = pool.wait_all()[0]
     elapsed = time.monotonic() - start
     assert sum(len(g.verdicts) for g in scored) == len(groups) * GROUP
