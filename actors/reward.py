@@ -1,7 +1,8 @@
 """A pool of reward-worker actors, sized independently of the engines.
 
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
-each batch tagged with its chunk id. The pool is reached like the generator pool, through the
+each batch tagged with its chunk id. A worker is sent only each response's prompt and text
+and returns their verdicts; the pool keeps the batch's groups and pairs them up again. The pool is reached like the generator pool, through the
 job's futures (groupflow.peers.Futures): the job loop waits on the batches `in_flight` with
 everything else, in its one wait, at most until `seconds_to_deadline`, and hands what is ready
 to `take`. A worker scores a batch within `reward.timeout_s` (its
@@ -31,7 +32,7 @@ from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.config import Config
 from groupflow.peers import Handle, PeerDied
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
-from groupflow.reward_workers.scorer import Scorer
+from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
 from groupflow.scaling import PoolState
 
 log = logging.getLogger(__name__)
@@ -56,14 +57,15 @@ class RewardWorker:
         )
 
     def score(
-        self, groups: list[SampledGroup], deadline_unix: float
-    ) -> tuple[list[ScoredGroup], int, int]:
-        """deadline_unix: wall-clock time when the pool submitted the batch plus
+        self, items: list[ResponseItem], deadline_unix: float
+    ) -> tuple[list[Verdict], int, int]:
+        """A verdict for each (prompt, response text), in order, and the errors and timeouts
+        among them. deadline_unix: wall-clock time when the pool submitted the batch plus
         reward.timeout_s, so that time spent queued behind other batches counts too."""
         before = (self.scorer.errors, self.scorer.timeouts)
         budget_s = max(0.0, deadline_unix - time.time())
-        scored = self.scorer.score_groups(groups, budget_s=budget_s)
-        return scored, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
+        verdicts = list(self.scorer.score_stream(items, budget_s))
+        return verdicts, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
 
 
 @dataclass
@@ -122,7 +124,8 @@ class RewardPool:
         worker = min(taking, key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
-        ref = actor.score.remote(groups, time.time() + self.cfg.reward.timeout_s)
+        # The worker gets what its verifier reads; the groups stay here (scored_groups).
+        ref = actor.score.remote(response_items(groups), time.time() + self.cfg.reward.timeout_s)
         return _Batch(chunk_id, groups, worker, actor, ref, time.monotonic(), attempts)
 
     def _replace(self, batch: _Batch) -> None:
@@ -188,13 +191,13 @@ class RewardPool:
             self._replace(batch)
             return self._zero(batch, "timed out")
         try:
-            ((scored, errors, timeouts),) = self.futures.get([batch.ref])
+            ((verdicts, errors, timeouts),) = self.futures.get([batch.ref])
         except PeerDied:
             self._replace(batch)
             return self._retry_or_zero(batch, "lost its worker")
         self.errors += errors
         self.timeouts += timeouts
-        return scored
+        return scored_groups(batch.groups, verdicts)
 
     def wait_all(self) -> dict[int, list[ScoredGroup]]:
         """Block until every batch is scored; the groups by chunk id, in completion order.

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from groupflow.records import Prompt, Response, SampledGroup
-from groupflow.reward_workers.scorer import Scorer
+from groupflow.actors.reward import RewardWorker
+from groupflow.records import Prompt, Response, SampledGroup, Verdict
+from groupflow.reward_workers.scorer import Scorer, response_items, scored_groups
 from groupflow.reward_workers.verifier_pool import DEADLINE_MARGIN_S
 
 PLUGIN = """
@@ -68,12 +69,43 @@ def test_a_plugin_replaces_the_verifier_and_failures_are_counted(plugin_scorer, 
 def test_a_batch_budget_ends_the_batch(plugin_scorer):
     prompt = Prompt("1+1", "1+1=", 2)
     start = time.monotonic()
-    scored = plugin_scorer.score_groups([group(prompt, "hang", "hang", "hang", "yes")], 0.5)
+    items = [(prompt, text) for text in ("hang", "hang", "hang", "yes")]
+    verdicts = list(plugin_scorer.score_stream(items, 0.5))
     elapsed = time.monotonic() - start
     assert elapsed < 0.5 + DEADLINE_MARGIN_S + 5  # loose: the machine is shared
-    assert [v.error for v in scored[0].verdicts][:3] == ["timeout"] * 3
+    assert [v.error for v in verdicts][:3] == ["timeout"] * 3
     # whatever happened before, the next correct answer scores 1
     assert plugin_scorer.score_groups([group(prompt, "yes")])[0].rewards == [1.0]
+
+
+def test_a_reward_worker_gets_prompt_and_text_and_returns_verdicts_and_counters(tmp_path):
+    path = tmp_path / "plugin.py"
+    path.write_text(PLUGIN)
+    worker = RewardWorker("arithmetic", {}, f"{path}:reward", plugin_timeout_s=0.3, processes=2)
+    try:
+        groups = [
+            group(Prompt("1+1", "1+1=", 2), "yes", "boom"),
+            group(Prompt("2+2", "", 4), "hang"),
+        ]
+        items = response_items(groups)
+        assert items == [
+            (groups[0].prompt, "yes"),
+            (groups[0].prompt, "boom"),
+            (groups[1].prompt, "hang"),
+        ]
+        verdicts, errors, timeouts = worker.score(items, time.time() + 10)
+    finally:
+        worker.scorer.close()
+    assert all(isinstance(v, Verdict) for v in verdicts)
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0] and (errors, timeouts) == (1, 1)
+    # the pool puts the verdicts back with the groups it kept, in order
+    scored = scored_groups(groups, verdicts)
+    assert [s.group for s in scored] == groups and [s.rewards for s in scored] == [
+        [1.0, 0.0],
+        [0.0],
+    ]
+    with pytest.raises(ValueError, match="2 verdicts for 3 responses"):
+        scored_groups(groups, verdicts[:2])
 
 
 def test_bad_configuration_fails_at_construction(tmp_path):

@@ -193,14 +193,11 @@ def test_a_reward_batch_never_outlasts_its_budget(tmp_path, nothing_left_behind)
     worker_timeout = 1.0
     scorer = Scorer("arithmetic", plugin=f"{path}:sleeps", timeout_s=worker_timeout, processes=2)
     prompt = Prompt("p", "1+1=", 2)
-    from groupflow.records import Response, SampledGroup
-
-    group = SampledGroup(prompt, [0], [Response([0], "x", [0.0])] * 16, 0)
     try:
-        scored, elapsed = _timed(scorer.score_groups, [group], worker_timeout)
+        verdicts, elapsed = _timed(list, scorer.score_stream([(prompt, "x")] * 16, worker_timeout))
     finally:
         scorer.close()
-    assert all(v.error == "timeout" for v in scored[0].verdicts)
+    assert all(v.error == "timeout" for v in verdicts)
     assert elapsed < worker_timeout + SLACK_S  # not 16 timeouts one after another
 
 
