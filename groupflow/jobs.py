@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from groupflow.errors import UserError, first_line, run_reporting_failures
+from groupflow.errors import UserError, first_line
 from groupflow.live import positive_seconds
 
 JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
@@ -342,17 +342,13 @@ HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop, 
 def run_job_handler(args: argparse.Namespace) -> int:
     """Run a parsed job command: 0 on success, 1 for a submitted job that did not succeed.
     The Jobs client reports an unknown job or a refused request as a bare RuntimeError: it
-    is made a ClusterError here, the one place that calls it."""
+    is made a ClusterError here, the one place that calls it. The command line
+    (groupflow/cli.py: main) makes every expected failure one line: 2 for a bad config or
+    count, 1 for cluster problems (unreachable, unknown job, a job that is not running, a
+    scale request the job refused)."""
     try:
         return HANDLERS[args.command](args)
     except RuntimeError as err:
         if isinstance(err, UserError):
             raise
         raise ClusterError(first_line(err)) from None
-
-
-def run_job_command(args: argparse.Namespace) -> int:
-    """A parsed job command as the `groupflow` command runs it: 2 for a bad config or count,
-    1 for cluster problems (unreachable, unknown job, a submitted job that did not succeed,
-    a job that is not running, a scale request the job refused), each said in one line."""
-    return run_reporting_failures(run_job_handler, args)
