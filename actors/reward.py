@@ -2,15 +2,15 @@
 
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
 each batch tagged with its chunk id. A worker is sent only each response's prompt and text
-and returns their verdicts; the pool keeps the batch's groups and pairs them up again. The pool is reached like the generator pool, through the
-job's futures (groupflow.peers.Futures): the job loop waits on the batches `in_flight` with
-everything else, in its one wait, at most until `seconds_to_deadline`, and hands what is ready
-to `take`. A worker scores a batch within `reward.timeout_s` (its
-scorer processes are killed at each call's deadline, and responses still unscored when the
-budget runs out are timeouts), so the driver never waits on a stuck verifier longer than
-that. A worker that gives no answer within that plus a grace period is replaced and its
-batch scored 0; a worker that dies is replaced and its batch retried up to
-`reward.max_retries` times.
+and returns their verdicts; the pool keeps the batch's groups and pairs them up again. The
+pool is reached like the generator pool, through the job's futures (groupflow.peers.Futures):
+the job loop waits on the batches `in_flight` with everything else, in its one wait, at most
+until `seconds_to_deadline`, and hands what is ready to `take`. A worker scores a batch
+within `reward.timeout_s` (its scorer processes are killed at each call's deadline, and
+responses still unscored when the budget runs out are timeouts), so the driver never waits on
+a stuck verifier longer than that. A worker that gives no answer within that plus a grace
+period is replaced and its batch scored 0; a worker that dies is replaced and its batch
+retried up to `reward.max_retries` times.
 
 Scaling (groupflow scale): `scale_to` starts or retires workers and returns at once; `settle`,
 between steps, admits the workers that are up and removes retired ones once their batches
