@@ -19,7 +19,7 @@ from groupflow.device import device_for
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
-from groupflow.learner.zero_engine import RankSetup
+from groupflow.learner.zero_models import RankSetup
 from groupflow.records import TrainSequence
 
 log = logging.getLogger(__name__)

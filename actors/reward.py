@@ -1,15 +1,16 @@
 """A pool of reward-worker actors, sized independently of the engines.
 
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
-each batch tagged with its rollout. The pool is reached like the generator pool, through the
-job's futures (groupflow.peers.Futures): the job loop waits on the batches `in_flight` with
-everything else, in its one wait, at most until `seconds_to_deadline`, and hands what is ready
-to `take`. A worker scores a batch within `reward.timeout_s` (its
-scorer processes are killed at each call's deadline, and responses still unscored when the
-budget runs out are timeouts), so the driver never waits on a stuck verifier longer than
-that. A worker that gives no answer within that plus a grace period is replaced and its
-batch scored 0; a worker that dies is replaced and its batch retried up to
-`reward.max_retries` times.
+each batch tagged with its chunk id. A worker is sent only each response's prompt and text
+and returns their verdicts; the pool keeps the batch's groups and pairs them up again. The
+pool is reached like the generator pool, through the job's futures (groupflow.peers.Futures):
+the job loop waits on the batches `in_flight` with everything else, in its one wait, at most
+until `seconds_to_deadline`, and hands what is ready to `take`. A worker scores a batch
+within `reward.timeout_s` (its scorer processes are killed at each call's deadline, and
+responses still unscored when the budget runs out are timeouts), so the driver never waits on
+a stuck verifier longer than that. A worker that gives no answer within that plus a grace
+period is replaced and its batch scored 0; a worker that dies is replaced and its batch
+retried up to `reward.max_retries` times.
 
 Scaling (groupflow scale): `scale_to` starts or retires workers and returns at once; `settle`,
 between steps, admits the workers that are up and removes retired ones once their batches
@@ -19,7 +20,6 @@ are scored (a retiring worker takes no new batch, so nothing is scored twice or 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -32,7 +32,7 @@ from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.config import Config
 from groupflow.peers import Handle, PeerDied
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
-from groupflow.reward_workers.scorer import Scorer
+from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
 from groupflow.scaling import PoolState
 
 log = logging.getLogger(__name__)
@@ -57,22 +57,20 @@ class RewardWorker:
         )
 
     def score(
-        self, groups: list[SampledGroup], deadline_unix: float
-    ) -> tuple[list[ScoredGroup], int, int]:
-        """deadline_unix: wall-clock time when the pool submitted the batch plus
+        self, items: list[ResponseItem], deadline_unix: float
+    ) -> tuple[list[Verdict], int, int]:
+        """A verdict for each (prompt, response text), in order, and the errors and timeouts
+        among them. deadline_unix: wall-clock time when the pool submitted the batch plus
         reward.timeout_s, so that time spent queued behind other batches counts too."""
         before = (self.scorer.errors, self.scorer.timeouts)
         budget_s = max(0.0, deadline_unix - time.time())
-        scored = self.scorer.score_groups(groups, budget_s=budget_s)
-        return scored, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
-
-    def pid(self) -> int:
-        return os.getpid()
+        verdicts = list(self.scorer.score_stream(items, budget_s))
+        return verdicts, self.scorer.errors - before[0], self.scorer.timeouts - before[1]
 
 
 @dataclass
 class _Batch:
-    rollout_id: int
+    chunk_id: int
     groups: list[SampledGroup]
     worker: int
     actor: ray.actor.ActorHandle
@@ -116,18 +114,19 @@ class RewardPool:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def submit(self, groups: list[SampledGroup], rollout_id: int) -> None:
+    def submit(self, groups: list[SampledGroup], chunk_id: int) -> None:
         """Queue groups for scoring on the least-loaded worker."""
         if groups:
-            self._pending.append(self._launch(rollout_id, groups, attempts=1))
+            self._pending.append(self._launch(chunk_id, groups, attempts=1))
 
-    def _launch(self, rollout_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
+    def _launch(self, chunk_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
         taking = [w for w in range(len(self.workers)) if w not in self.slots.retiring]
         worker = min(taking, key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
-        ref = actor.score.remote(groups, time.time() + self.cfg.reward.timeout_s)
-        return _Batch(rollout_id, groups, worker, actor, ref, time.monotonic(), attempts)
+        # The worker gets what its verifier reads; the groups stay here (scored_groups).
+        ref = actor.score.remote(response_items(groups), time.time() + self.cfg.reward.timeout_s)
+        return _Batch(chunk_id, groups, worker, actor, ref, time.monotonic(), attempts)
 
     def _replace(self, batch: _Batch) -> None:
         """Replace the batch's worker, unless another failed batch already did."""
@@ -146,7 +145,7 @@ class RewardPool:
                 batch.worker,
                 batch.attempts + 1,
             )
-            self._pending.append(self._launch(batch.rollout_id, batch.groups, batch.attempts + 1))
+            self._pending.append(self._launch(batch.chunk_id, batch.groups, batch.attempts + 1))
             return []
         log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
         return self._zero(batch, why)
@@ -169,12 +168,12 @@ class RewardPool:
         first = min(b.started + self._deadline_s(b) for b in self._pending)
         return max(0.0, first - time.monotonic())
 
-    def scoring(self, rollout_id: int) -> bool:
-        return any(b.rollout_id == rollout_id for b in self._pending)
+    def scoring(self, chunk_id: int) -> bool:
+        return any(b.chunk_id == chunk_id for b in self._pending)
 
     def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
         """The groups of the batches among `ready`, and of the overdue ones (scored 0), by
-        rollout id; a batch whose worker died is sent again instead (up to max_retries)."""
+        chunk id; a batch whose worker died is sent again instead (up to max_retries)."""
         ready, now = set(ready), time.monotonic()
         taken = []
         for batch in list(self._pending):
@@ -184,7 +183,7 @@ class RewardPool:
             self._pending.remove(batch)
             if self.workers[batch.worker] is batch.actor:
                 self._load[batch.worker] -= len(batch.groups)
-            taken.append((batch.rollout_id, self._result(batch, finished)))
+            taken.append((batch.chunk_id, self._result(batch, finished)))
         return taken
 
     def _result(self, batch: _Batch, finished: bool) -> list[ScoredGroup]:
@@ -192,29 +191,26 @@ class RewardPool:
             self._replace(batch)
             return self._zero(batch, "timed out")
         try:
-            ((scored, errors, timeouts),) = self.futures.get([batch.ref])
+            ((verdicts, errors, timeouts),) = self.futures.get([batch.ref])
         except PeerDied:
             self._replace(batch)
             return self._retry_or_zero(batch, "lost its worker")
         self.errors += errors
         self.timeouts += timeouts
-        return scored
+        return scored_groups(batch.groups, verdicts)
 
     def wait_all(self) -> dict[int, list[ScoredGroup]]:
-        """Block until every batch is scored; the groups by rollout id, in completion order.
+        """Block until every batch is scored; the groups by chunk id, in completion order.
         For a caller without a job loop (a benchmark, a test of the pool)."""
         done: dict[int, list[ScoredGroup]] = defaultdict(list)
         while self._pending:
             ready = self.futures.wait_any(self.in_flight(), self.seconds_to_deadline())
-            for rollout_id, groups in self.take(ready):
-                done[rollout_id] += groups
+            for chunk_id, groups in self.take(ready):
+                done[chunk_id] += groups
         return done
 
     def pending_groups(self) -> int:
         return sum(len(b.groups) for b in self._pending)
-
-    def pids(self) -> list[int]:
-        return ray.get([w.pid.remote() for w in self.workers])
 
     # ----- scaling (between steps) --------------------------------------------------------------
     def scale_to(self, target: int) -> None:

@@ -8,7 +8,7 @@ groups x 8 responses (128 prompt tokens, 128 to 1024 response tokens) and times
 laid out as the learner group lays them out. A SETTING is a preset name; `+diag` turns the
 cancellation diagnostic on (`grpo`, `grpo+diag`, `stapo`, `lopti`, ...). One JSON line per
 setting: step times (the first pays warm-up), tokens/s, share of the H100 bf16 dense peak
-(989 TFLOP/s, counting 2N FLOPs a token for a behaviour forward when one runs and 6N per
+(989 TFLOP/s, counting 2N FLOPs a token for a proximal forward when one runs and 6N per
 optimizer pass, plus 2N per token again when activation checkpointing recomputes the
 forward), peak GPU memory, the padded share of the micro-batches, and the host
 synchronisations of one more step (torch.cuda.set_sync_debug_mode: `syncs_per_step`, and
@@ -35,7 +35,8 @@ from groupflow.config import build_config
 from groupflow.device import Device
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.rank import LearnerRank
-from groupflow.learner.zero_engine import RankSetup
+from groupflow.learner.zero_models import RankSetup
+from groupflow.random_model import random_causal_lm
 from groupflow.records import TrainSequence
 
 SHAPES = {  # Qwen2.5 shapes
@@ -65,13 +66,9 @@ def free_port() -> int:
 
 
 def build(shape: str, path: str) -> int:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True, **SHAPES[shape]
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model = random_causal_lm(
+        VOCAB, seed=0, max_position_embeddings=4096, tie_word_embeddings=True, **SHAPES[shape]
+    ).to(torch.bfloat16)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
@@ -174,7 +171,7 @@ def probe(setting: str, path: str, nparams: int, seqs, micro: int, overrides: li
         syncs_per_step=syncs,
         sync_sites=sites,
     )
-    rank.engines.policy.engine.destroy()
+    rank.models.policy.zero_model.destroy()
     return out
 
 

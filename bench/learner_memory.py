@@ -35,6 +35,7 @@ from gpu_learner_probe import SHAPES, VOCAB, groups
 from groupflow.learner.batching import layout_step, pack_rows, padding_share
 from groupflow.learner.token_head import install_token_head, response_positions
 from groupflow.learner.token_stats import TokenStats, token_stats
+from groupflow.random_model import random_causal_lm
 
 SHAPE = dict(
     **SHAPES["0.5b"],
@@ -80,12 +81,10 @@ def sorted_micro_batches(step: Step, budget: int, packed: bool = False) -> list[
 
 
 def make_model(layers: int, dtype: torch.dtype, checkpointing: bool, head: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **SHAPE))
+        model = random_causal_lm(num_hidden_layers=layers, **SHAPE)
     finally:
         torch.set_default_dtype(previous)
     model.config.use_cache = False

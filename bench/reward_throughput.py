@@ -3,6 +3,11 @@ overlaps generation.
 
     .venv/bin/python bench/reward_throughput.py [--responses 256] [--skip-ray]
 
+0. The message of one group to a reward worker and back, in bytes as Ray pickles it: what the
+   worker was sent before (the whole SampledGroup: token ids and vLLM's log-probs included) and
+   returned (ScoredGroups carrying their groups), and what it is sent now (each response's
+   prompt and text) and returns (its verdicts); `--prompt-tokens`, `--response-tokens` set the
+   group's shape.
 1. One scorer, no Ray: responses per second verified in the calling process (what a reward
    worker did before its verifier calls moved into killable scorer processes) and through
    1, 2 and 4 scorer processes, for the code verifier (each response runs in the sandbox),
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -28,8 +34,8 @@ import ray
 from groupflow.actors.reward import RewardPool
 from groupflow.config import build_config
 from groupflow.driver import run
-from groupflow.records import Response, SampledGroup
-from groupflow.reward_workers.scorer import Scorer
+from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.reward_workers.scorer import Scorer, response_items
 from groupflow.reward_workers.tasks import make_task
 
 GROUP = 8
@@ -51,6 +57,32 @@ def groups_for(task_name: str, responses: int) -> list[SampledGroup]:
         SampledGroup(p, [0], [Response([0], response_for(task_name, p), [0.0])] * GROUP, 0)
         for p in prompts
     ]
+
+
+def message_bytes(prompt_tokens: int, response_tokens: int) -> dict[str, int]:
+    """Bytes of one group's trip to a reward worker and back, the old way and the new: token
+    ids from a 150k vocabulary, a log-prob per response token, about 4 characters a token."""
+    prompt = next(make_task("arithmetic").train_prompts(0))
+    rng = random.Random(0)
+
+    def response(k: int) -> Response:
+        ids = [rng.randrange(150_000) for _ in range(response_tokens)]
+        logprobs = [-rng.expovariate(2.0) for _ in range(response_tokens)]
+        return Response(ids, f"{k}: " + "7" * (4 * response_tokens), logprobs)
+
+    prompt_ids = [rng.randrange(150_000) for _ in range(prompt_tokens)]
+    group = SampledGroup(prompt, prompt_ids, [response(k) for k in range(GROUP)], 0)
+    verdicts = [Verdict(1.0, f"correct: {prompt.answer}") for _ in range(GROUP)]
+
+    def size(message) -> int:
+        return len(ray.cloudpickle.dumps(message))
+
+    return {
+        "sent_before": size([group]),
+        "sent_after": size(response_items([group])),
+        "returned_before": size(([ScoredGroup(group, verdicts)], 0, 0)),
+        "returned_after": size((verdicts, 0, 0)),
+    }
 
 
 def in_process_rate(task_name: str, responses: int) -> float:
@@ -77,11 +109,11 @@ def scorer_rate(task_name: str, processes: int, responses: int) -> float:
 def throughput(task_name: str, workers: int, responses: int) -> float:
     cfg = build_config({"task": {"name": task_name}}, [f"reward.num_workers={workers}"])
     pool = RewardPool(cfg)
-    pool.pids()  # wait until every worker is up
+    ray.get([w.__ray_ready__.remote() for w in pool.workers])  # every worker is up
     groups = groups_for(task_name, responses)
     start = time.monotonic()
     for i in range(0, len(groups), 2):
-        pool.submit(groups[i : i + 2], rollout_id=0)
+        pool.submit(groups[i : i + 2], chunk_id=0)
     scored = pool.wait_all()[0]
     elapsed = time.monotonic() - start
     assert sum(len(g.verdicts) for g in scored) == len(groups) * GROUP
@@ -116,8 +148,18 @@ def main() -> None:
     )
     parser.add_argument("--responses", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--skip-ray", action="store_true", help="only part 1")
+    parser.add_argument("--skip-ray", action="store_true", help="only parts 0 and 1")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--response-tokens", type=int, default=1024)
     args = parser.parse_args()
+    sizes = message_bytes(args.prompt_tokens, args.response_tokens)
+    print(
+        f"one group of {GROUP} ({args.prompt_tokens} prompt tokens, {args.response_tokens} "
+        "response tokens each), bytes to a reward worker / back:\n"
+        f"  {'before (whole groups)':<32} {sizes['sent_before']:>9,} / {sizes['returned_before']:>9,}\n"
+        f"  {'after (prompt, text; verdicts)':<32} {sizes['sent_after']:>9,} / {sizes['returned_after']:>9,}\n",
+        flush=True,
+    )
     print(f"one scorer: responses per second ({args.responses} responses, groups of {GROUP})")
     print(f"{'verifier':>10} {'in-process':>10} {'1 proc':>8} {'2 procs':>8} {'4 procs':>8}")
     for task_name in ("arithmetic", "math", "code"):

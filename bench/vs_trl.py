@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from groupflow.random_model import random_causal_lm
+
 PROMPTS_PER_STEP = 16
 GROUP_SIZE = 8
 RANDOM27M = dict(
@@ -52,19 +54,16 @@ def quickstart_model() -> Path:
 
 
 def random_model(root: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from groupflow.quickstart import build_tokenizer
 
     tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    model = random_causal_lm(
+        len(tokenizer),
+        seed=0,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **RANDOM27M,
     )
-    model = Qwen2ForCausalLM(config)
     path = root / "random27m"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -38,6 +38,7 @@ from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import make_transport
 from groupflow.config import Config, build_config
 from groupflow.quickstart import quickstart_model_path
+from groupflow.random_model import random_causal_lm
 from groupflow.weight_format import bucket_manifest, checksum
 
 TRANSPORTS = ("object_store", "collective")
@@ -45,15 +46,14 @@ TRANSPORTS = ("object_store", "collective")
 
 def random_model(hidden: int, layers: int, directory: Path) -> int:
     """A random-init Qwen2 in `directory` with the quickstart's tokenizer; its size in bytes."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig
 
     cfg = Config()
     tokenizer_from = quickstart_model_path(
         cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, progress=False
     )
-    vocab = Qwen2Config.from_pretrained(tokenizer_from).vocab_size
-    config = Qwen2Config(
-        vocab_size=vocab,
+    model = random_causal_lm(
+        AutoConfig.from_pretrained(tokenizer_from).vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -62,7 +62,6 @@ def random_model(hidden: int, layers: int, directory: Path) -> int:
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
-    model = Qwen2ForCausalLM(config)
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(Path(tokenizer_from) / name, directory / name)

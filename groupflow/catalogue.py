@@ -421,7 +421,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("trained_frac", "fraction of tokens that carry a gradient", "fraction"),
     Metric("valid_tokens", "response tokens of the step, over all ranks", "tokens"),
-    Metric("num_stages", "optimizer passes per mini-batch (Lopti makes two)", ""),
+    Metric("optimizer_passes", "optimizer passes per mini-batch (Lopti makes two)", ""),
     Metric(
         "cancellation_residual",
         "residual of token-gradient cancellation within groups",
@@ -542,6 +542,16 @@ LIVE_GAUGES: dict[str, LiveGauge] = {
 }
 
 BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
+
+# Keys an older groupflow wrote to metrics.jsonl -> their names today, so that reading an old
+# run (its plots, a resumed run's earlier steps) finds its figures.
+RENAMED_KEYS: dict[str, str] = {"num_stages": "optimizer_passes"}
+
+
+def with_current_keys(record: dict) -> dict:
+    """A step record as read from metrics.jsonl, its renamed keys under today's names."""
+    return {RENAMED_KEYS.get(key, key): value for key, value in record.items()}
+
 
 # Every metric name as a PromQL query spells it (counters with _total, histograms by their
 # base name), so the dashboard can be checked against what the exporter emits.

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from groupflow.errors import UserError
+from groupflow.errors import UserError, first_line
 from groupflow.presets import PRESETS
 
 # Bounds on what a config's YAML may expand to: a config is a few hundred keys, so these are
@@ -531,7 +531,8 @@ class StapoConfig(Section):
     prob_source: Literal["current", "old"] = Field(
         "current",
         description="whose p and entropy select STAPO's tokens: the current policy inside the "
-        "mini-batch loop (the paper's choice) or the behaviour policy",
+        "mini-batch loop (the paper's choice) or the proximal policy (the learner's at the "
+        "step's start)",
     )
 
 
@@ -978,10 +979,6 @@ def parse_yaml(text: str) -> Any:
         loader.dispose()
 
 
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
 # YAML 1.1 reads these as booleans; on a command line they are far more often names
 # (`--set trainer.run_name=off`). true/false still give booleans.
 _YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
@@ -999,7 +996,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = parse_yaml(value) if value else None
     except yaml.YAMLError as err:
         raise ConfigError(
-            f"--set {key.strip()}: the value is not valid YAML ({_yaml_problem(err)})"
+            f"--set {key.strip()}: the value is not valid YAML ({first_line(err)})"
         ) from None
     return key.strip().split("."), parsed
 
@@ -1094,7 +1091,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         raw = parse_yaml(_read_config_text(path)) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(err)})") from None
+        raise ConfigError(f"{path}: not valid YAML ({first_line(err)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return build_config(raw, overrides)

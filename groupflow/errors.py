@@ -27,15 +27,25 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def first_line(err: BaseException) -> str:
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """The error's first line (its type's name when it has no text), cut to `limit`
+    characters with "..." when given."""
     lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
+    text = lines[0] if lines else type(err).__name__
+    if limit is not None and len(text) > limit:
+        return text[: limit - 3] + "..."
+    return text
+
+
+def printable(text: str) -> str:
+    """Text that can be written as UTF-8: lone surrogates (from JSON escapes such as
+    "\\ud800") escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def fail(message: str, code: int, prefix: str = "groupflow: error") -> int:
     """Print one error line (undecodable characters escaped) and return the exit code."""
-    text = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    print(f"{prefix}: {text}", file=sys.stderr)
+    print(f"{prefix}: {printable(message)}", file=sys.stderr)
     return code
 
 

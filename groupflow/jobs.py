@@ -46,14 +46,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from groupflow.errors import UserError, first_line, run_reporting_failures
+from groupflow.errors import UserError, first_line
 from groupflow.live import positive_seconds
 
 JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "groupflow-job.yaml"
 ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
-# The design card's folders, installed as groupflow.<name> (see pyproject.toml).
+# The design card's folders, installed as groupflow.<name>: pyproject.toml's package-dir is
+# the list (tests/unit/test_packaging.py checks this copy against it).
 SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
 
@@ -268,7 +269,7 @@ def _dashboard(address: str | None) -> str:
 def _status(args: argparse.Namespace) -> int:
     from groupflow import live
 
-    local = live._local_target(args.job_id, Path(args.runs))
+    local = live.local_target(args.job_id, Path(args.runs))
     if local is not None:  # a job trained here: no Jobs API involved
         actor = live.connect(local)
         print(f"run {local.run}  RUNNING  (driver on {local.host or 'this machine'})")
@@ -296,11 +297,11 @@ def _status(args: argparse.Namespace) -> int:
         print(line)
     if info.status.value == "RUNNING" and run != "-":
         dashboard = _dashboard(args.address)
-        target = live.Target(run, live._ray_address_for(dashboard, args.ray_address), job_id)
+        target = live.Target(run, live.ray_address_for(dashboard, args.ray_address), job_id)
         try:
             live.print_live(live.connect(target))
         except Exception as err:  # the job's own status stands without the live part
-            print(f"live: unavailable ({str(err).strip().splitlines()[0]})")
+            print(f"live: unavailable ({first_line(err)})")
     return 0
 
 
@@ -341,17 +342,13 @@ HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop, 
 def run_job_handler(args: argparse.Namespace) -> int:
     """Run a parsed job command: 0 on success, 1 for a submitted job that did not succeed.
     The Jobs client reports an unknown job or a refused request as a bare RuntimeError: it
-    is made a ClusterError here, the one place that calls it."""
+    is made a ClusterError here, the one place that calls it. The command line
+    (groupflow/cli.py: main) makes every expected failure one line: 2 for a bad config or
+    count, 1 for cluster problems (unreachable, unknown job, a job that is not running, a
+    scale request the job refused)."""
     try:
         return HANDLERS[args.command](args)
     except RuntimeError as err:
         if isinstance(err, UserError):
             raise
         raise ClusterError(first_line(err)) from None
-
-
-def run_job_command(args: argparse.Namespace) -> int:
-    """A parsed job command as the `groupflow` command runs it: 2 for a bad config or count,
-    1 for cluster problems (unreachable, unknown job, a submitted job that did not succeed,
-    a job that is not running, a scale request the job refused), each said in one line."""
-    return run_reporting_failures(run_job_handler, args)

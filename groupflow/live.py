@@ -166,7 +166,7 @@ def read_run_record(path: Path) -> RunRecord:
         key = ".".join(map(str, first["loc"])) or "record"
         raise LiveError(f"{path}: not a run record ({key}: {first['msg']})") from None
     except (OSError, ValueError, RecursionError) as err:  # JSON and UTF-8 errors are ValueErrors
-        problem = getattr(err, "strerror", None) or str(err).splitlines()[0][:200]
+        problem = getattr(err, "strerror", None) or first_line(err)[:200]
         raise LiveError(f"{path}: not a run record ({problem})") from None
 
 
@@ -179,7 +179,9 @@ class Target:
     host: str | None = None  # where the run's driver is, when the run recorded it
 
 
-def _local_target(name: str, runs_dir: Path) -> Target | None:
+def local_target(name: str, runs_dir: Path) -> Target | None:
+    """The run trained from this machine called `name` (a run name or directory), from its
+    run record; None when there is none."""
     for run_dir in (Path(name), runs_dir / name):
         path = run_dir / CLUSTER_FILE
         if not path.is_file():
@@ -193,7 +195,9 @@ def _local_target(name: str, runs_dir: Path) -> Target | None:
     return None
 
 
-def _ray_address_for(dashboard: str, override: str | None) -> str:
+def ray_address_for(dashboard: str, override: str | None) -> str:
+    """What ray.init connects to for the cluster whose dashboard is `dashboard`: the
+    override (or $GROUPFLOW_RAY_ADDRESS), "auto" on the head itself, else its Ray Client port."""
     override = override or os.environ.get(RAY_ADDRESS_ENV)
     if override:
         return override
@@ -222,14 +226,14 @@ def _job_target(name: str, client, dashboard: str, ray_address: str | None) -> T
     run = (job.metadata or {}).get("groupflow_run")
     if run is None:
         raise LiveError(f"job {name} is not a groupflow job (no groupflow_run in its metadata)")
-    return Target(run, _ray_address_for(dashboard, ray_address), job.submission_id or job.job_id)
+    return Target(run, ray_address_for(dashboard, ray_address), job.submission_id or job.job_id)
 
 
 def locate(
     name: str, runs_dir: Path, client_factory, dashboard: str, ray_address: str | None
 ) -> Target:
     """The running job called `name` (a run name, a run directory, or a job id)."""
-    local = _local_target(name, runs_dir)
+    local = local_target(name, runs_dir)
     if local is not None:
         return local
     try:
@@ -237,7 +241,7 @@ def locate(
     except ConnectionError as err:
         raise LiveError(
             f"no run named {name} is running here (no {runs_dir / name / CLUSTER_FILE}), and "
-            f"no Ray cluster at {dashboard} to look for a job ({str(err).splitlines()[0]})"
+            f"no Ray cluster at {dashboard} to look for a job ({first_line(err)})"
         ) from None
     return _job_target(name, client, dashboard, ray_address)
 

@@ -121,7 +121,7 @@ class Scoring(Protocol):
     errors: int
     timeouts: int
 
-    def submit(self, groups: list[SampledGroup], rollout_id: int) -> None:
+    def submit(self, groups: list[SampledGroup], chunk_id: int) -> None:
         """Start scoring the groups."""
 
     def in_flight(self) -> list[Handle]:
@@ -133,11 +133,11 @@ class Scoring(Protocol):
 
     def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
         """The scored groups of the batches among `ready` and of the overdue ones (scored 0),
-        each with its rollout id (handles of other peers are ignored). A batch whose worker
+        each with its chunk id (handles of other peers are ignored). A batch whose worker
         died is sent again instead, up to `reward.max_retries` times."""
 
-    def scoring(self, rollout_id: int) -> bool:
-        """Groups submitted for `rollout_id` are still being scored."""
+    def scoring(self, chunk_id: int) -> bool:
+        """Groups submitted for `chunk_id` are still being scored."""
 
     def pending_groups(self) -> int:
         """Groups submitted and not yet scored."""

@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from groupflow.catalogue import BY_KEY, METRICS  # noqa: E402
+from groupflow.catalogue import BY_KEY, METRICS, with_current_keys  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def panel_unit(panel: str) -> str:
 
 
 def read_records(metrics_jsonl: Path) -> list[dict]:
-    """The step records; a line cut short by a crash (or otherwise unreadable) is skipped."""
+    """The step records, under today's keys (an old run's renamed keys too); a line cut short
+    by a crash (or otherwise unreadable) is skipped."""
     records = []
     for line in metrics_jsonl.read_text().splitlines():
         try:
@@ -70,7 +71,7 @@ def read_records(metrics_jsonl: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict):
-            records.append(record)
+            records.append(with_current_keys(record))
     return records
 
 

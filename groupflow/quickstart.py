@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from groupflow.random_model import random_causal_lm
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
@@ -54,18 +56,15 @@ def build_tokenizer():
 
 
 def build_model(tokenizer, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    return random_causal_lm(
+        len(tokenizer),
+        seed=seed,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
         **ARCHITECTURE,
     )
-    return Qwen2ForCausalLM(config)
 
 
 def _sft_batch(task, prompts, tokenizer, batch_size: int):

@@ -54,12 +54,12 @@ def saving_to(directory: str):
 
 
 def save_rank_checkpoint(
-    engine, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
+    zero_model, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
 ) -> None:
     """Model and optimizer shards of this rank, its torch RNG state and its running STAPO
     threshold (with `tau_p: auto`)."""
     with saving_to(directory):
-        engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        zero_model.save_checkpoint(directory, tag=TAG, save_latest=False)
         torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
         if threshold is not None:
             torch.save(threshold.state_dict(), _threshold_file(Path(directory), rank))
@@ -76,8 +76,8 @@ def _disk_full(directory: str) -> bool:
 class _RestrictedReads:
     """DeepSpeed's checkpoint engine for the length of a load, its reads made restricted."""
 
-    def __init__(self, engine):
-        self.checkpoint_engine = engine.checkpoint_engine
+    def __init__(self, zero_model):
+        self.checkpoint_engine = zero_model.checkpoint_engine
 
     def __enter__(self):
         self.checkpoint_engine.load = self._load
@@ -91,13 +91,13 @@ class _RestrictedReads:
 
 
 def load_rank_checkpoint(
-    engine, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
+    zero_model, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
 ) -> str | None:
-    """Restore what save_rank_checkpoint wrote into an engine built for the same model and
+    """Restore what save_rank_checkpoint wrote into a ZeRO-3 model built for the same model and
     world size, and into `threshold` (with `tau_p: auto`). A line for the driver's log when
     the checkpoint has no threshold to restore and it starts afresh, else None."""
-    with _RestrictedReads(engine):
-        path, _ = engine.load_checkpoint(
+    with _RestrictedReads(zero_model):
+        path, _ = zero_model.load_checkpoint(
             directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )
     if path is None:

@@ -23,8 +23,9 @@ from groupflow.records import TrainSequence
 
 
 @dataclass
-class BehaviourFigures:
-    """Sums over a rank's response tokens under the behaviour policy, once per mini-batch."""
+class ProximalFigures:
+    """Sums over a rank's response tokens under the proximal policy (the learner's weights at
+    the step's start), once per mini-batch."""
 
     tokens: int = 0
     entropy: float = 0.0
@@ -36,8 +37,8 @@ class BehaviourFigures:
     logp_mismatch_max: float = 0.0
 
     @classmethod
-    def of(cls, seqs: list[TrainSequence], stats: list[TokenStats]) -> BehaviourFigures:
-        """The figures of `seqs` under their behaviour statistics (one TokenStats each),
+    def of(cls, seqs: list[TrainSequence], stats: list[TokenStats]) -> ProximalFigures:
+        """The figures of `seqs` under their proximal statistics (one TokenStats each),
         read from the device in one copy."""
         if not seqs:
             return cls()
@@ -60,7 +61,7 @@ class BehaviourFigures:
             logp_mismatch_max=mismatch.max().item() if mismatch.numel() else 0.0,
         )
 
-    def merge(self, other: BehaviourFigures) -> BehaviourFigures:
+    def merge(self, other: ProximalFigures) -> ProximalFigures:
         """Every field adds except the max."""
         merged = _add_fields(self, other)
         merged.logp_mismatch_max = max(self.logp_mismatch_max, other.logp_mismatch_max)
@@ -113,7 +114,7 @@ class UpdateFigures:
 class RankFigures:
     """One rank's figures of one step (or of the mini-batches it has trained so far)."""
 
-    behaviour: BehaviourFigures = field(default_factory=BehaviourFigures)
+    behaviour: ProximalFigures = field(default_factory=ProximalFigures)
     update: UpdateFigures = field(default_factory=UpdateFigures)
     residual: CancellationResidual = field(
         default_factory=CancellationResidual
@@ -199,9 +200,7 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "is_masked_frac": _ratio(off_policy.masked, off_policy.tokens),
         "kl_behaviour_proximal": _ratio(off_policy.kl, off_policy.tokens),
     }
-    # The credit figures, averaged over the step's mini-batches. "num_stages" is the
-    # metrics.jsonl name of the optimizer passes per mini-batch.
-    credit_keys = {f.name: f.name for f in fields(CreditStats)} | {"optimizer_passes": "num_stages"}
-    for name, key in credit_keys.items():
-        record[key] = _credit_mean(total.credit, name)
+    # The credit figures, averaged over the step's mini-batches.
+    for f in fields(CreditStats):
+        record[f.name] = _credit_mean(total.credit, f.name)
     return record

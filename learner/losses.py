@@ -17,31 +17,26 @@ from groupflow.config import AlgorithmConfig, ClipConfig
 
 
 @dataclass
-class PolicyLossTerms:
-    """What a policy loss returns: l_it (with gradient) and where its clipping was active."""
-
-    loss: Tensor
-    clipped_low: Tensor
-    clipped_high: Tensor
-    clipped_dual: Tensor
-
-
-@dataclass
 class TokenLoss:
     """Per-token loss and its diagnostics, all [B, T] and zero (False) at padding.
 
-    loss: policy loss + kl.coef * kl - entropy_coef * entropy, with gradient.
+    loss: with gradient. A policy loss (POLICY_LOSSES) returns its own term l_it here;
+    `token_loss` returns policy loss + kl.coef * kl - entropy_coef * entropy.
     clipped_low / clipped_high: the ratio left [1 - eps_low, 1 + eps_high] on the side where
     the clip removes the gradient for the sign of A (low with A < 0, high with A > 0).
-    clipped_dual: the dual-clip cap -c A was the active term (A < 0).
-    kl: the configured KL estimator against the reference policy, detached; zero without ref_logp.
+    kl: the configured KL estimator against the reference policy, detached; zero without
+    ref_logp (and always zero from a policy loss, which has no KL term).
     """
 
     loss: Tensor
     clipped_low: Tensor
     clipped_high: Tensor
-    clipped_dual: Tensor
     kl: Tensor
+
+    @classmethod
+    def policy_term(cls, loss: Tensor, clipped_low: Tensor, clipped_high: Tensor) -> TokenLoss:
+        """A policy loss's own term, before token_loss adds KL and entropy."""
+        return cls(loss, clipped_low, clipped_high, torch.zeros_like(loss).detach())
 
 
 def _no_clipping(valid: Tensor) -> Tensor:
@@ -65,7 +60,7 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip: ClipConfig) -> Tensor:
 
 def ppo_loss(
     logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, clip: ClipConfig
-) -> PolicyLossTerms:
+) -> TokenLoss:
     """PPO clipped surrogate (Schulman et al., arXiv 1707.06347) per token.
 
     Asymmetric range [1 - eps_low, 1 + eps_high] is DAPO's clip-higher (arXiv 2503.14476);
@@ -75,12 +70,10 @@ def ppo_loss(
     ratio = torch.exp(logp - old_logp)
     loss = _clipped_surrogate(ratio, adv, clip)
     clipped_low, clipped_high = _clipped_sides(ratio, adv, valid, clip)
-    clipped_dual = _no_clipping(valid)
     if clip.dual_clip is not None:
         cap = -clip.dual_clip * adv
-        clipped_dual = valid & (adv < 0) & (loss.detach() > cap)
-        loss = torch.where(clipped_dual, cap, loss)
-    return PolicyLossTerms(loss, clipped_low, clipped_high, clipped_dual)
+        loss = torch.where(valid & (adv < 0) & (loss.detach() > cap), cap, loss)
+    return TokenLoss.policy_term(loss, clipped_low, clipped_high)
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:
@@ -91,7 +84,7 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, valid: Tensor) -> Tensor:
 
 def gspo_loss(
     logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, clip: ClipConfig
-) -> PolicyLossTerms:
+) -> TokenLoss:
     """GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071), token form.
 
     s_i = exp(mean_t (logp - old_logp)) is clipped as a whole sequence. We use the paper's
@@ -104,24 +97,24 @@ def gspo_loss(
     ratio = seq_ratio * torch.exp(logp - logp.detach())
     loss = _clipped_surrogate(ratio, adv, clip)
     clipped_low, clipped_high = _clipped_sides(seq_ratio.expand_as(logp), adv, valid, clip)
-    return PolicyLossTerms(loss, clipped_low, clipped_high, _no_clipping(valid))
+    return TokenLoss.policy_term(loss, clipped_low, clipped_high)
 
 
 def linear_loss(
     logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, clip: ClipConfig
-) -> PolicyLossTerms:
+) -> TokenLoss:
     """Clip-free on-policy policy gradient (Williams, REINFORCE, 1992): l = -A exp(logp - sg[logp]).
 
     Its value is -A and its gradient is -A grad logp, with no ratio to old_logp and no clipping,
     so the token gradient cancellation of arXiv 2604.13088 is not broken by a min/clip.
     """
     loss = -adv * torch.exp(logp - logp.detach())
-    return PolicyLossTerms(loss, _no_clipping(valid), _no_clipping(valid), _no_clipping(valid))
+    return TokenLoss.policy_term(loss, _no_clipping(valid), _no_clipping(valid))
 
 
 def dfpo_loss(
     logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, clip: ClipConfig
-) -> PolicyLossTerms:
+) -> TokenLoss:
     """dfpo (arXiv 2604.13088, docs/algorithms.md 'Policy losses'): l = -w~_i A_i logp.
 
     Our construction from the paper's description.
@@ -132,7 +125,7 @@ def dfpo_loss(
     return linear_loss(logp, old_logp, adv, valid, clip)
 
 
-PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, ClipConfig], PolicyLossTerms]
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, ClipConfig], TokenLoss]
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo": ppo_loss,
@@ -209,6 +202,5 @@ def token_loss(
         loss=_zero_padding(loss, valid),
         clipped_low=terms.clipped_low,
         clipped_high=terms.clipped_high,
-        clipped_dual=terms.clipped_dual,
         kl=kl,
     )

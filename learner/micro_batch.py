@@ -1,7 +1,7 @@
 """The forward and the loss of one micro-batch on one rank.
 
 `forward_micro_batch` is the one place that runs the policy on token ids: model -> the
-statistics of the response positions. `micro_batch_loss` turns them, with the behaviour
+statistics of the response positions. `micro_batch_loss` turns them, with the proximal
 statistics and the micro-batch's rows of the credit plan, into the loss to backpropagate and
 the micro-batch's figures. Neither knows about DeepSpeed: any Hugging Face causal LM with
 the token head installed (learner/model_setup.py) works, a float64 torch model in the tests

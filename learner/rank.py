@@ -1,4 +1,4 @@
-"""One learner rank: its DeepSpeed ZeRO-3 engines, its share of each step, weight export.
+"""One learner rank: its DeepSpeed ZeRO-3 models, its share of each step, weight export.
 
 No Ray in here; actors/learner.py wraps it. Every public method is collective: all ranks call
 it together, each with its own share of the step (see learner/batching.py).
@@ -24,14 +24,14 @@ from groupflow.learner.weight_export import (
     shard_buckets,
     weight_manifest,
 )
-from groupflow.learner.zero_engine import RankSetup, build_zero_engines
+from groupflow.learner.zero_models import RankSetup, build_zero_models
 from groupflow.weight_format import Broadcaster, Checksums, Manifest
 
 
 class LearnerRank:
     def __init__(self, setup: RankSetup, cfg: Config):
         self.setup = setup
-        self.engines = build_zero_engines(setup, cfg)
+        self.models = build_zero_models(setup, cfg)
         self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
@@ -39,13 +39,13 @@ class LearnerRank:
             packed=cfg.learner.pack_sequences,
         )
         if cfg.learner.pack_sequences:
-            policy = self.engines.policy
+            policy = self.models.policy
             check_packing(policy.model, self._module.config.vocab_size, policy.device)
         self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
 
     @property
     def _module(self) -> torch.nn.Module:
-        return self.engines.policy.engine.module
+        return self.models.policy.zero_model.module
 
     @property
     def _is_source(self) -> bool:
@@ -55,11 +55,11 @@ class LearnerRank:
         """minibatches[m][k] = this rank's k-th micro-batch of mini-batch m; `lr`, the step's
         learning rate (learner/lr_schedule.py; None keeps the current one)."""
         if lr is not None:
-            for group in self.engines.policy.engine.optimizer.param_groups:
+            for group in self.models.policy.zero_model.optimizer.param_groups:
                 group["lr"] = lr
-        self.engines.policy.engine.train()
+        self.models.policy.zero_model.train()
         return train_rank_step(
-            self.engines.policy, self.engines.reference, minibatches, self.settings
+            self.models.policy, self.models.reference, minibatches, self.settings
         )
 
     def gathered_weights(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -90,12 +90,12 @@ class LearnerRank:
         """The policy's ZeRO-3 model and optimizer shards (the frozen reference is rebuilt
         from the model path on a resume, so it is not saved), and STAPO's running threshold."""
         save_rank_checkpoint(
-            self.engines.policy.engine, directory, self.setup.rank, self.settings.auto_tau_p
+            self.models.policy.zero_model, directory, self.setup.rank, self.settings.auto_tau_p
         )
 
     def load_checkpoint(self, directory: str) -> str | None:
         """On a resume and on new ranks after a failure; a line for the driver's log when
         STAPO's running threshold starts afresh."""
         return load_rank_checkpoint(
-            self.engines.policy.engine, directory, self.setup.rank, self.settings.auto_tau_p
+            self.models.policy.zero_model, directory, self.setup.rank, self.settings.auto_tau_p
         )

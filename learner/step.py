@@ -1,4 +1,4 @@
-"""One rank's share of a learner step: behaviour statistics, then per mini-batch its credit
+"""One rank's share of a learner step: proximal statistics, then per mini-batch its credit
 plan and one optimizer update per pass of the plan (docs/algorithms.md,
 'Aggregation', 'Token-credit transforms', 'Diagnostics').
 
@@ -7,11 +7,11 @@ number of micro-batches in a mini-batch (learner/batching.py), a rank with less 
 empty ones, so all ranks take the same branches below and make their collectives (ZeRO-3's
 parameter gathers, the credit plan's reductions) in the same order.
 
-"Behaviour statistics" here are the learner's own at the weights the step starts from: the
-proximal policy of the off-policy correction (learner/off_policy.py). The sampler's log-probs,
-the behaviour policy proper, come with the sequences (TrainSequence.vllm_logprobs).
+"Proximal statistics" are the learner's own at the weights the step starts from (old_logp):
+the proximal policy of the off-policy correction (learner/off_policy.py). The sampler's
+log-probs, the behaviour policy, come with the sequences (TrainSequence.vllm_logprobs).
 
-The training engine is a `Policy`: DeepSpeed ZeRO-3 in production (learner/zero_engine.py), a
+The model trained is a `Policy`: DeepSpeed ZeRO-3 in production (learner/zero_models.py), a
 plain torch model in the tests, where the micro-batching invariants are checked in float64.
 """
 
@@ -37,7 +37,7 @@ from groupflow.learner.credit import (
     plans_per_micro_batch,
 )
 from groupflow.learner.diagnostics import cancellation_residual
-from groupflow.learner.figures import BehaviourFigures, RankFigures, UpdateFigures
+from groupflow.learner.figures import ProximalFigures, RankFigures, UpdateFigures
 from groupflow.learner.micro_batch import MicroBatchForward, forward_micro_batch, micro_batch_loss
 from groupflow.learner.token_stats import TokenStats
 from groupflow.records import TrainSequence
@@ -47,7 +47,7 @@ MicroBatchStats = list[list[TokenStats]]  # [micro-batch] -> one TokenStats per 
 
 
 class Policy(Protocol):
-    """The model being trained, with the backward and the optimizer update of its engine."""
+    """The model being trained, with the backward and the optimizer update of its wrapper (DeepSpeed in production)."""
 
     model: torch.nn.Module  # (input_ids, attention_mask) -> output with .logits
     device: torch.device
@@ -105,20 +105,20 @@ def train_step(
     # from its own forwards instead where it can (train_mini_batch): they run at those same
     # weights.
     own = plans_per_micro_batch(settings.algorithm)
-    behaviour = [
+    proximal = [
         None
         if m == 0 and (own or len(mini) == 1)
         else no_grad_stats(policy.model, mini, settings, policy.device)
         for m, mini in enumerate(minibatches)
     ]
     figures = RankFigures()
-    for m, (mini, old) in enumerate(zip(minibatches, behaviour, strict=True)):
+    for m, (mini, old) in enumerate(zip(minibatches, proximal, strict=True)):
         ref_logp = None
         if reference is not None:
             ref = no_grad_stats(reference, mini, settings, policy.device)
             ref_logp = [[s.logp for s in mb] for mb in ref]
         figures = figures.extend(
-            train_mini_batch(policy, mini, old, ref_logp, settings, at_behaviour_weights=m == 0)
+            train_mini_batch(policy, mini, old, ref_logp, settings, at_proximal_weights=m == 0)
         )
     return figures
 
@@ -126,34 +126,34 @@ def train_step(
 def train_mini_batch(
     policy: Policy,
     micro_batches: MicroBatches,
-    behaviour: MicroBatchStats | None,
+    proximal: MicroBatchStats | None,
     ref_logp: list[list[Tensor]] | None,
     settings: StepSettings,
-    at_behaviour_weights: bool,
+    at_proximal_weights: bool,
 ) -> RankFigures:
     """Plan the credit of one mini-batch and make one optimizer update per pass of the plan.
 
-    behaviour: the old policy's statistics per micro-batch, or None to take them from this
-    mini-batch's own forwards: allowed only at the behaviour weights, and for a single
+    proximal: the old policy's statistics per micro-batch, or None to take them from this
+    mini-batch's own forwards: allowed only at the proximal weights, and for a single
     micro-batch unless each micro-batch is planned on its own (plans_per_micro_batch).
     ref_logp: the reference policy's log-probs per micro-batch and sequence (KL on) or None.
     """
     if plans_per_micro_batch(settings.algorithm):
-        if behaviour is None and not at_behaviour_weights:
+        if proximal is None and not at_proximal_weights:
             raise ValueError(
-                "behaviour statistics come from the update's own forwards only "
-                "at the behaviour weights"
+                "proximal statistics come from the update's own forwards only "
+                "at the proximal weights"
             )
-        return plan_each_micro_batch(policy, micro_batches, behaviour, ref_logp, settings)
+        return plan_each_micro_batch(policy, micro_batches, proximal, ref_logp, settings)
     return plan_whole_mini_batch(
-        policy, micro_batches, behaviour, ref_logp, settings, at_behaviour_weights
+        policy, micro_batches, proximal, ref_logp, settings, at_proximal_weights
     )
 
 
 def plan_each_micro_batch(
     policy: Policy,
     micro_batches: MicroBatches,
-    behaviour: MicroBatchStats | None,
+    proximal: MicroBatchStats | None,
     ref_logp: list[list[Tensor]] | None,
     settings: StepSettings,
 ) -> RankFigures:
@@ -170,7 +170,7 @@ def plan_each_micro_batch(
     for k, (mb, mb_ref) in enumerate(zip(micro_batches, refs, strict=True)):
         forward = _forward(policy, mb, settings)
         current = _detached(forward.stats)
-        old = current if behaviour is None else behaviour[k]
+        old = current if proximal is None else proximal[k]
         rows = micro_batch_rows(mini_batch_tokens(mb, old, current, policy.device), algo, scale)
         out = micro_batch_loss(forward, old, mb_ref, rows, 0, algo, algo.cancellation_diagnostic)
         policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
@@ -199,10 +199,10 @@ def plan_each_micro_batch(
 def plan_whole_mini_batch(
     policy: Policy,
     micro_batches: MicroBatches,
-    behaviour: MicroBatchStats | None,
+    proximal: MicroBatchStats | None,
     ref_logp: list[list[Tensor]] | None,
     settings: StepSettings,
-    at_behaviour_weights: bool,
+    at_proximal_weights: bool,
 ) -> RankFigures:
     """The plan needs the current policy's statistics of the whole mini-batch before the
     first backward (its quantiles, group weights or Lopti's split are global). A single
@@ -210,29 +210,29 @@ def plan_whole_mini_batch(
     forward is spent on statistics alone. With several micro-batches that would keep every
     micro-batch's graph alive until the plan is made, k times the activations that
     micro_batch_tokens bounds, so they come from a no-grad forward instead, or are the
-    behaviour's at the same weights."""
+    proximal ones at the same weights."""
     algo = settings.algorithm
     single = len(micro_batches) == 1
-    if behaviour is None and not (single and at_behaviour_weights):
+    if proximal is None and not (single and at_proximal_weights):
         raise ValueError(
-            "behaviour statistics can only come from the update's own forward for a single "
-            "micro-batch at the behaviour weights"
+            "proximal statistics can only come from the update's own forward for a single "
+            "micro-batch at the proximal weights"
         )
     first: MicroBatchForward | None = None
     if single:
         first = _forward(policy, micro_batches[0], settings)
         current = [_detached(first.stats)]
-    elif at_behaviour_weights:
-        current = behaviour
+    elif at_proximal_weights:
+        current = proximal
     else:
         current = no_grad_stats(policy.model, micro_batches, settings, policy.device)
-    old = current if behaviour is None else behaviour
+    old = current if proximal is None else proximal
 
     seqs = [s for mb in micro_batches for s in mb]
     flat_old = [s for mb in old for s in mb]
     tokens = mini_batch_tokens(seqs, flat_old, [s for mb in current for s in mb], policy.device)
     plan = plan_credit(tokens, algo, settings.reducer, settings.auto_tau_p)
-    # Each micro-batch carries its own rows of the plan, its behaviour and reference rows and
+    # Each micro-batch carries its own rows of the plan, its proximal and reference rows and
     # its gradient accumulators: nothing is looked up by a running offset.
     rows = plan.split([len(mb) for mb in micro_batches])
     refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
@@ -270,7 +270,7 @@ def _figures(
     """A mini-batch's figures; the cancellation residual from dLoss/dlogp per sequence
     (summed over the passes) when the diagnostic collected them."""
     figures = RankFigures(
-        behaviour=BehaviourFigures.of(seqs, old),
+        behaviour=ProximalFigures.of(seqs, old),
         update=update,
         credit=[plan.stats],
         grad_norms=grad_norms,

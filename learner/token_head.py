@@ -143,7 +143,7 @@ def response_token_stats(
     position_ids: torch.Tensor | None = None,
 ) -> TokenStats:
     """TokenStats of `positions` (on the model's device) through a model with a TokenHead, or
-    through the DeepSpeed engine around it. Gradients flow to logp (and entropy if asked).
+    through the DeepSpeed model wrapping it. Gradients flow to logp (and entropy if asked).
     A packed batch passes `position_ids` (restarting at each sequence) and no attention mask."""
     return TokenStats(
         *model(

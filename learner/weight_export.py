@@ -1,4 +1,4 @@
-"""Parameters out of a ZeRO-3 engine, a bucket at a time: each rank's own partitions to Ray's
+"""Parameters out of a ZeRO-3 model, a bucket at a time: each rank's own partitions to Ray's
 object store (actors/transport.py), or full parameters to a broadcast group of inference
 engines or to a Hugging Face directory. The buckets and how they travel are the wire format
 (groupflow/weight_format.py); a sync's buckets are cut once, by the transport, and handed to

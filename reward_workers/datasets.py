@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from groupflow.errors import first_line, printable
 from groupflow.records import Prompt
 
 FIELDS = ("prompt", "messages", "answer", "uid")
@@ -118,7 +119,7 @@ def prompt_from_record(
         try:
             answer = parse_answer(answer)
         except (ValueError, TypeError) as err:
-            raise fail("answer", _first_line(err)) from None
+            raise fail("answer", first_line(err, limit=120)) from None
         except RecursionError:
             raise fail("answer", "nested too deeply") from None
     uid = values.get("uid", f"{Path(path).name}:{line}")
@@ -160,7 +161,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
             except RecursionError:
                 record = BadRow(f"{path}:{line}: JSON nested too deeply")
             except ValueError as err:  # e.g. an integer past Python's int-str digit limit
-                record = BadRow(f"{path}:{line}: unreadable JSON ({_first_line(err)})")
+                record = BadRow(f"{path}:{line}: unreadable JSON ({first_line(err, limit=120)})")
             yield line, record
 
 
@@ -175,8 +176,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:
                 row += 1
                 yield row, record
     except Exception as err:  # pyarrow raises several types for unreadable files
-        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"{path}: not a readable Parquet file ({first_line})") from None
+        raise ValueError(f"{path}: not a readable Parquet file ({first_line(err)})") from None
 
 
 def _lookup(record: dict, column: str) -> tuple[bool, Any]:
@@ -195,11 +195,5 @@ def _describe(value: Any) -> str:
         text = repr(value)
     except ValueError:  # an integer past the int-str digit limit
         text = f"a {type(value).__name__} too large to show"
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
+    text = printable(text)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).splitlines()
-    text = lines[0] if lines else type(err).__name__
-    return text if len(text) <= 120 else text[:117] + "..."

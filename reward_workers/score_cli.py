@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from groupflow.errors import OneLineParser, run_reporting_failures
+from groupflow.errors import OneLineParser, printable, run_reporting_failures
 from groupflow.records import Prompt
 from groupflow.reward_workers.datasets import (
     BadRow,
@@ -46,9 +46,9 @@ def _score(argv: list[str]) -> int:
             total += verdict.reward
             out = {
                 "line": line,
-                "uid": _printable(prompt.uid),
+                "uid": printable(prompt.uid),
                 "reward": verdict.reward,
-                "reason": _printable(verdict.reason),
+                "reason": printable(verdict.reason),
             }
             if verdict.error is not None:
                 out["error"] = verdict.error
@@ -83,11 +83,6 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=30.0, help="seconds per plugin call (finite, > 0)"
     )
     return parser
-
-
-def _printable(text: str) -> str:
-    """Lone surrogates (from JSON escapes such as "\\ud800") cannot be written as UTF-8."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _parse_option(text: str) -> tuple[str, Any]:

@@ -1,4 +1,9 @@
-"""Scores sampled groups with a task's verifier or a reward plugin; used by each reward worker.
+"""Scores responses with a task's verifier or a reward plugin; used by each reward worker.
+
+A verifier reads a response's prompt (its text, answer and task label) and text, nothing else:
+a reward worker receives those (`response_items`) and returns a Verdict for each, which the
+pool puts back with the groups it kept (`scored_groups`); token ids and log-probs never travel
+to a worker and back.
 
 Every verifier and plugin call runs in a scorer process that is killed at its deadline
 (reward_workers/verifier_pool.py). Scoring never raises for a single response: a verifier
@@ -25,6 +30,23 @@ logger = logging.getLogger(__name__)
 # are pure-Python checks of bounded input: this is generous.
 DEFAULT_VERIFY_TIMEOUT_S = 5.0
 
+# What a verifier reads of one response: its prompt and its text.
+ResponseItem = tuple[Prompt, str]
+
+
+def response_items(groups: list[SampledGroup]) -> list[ResponseItem]:
+    """Every response of the groups, in order, as a verifier reads it."""
+    return [(g.prompt, r.text) for g in groups for r in g.responses]
+
+
+def scored_groups(groups: list[SampledGroup], verdicts: list[Verdict]) -> list[ScoredGroup]:
+    """The groups with their verdicts, which come in `response_items` order."""
+    expected = sum(len(g.responses) for g in groups)
+    if len(verdicts) != expected:
+        raise ValueError(f"{len(verdicts)} verdicts for {expected} responses")
+    found = iter(verdicts)
+    return [ScoredGroup(group=g, verdicts=[next(found) for _ in g.responses]) for g in groups]
+
 
 class Scorer:
     def __init__(
@@ -49,25 +71,17 @@ class Scorer:
         self.timeouts = 0
         self._log = LogOnce(logger)
 
-    def score_group(self, group: SampledGroup) -> ScoredGroup:
-        return self.score_groups([group])[0]
+    def score_groups(self, groups: list[SampledGroup]) -> list[ScoredGroup]:
+        """All responses of all groups, in this process (no reward worker in between)."""
+        return scored_groups(groups, list(self.score_stream(response_items(groups))))
 
-    def score_groups(
-        self, groups: list[SampledGroup], budget_s: float | None = None
-    ) -> list[ScoredGroup]:
-        """All responses of all groups, within budget_s seconds (plus a margin) if given."""
-        items = [(g.prompt, r.text) for g in groups for r in g.responses]
-        verdicts = iter(self._count(self.pool.verify_all(items, budget_s)))
-        return [
-            ScoredGroup(group=g, verdicts=[next(verdicts) for _ in g.responses]) for g in groups
-        ]
-
-    def score_response(self, prompt: Prompt, response: str) -> Verdict:
-        return next(self._count(iter([self.pool.verify(prompt, response)])))
-
-    def score_stream(self, items: list[tuple[Prompt, str]]) -> Iterator[Verdict]:
-        """Verdicts in input order as they come, several in flight at once."""
-        return self._count(self.pool.verify_all(items))
+    def score_stream(
+        self, items: list[ResponseItem], budget_s: float | None = None
+    ) -> Iterator[Verdict]:
+        """Verdicts in input order as they come, several in flight at once; with budget_s,
+        all of them within that many seconds (plus a margin): calls still unstarted when it
+        runs out are timeouts."""
+        return self._count(self.pool.verify_all(items, budget_s))
 
     def _count(self, verdicts: Iterator[Verdict]) -> Iterator[Verdict]:
         for verdict in verdicts:

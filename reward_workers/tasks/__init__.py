@@ -1,5 +1,9 @@
 """Built-in tasks by name, each imported only when used (a scorer process for arithmetic
-need not import sympy, which the math task does: half a second per process start)."""
+need not import sympy, which the math task does: half a second per process start).
+
+A task is the job's prompt source as well as its verifier (tasks/base.py: Task): the driver's
+prompt stream (groupflow/prompt_stream.py) draws the training prompts from `train_prompts` and
+the held-out evaluation from `eval_prompts`, while the reward workers call `verify`."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from groupflow.actors.reward import RewardPool
 from groupflow.cli import main
@@ -38,18 +39,19 @@ def _groups(n: int, group_size: int = 4) -> list[SampledGroup]:
 def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     cfg = build_config({}, ["reward.num_workers=2", f"reward.verifier={PLUGINS}:slow_exact"])
     pool = RewardPool(cfg)
-    victim = pool.pids()[0]  # asked first: an actor answers calls in order
+    # asked first: an actor answers calls in order
+    victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
     groups = _groups(16)
-    # 4 batches of 16 responses, about 0.8 s each, of two rollouts taking turns
+    # 4 batches of 16 responses, about 0.8 s each, of two chunks taking turns
     for i in range(0, 16, 4):
-        pool.submit(groups[i : i + 4], rollout_id=i // 4 % 2)
+        pool.submit(groups[i : i + 4], chunk_id=i // 4 % 2)
     time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
     scored = pool.wait_all()
     first, second = scored[0], scored[1]
     assert pool.worker_restarts >= 1
-    for scored, rollout in ((first, 0), (second, 1)):
-        expected = [g for i in range(0, 16, 4) if i // 4 % 2 == rollout for g in groups[i : i + 4]]
+    for scored, chunk in ((first, 0), (second, 1)):
+        expected = [g for i in range(0, 16, 4) if i // 4 % 2 == chunk for g in groups[i : i + 4]]
         assert sorted(s.group.prompt.uid for s in scored) == sorted(g.prompt.uid for g in expected)
         for s in scored:
             assert s.rewards == [1.0, 0.0, 1.0, 0.0], s.verdicts

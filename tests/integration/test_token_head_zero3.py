@@ -12,6 +12,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+from groupflow.random_model import random_causal_lm
+
 pytestmark = pytest.mark.integration
 
 VOCAB = 61
@@ -49,19 +51,7 @@ def _init_rank() -> None:
 
 
 def _model(seed: int, tied: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=24,
-        tie_word_embeddings=tied,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = random_causal_lm(VOCAB, seed=seed, tie_word_embeddings=tied)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)

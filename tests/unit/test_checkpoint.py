@@ -34,6 +34,7 @@ from groupflow.learner.auto_threshold import (
 )
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from groupflow.prompt_stream import StreamState
+from groupflow.random_model import random_causal_lm
 from tests.unit.test_auto_threshold import random_probabilities
 
 F64 = torch.float64
@@ -615,19 +616,10 @@ def small_disk(tmp_path):
 
 def test_a_hugging_face_save_on_a_full_disk_is_one_line_naming_the_directory(small_disk):
     """safetensors reports a full disk as an error of its own, not an OSError."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from groupflow.learner.checkpoint import saving_to
 
-    shape = Qwen2Config(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = Qwen2ForCausalLM(shape)  # about 0.5 MB of weights on a 64 KiB disk
+    # about 0.5 MB of weights on a 64 KiB disk
+    model = random_causal_lm(64, hidden_size=128, intermediate_size=256, num_hidden_layers=1)
     target = small_disk / "hf"
 
     def save():

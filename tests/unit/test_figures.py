@@ -13,7 +13,7 @@ import torch
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.figures import (
-    BehaviourFigures,
+    ProximalFigures,
     RankFigures,
     UpdateFigures,
     learner_record,
@@ -53,7 +53,7 @@ LEARNER_KEYS = {
     "stapo_silenced_frac",
     "lowprob_frac",
     "lowprob_grad_share",
-    "num_stages",
+    "optimizer_passes",
 }
 
 
@@ -81,10 +81,10 @@ def random_sequences(gen: torch.Generator, count: int = 7):
     return seqs, stats
 
 
-def test_behaviour_figures_match_a_loop(gen):
+def test_proximal_figures_match_a_loop(gen):
     seqs, stats = random_sequences(gen)
-    got = BehaviourFigures.of(seqs, stats)
-    want = BehaviourFigures()
+    got = ProximalFigures.of(seqs, stats)
+    want = ProximalFigures()
     worst = 0.0
     for seq, s in zip(seqs, stats, strict=True):
         for t in range(seq.num_response_tokens):
@@ -106,7 +106,7 @@ def test_behaviour_figures_match_a_loop(gen):
     assert got.tokens_neg == want.tokens_neg > 0
     for name in ("entropy", "entropy_pos", "entropy_neg", "logp_mismatch", "logp_mismatch_max"):
         assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12), name
-    assert BehaviourFigures.of([], []) == BehaviourFigures()
+    assert ProximalFigures.of([], []) == ProximalFigures()
 
 
 def test_vllm_logprobs_of_the_wrong_length_are_refused(gen):
@@ -124,7 +124,7 @@ def rank_figures(seed: int, credits: list[CreditStats], grad_norms: list[float])
     gen = torch.Generator().manual_seed(seed)
     seqs, stats = random_sequences(gen)
     return RankFigures(
-        behaviour=BehaviourFigures.of(seqs, stats),
+        behaviour=ProximalFigures.of(seqs, stats),
         update=UpdateFigures(
             tokens=40 + seed, clipped_low=3, clipped_high=seed, approx_kl=0.2, kl_ref=0.1
         ),
@@ -187,7 +187,7 @@ def test_learner_record_keys_and_values():
     assert record["optimizer_updates"] == 3
     assert record["cancellation_residual"] == pytest.approx(6.0 / 8.0)
     assert record["cancellation_residual_whole_group"] == 0.0
-    assert record["valid_tokens"] == 80 and record["num_stages"] == 1.5
+    assert record["valid_tokens"] == 80 and record["optimizer_passes"] == 1.5
     # off-policy figures: sums over both ranks' 21 + 22 tokens, the max over ranks
     assert record["is_weight_mean"] == pytest.approx((22.0 + 23.0) / 43)
     assert record["is_weight_max"] == 3.5

@@ -12,6 +12,7 @@ import ray.job_submission
 import yaml
 from ray.job_submission import JobStatus
 
+from groupflow.cli import main
 from groupflow.config import load_config
 from groupflow.jobs import (
     ENTRYPOINT,
@@ -19,7 +20,6 @@ from groupflow.jobs import (
     SUBPACKAGES,
     add_job_commands,
     job_runtime_env,
-    run_job_command,
     stage_source,
 )
 
@@ -147,7 +147,7 @@ def test_job_commands_need_a_job_id(command):
     ],
 )
 def test_a_bad_config_fails_with_one_line_before_any_cluster(no_cluster, capsys, argv, culprit):
-    assert run_job_command(parse(argv)) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("groupflow: error: ")
     assert culprit in err
@@ -159,8 +159,7 @@ def test_a_bad_config_fails_with_one_line_before_any_cluster(no_cluster, capsys,
 def test_submit_carries_the_resolved_config_in_its_working_dir(fake_client, tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text("trainer:\n  steps: 7\n  output_dir: /shared/runs\n  run_name: unit\n")
-    args = parse(["submit", str(job), "--set", "task.eval_size=16", "--no-follow"])
-    assert run_job_command(args) == 0
+    assert main(["submit", str(job), "--set", "task.eval_size=16", "--no-follow"]) == 0
     assert capsys.readouterr().out == "raysubmit_fake\n"
     (client,) = fake_client.instances
     sent = client.submitted
@@ -176,7 +175,7 @@ def test_submit_carries_the_resolved_config_in_its_working_dir(fake_client, tmp_
 
 
 def test_submit_notes_a_relative_output_dir(fake_client, capsys):
-    assert run_job_command(parse(["submit", "--no-follow"])) == 0
+    assert main(["submit", "--no-follow"]) == 0
     assert "trainer.output_dir 'runs' is relative" in capsys.readouterr().err
 
 
@@ -198,12 +197,12 @@ def test_without_ship_code_nothing_is_uploaded_but_the_config(tmp_path):
 
 def test_address_defaults_to_ray_address(fake_client, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "http://ray-head:8265")
-    run_job_command(parse(["submit", "--no-follow"]))
+    main(["submit", "--no-follow"])
     assert fake_client.instances[0].address == "http://ray-head:8265"
 
 
 def test_address_falls_back_to_loopback(fake_client):
-    run_job_command(parse(["status", "raysubmit_fake"]))
+    main(["status", "raysubmit_fake"])
     assert fake_client.instances[0].address == "http://127.0.0.1:8265"
 
 
@@ -215,25 +214,25 @@ def test_address_falls_back_to_loopback(fake_client):
 )
 def test_follow_prints_the_logs_and_exits_with_the_job(fake_client, capsys, status, code):
     fake_client.final_status = status
-    assert run_job_command(parse(["submit"])) == code
+    assert main(["submit"]) == code
     captured = capsys.readouterr()
     assert captured.out == "raysubmit_fake\nstep 1/2 reward=0.1\nstep 2/2 reward=0.2\n"
     assert f"raysubmit_fake {status.value}" in captured.err
 
 
 def test_status_shows_the_state_and_the_run(fake_client, capsys):
-    assert run_job_command(parse(["status", "raysubmit_fake"])) == 0
+    assert main(["status", "raysubmit_fake"]) == 0
     assert capsys.readouterr().out == (
         "raysubmit_fake  SUCCEEDED  run=unit\nJob finished successfully.\n"
     )
 
 
 def test_logs_and_stop(fake_client, capsys):
-    assert run_job_command(parse(["logs", "raysubmit_fake"])) == 0
+    assert main(["logs", "raysubmit_fake"]) == 0
     assert capsys.readouterr().out == "all the logs\n"
-    assert run_job_command(parse(["logs", "raysubmit_fake", "--follow"])) == 0
+    assert main(["logs", "raysubmit_fake", "--follow"]) == 0
     assert "step 2/2" in capsys.readouterr().out
-    assert run_job_command(parse(["stop", "raysubmit_fake"])) == 0
+    assert main(["stop", "raysubmit_fake"]) == 0
     assert fake_client.instances[-1].stopped == ["raysubmit_fake"]
 
 
@@ -245,7 +244,7 @@ def test_status_of_a_failed_job_shows_the_error_not_the_whole_log(fake_client, m
     )
     monkeypatch.setattr(fake_client, "final_status", JobStatus.FAILED)
     monkeypatch.setattr(fake_client, "info_message", message)
-    assert run_job_command(parse(["status", "raysubmit_fake"])) == 0
+    assert main(["status", "raysubmit_fake"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "raysubmit_fake  FAILED  run=unit",
         "Job entrypoint command failed with exit code 2, last logs:",
@@ -260,7 +259,7 @@ def test_a_cluster_with_token_auth_gets_a_hint(monkeypatch, capsys):
         raise AuthenticationError("Authentication required: Unauthorized")
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", needs_token)
-    assert run_job_command(parse(["status", "x"])) == 1
+    assert main(["status", "x"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "RAY_AUTH_MODE=token" in err
 
@@ -270,7 +269,7 @@ def test_an_unreachable_cluster_is_one_line_and_exit_1(monkeypatch, capsys):
         raise ConnectionError(f"Failed to connect to Ray at address: {address}.\nmore detail")
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", unreachable)
-    assert run_job_command(parse(["status", "x", "--address", "http://127.0.0.1:1"])) == 1
+    assert main(["status", "x", "--address", "http://127.0.0.1:1"]) == 1
     assert capsys.readouterr().err == (
         "groupflow: error: Failed to connect to Ray at address: http://127.0.0.1:1.\n"
     )

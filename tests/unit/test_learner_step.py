@@ -2,7 +2,7 @@
 
 Property 3 of docs/algorithms.md ('Properties the tests check') for the whole step: for every
 preset, with the cancellation diagnostic on and off, cutting the step into many micro-batches
-or onto two ranks leaves the parameter update unchanged. And the behaviour statistics that the first
+or onto two ranks leaves the parameter update unchanged. And the proximal statistics that the first
 mini-batch takes from its own forward give bit for bit the update of a separate forward,
 and a micro-batch planned from its own forward (no forward for statistics alone) gives the
 update of the plan made over the whole mini-batch.
@@ -31,6 +31,7 @@ from groupflow.learner.step import (
 )
 from groupflow.learner.token_head import install_token_head
 from groupflow.presets import PRESETS
+from groupflow.random_model import random_causal_lm
 from groupflow.records import TrainSequence
 from tests.unit.threaded_ranks import RankReducer, ThreadedRanks
 
@@ -52,25 +53,19 @@ def one_thread():
 def tiny_model(gen: torch.Generator, architecture: str = "qwen2") -> torch.nn.Module:
     """A random 2-layer causal LM in float64, with logits spread wide enough that sampled tokens
     range from p < 0.002 (STAPO's candidates) to p > 0.5 (Lopti's high side)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-    }[architecture]
-    config = config_class(
-        vocab_size=VOCAB,
+    model = random_causal_lm(
+        VOCAB,
+        architecture=architecture,
+        seed=int(torch.randint(0, 2**31, (), generator=gen)),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
         initializer_range=0.6,
         use_cache=False,
     )
-    torch.manual_seed(int(torch.randint(0, 2**31, (), generator=gen)))
-    model = model_class(config).to(F64).train()
+    model = model.to(F64).train()
     install_token_head(model)  # as learner/model_setup.py prepares a rank's model
     return model
 
@@ -314,9 +309,9 @@ def reference_logp(model, mini: MicroBatches, algo: AlgorithmConfig):
 
 
 @pytest.mark.parametrize("preset, keys", CASES)
-def test_behaviour_from_the_first_forward_is_bit_identical(gen, preset, keys):
-    """A mini-batch of one micro-batch at the behaviour weights: taking old_logp from its own
-    forward gives exactly the update of a separate no-grad behaviour forward."""
+def test_proximal_statistics_from_the_first_forward_are_bit_identical(gen, preset, keys):
+    """A mini-batch of one micro-batch at the proximal weights: taking old_logp from its own
+    forward gives exactly the update of a separate no-grad proximal forward."""
     algo = algorithm(preset, **keys)
     model = tiny_model(gen)
     mini = layout(sample_step(model, gen, algo), gen, 1, False, mini_batches=1)[0][0]
@@ -327,7 +322,7 @@ def test_behaviour_from_the_first_forward_is_bit_identical(gen, preset, keys):
     separate = TorchRank(copy.deepcopy(model))
     old = no_grad_stats(separate.model, mini, settings(algo), separate.device)
     separate_figures = train_mini_batch(
-        separate, mini, old, ref_logp, settings(algo), at_behaviour_weights=True
+        separate, mini, old, ref_logp, settings(algo), at_proximal_weights=True
     )
 
     for a, b in zip(fused.model.parameters(), separate.model.parameters(), strict=True):
@@ -357,7 +352,7 @@ def test_forwards_per_step(gen):
     assert policy.forwards == sum(counts) + counts[1]
 
     # A plan over the whole mini-batch (STAPO's quantile) takes its statistics from no-grad
-    # forwards: the behaviour forward of every micro-batch, then the current policy's for
+    # forwards: the proximal forward of every micro-batch, then the current policy's for
     # mini-batch 2.
     stapo = algorithm("stapo")
     policy = TorchRank(copy.deepcopy(model))
@@ -373,31 +368,31 @@ def test_presets_planned_per_micro_batch():
 
 
 @pytest.mark.parametrize("diagnostic", [True, False], ids=["diagnostic", "no-diagnostic"])
-@pytest.mark.parametrize("at_behaviour_weights", [True, False], ids=["first", "later"])
+@pytest.mark.parametrize("at_proximal_weights", [True, False], ids=["first", "later"])
 @pytest.mark.parametrize("preset, keys", EACH)
 def test_each_micro_batch_planned_alone_gives_the_whole_plans_update(
-    gen, preset, keys, at_behaviour_weights, diagnostic
+    gen, preset, keys, at_proximal_weights, diagnostic
 ):
     """Many micro-batches of one mini-batch: planned one by one from their own forwards, or
     from the whole mini-batch's statistics, the update and every figure agree in float64. At
-    a later mini-batch the behaviour statistics are given, from other weights."""
+    a later mini-batch the proximal statistics are given, from other weights."""
     algo = algorithm(preset, cancellation_diagnostic=diagnostic, **keys)
     model = tiny_model(gen)
     seqs = sample_step(model, gen, algo)
     (mini,) = layout(seqs, gen, 1, many_micro_batches=True, mini_batches=1)[0]
     assert len(mini) > 1
-    behaviour = None
-    if not at_behaviour_weights:  # the old policy: the model one SGD step earlier
+    proximal = None
+    if not at_proximal_weights:  # the old policy: the model one SGD step earlier
         older = copy.deepcopy(model)
         train_step(TorchRank(older), None, [[seqs]], settings(algorithm("grpo")))
-        behaviour = no_grad_stats(older, mini, settings(algo), torch.device("cpu"))
+        proximal = no_grad_stats(older, mini, settings(algo), torch.device("cpu"))
     _, ref_logp = reference_logp(model, mini, algo)
 
     each = TorchRank(copy.deepcopy(model))
-    got = plan_each_micro_batch(each, mini, behaviour, ref_logp, settings(algo))
+    got = plan_each_micro_batch(each, mini, proximal, ref_logp, settings(algo))
     whole = TorchRank(copy.deepcopy(model))
-    old = behaviour or no_grad_stats(whole.model, mini, settings(algo), whole.device)
-    want = plan_whole_mini_batch(whole, mini, old, ref_logp, settings(algo), at_behaviour_weights)
+    old = proximal or no_grad_stats(whole.model, mini, settings(algo), whole.device)
+    want = plan_whole_mini_batch(whole, mini, old, ref_logp, settings(algo), at_proximal_weights)
 
     deltas = [
         [
@@ -411,11 +406,11 @@ def test_each_micro_batch_planned_alone_gives_the_whole_plans_update(
         torch.testing.assert_close(got_delta, want_delta, rtol=1e-12, atol=1e-15)
     assert_same_figures(got, want)
     assert each.forwards == len(mini)  # nothing for statistics alone
-    # the whole plan's statistics: the behaviour's, or the current policy's, without a graph
+    # the whole plan's statistics: the proximal ones, or the current policy's, without a graph
     assert whole.forwards == 2 * len(mini)
 
 
-def test_behaviour_must_be_given_for_several_micro_batches_of_a_whole_plan(gen):
+def test_proximal_statistics_must_be_given_for_several_micro_batches_of_a_whole_plan(gen):
     model = tiny_model(gen)
     seqs = sample_step(model, gen, algorithm("stapo"), num_groups=2)
     with pytest.raises(ValueError, match="single micro-batch"):
@@ -424,5 +419,5 @@ def test_behaviour_must_be_given_for_several_micro_batches_of_a_whole_plan(gen):
         )
     # planned per micro-batch, only the weights matter
     grpo = settings(algorithm("grpo"))
-    with pytest.raises(ValueError, match="only at the behaviour weights"):
+    with pytest.raises(ValueError, match="only at the proximal weights"):
         train_mini_batch(TorchRank(model), [seqs[:3], seqs[3:]], None, None, grpo, False)

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.catalogue import PANEL_ROWS
-from groupflow.plots import FIGURES, latest_run, moving_average, panel_keys, write_plots
+from groupflow.catalogue import BY_KEY, PANEL_ROWS, RENAMED_KEYS
+from groupflow.plots import (
+    FIGURES,
+    latest_run,
+    moving_average,
+    panel_keys,
+    read_records,
+    write_plots,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -90,6 +97,15 @@ def test_non_finite_values_are_left_out(tmp_path):
     assert_pngs(
         write_plots(write_jsonl(tmp_path / "m.jsonl", records), tmp_path), {"token_credit.png"}
     )
+
+
+def test_an_old_run_is_read_under_today_s_keys(tmp_path):
+    records = [{"step": 1, "num_stages": 2.0}, {"step": 2, "optimizer_passes": 1.0}]
+    got = read_records(write_jsonl(tmp_path / "m.jsonl", records))
+    assert [r["optimizer_passes"] for r in got] == [2.0, 1.0]
+    assert not any("num_stages" in r for r in got)
+    # every old key names a figure of today's catalogue, and none is one itself
+    assert set(RENAMED_KEYS.values()) <= set(BY_KEY) and not set(RENAMED_KEYS) & set(BY_KEY)
 
 
 def test_moving_average_averages_the_last_window():

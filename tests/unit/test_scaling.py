@@ -315,14 +315,14 @@ def test_scale_arguments():
 def test_bad_counts_fail_before_any_cluster_is_contacted(monkeypatch, capsys, argv, message):
     import ray.job_submission
 
-    from groupflow.jobs import run_job_command
+    from groupflow.cli import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cluster was contacted")
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", refuse)
     monkeypatch.setattr(ray, "init", refuse)
-    assert run_job_command(parse(["scale", "myrun", *argv])) == 2
+    assert main(["scale", "myrun", *argv]) == 2
     assert capsys.readouterr().err == f"groupflow: error: {message}\n"
 
 
@@ -331,7 +331,7 @@ def test_a_run_whose_driver_has_ended_is_not_running(tmp_path, capsys):
     import subprocess
     import sys
 
-    from groupflow.jobs import run_job_command
+    from groupflow.cli import main
     from groupflow.live import write_cluster_file
 
     (tmp_path / "r").mkdir()
@@ -341,7 +341,7 @@ def test_a_run_whose_driver_has_ended_is_not_running(tmp_path, capsys):
     )
     record = json.loads(path.read_text()) | {"pid": int(ended.stdout)}
     path.write_text(json.dumps(record))
-    code = run_job_command(parse(["scale", "r", "--runs", str(tmp_path), "--engines", "2"]))
+    code = main(["scale", "r", "--runs", str(tmp_path), "--engines", "2"])
     assert code == 1
     assert capsys.readouterr().err == (
         f"groupflow: error: run r is not running (its driver, pid {record['pid']}, has ended)\n"

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from groupflow.records import Prompt, Response, SampledGroup
-from groupflow.reward_workers.scorer import Scorer
+from groupflow.actors.reward import RewardWorker
+from groupflow.records import Prompt, Response, SampledGroup, Verdict
+from groupflow.reward_workers.scorer import Scorer, response_items, scored_groups
 from groupflow.reward_workers.verifier_pool import DEADLINE_MARGIN_S
 
 PLUGIN = """
@@ -41,7 +42,7 @@ def plugin_scorer(tmp_path):
 def test_scores_a_group_with_the_task_verifier():
     scorer = Scorer("arithmetic", {"digits": 2})
     sampled = group(Prompt("37+45", "37+45=", 82), "82", "81", "")
-    scored = scorer.score_group(sampled)
+    (scored,) = scorer.score_groups([sampled])
     scorer.close()
     assert scored.group is sampled
     assert scored.rewards == [1.0, 0.0, 0.0]
@@ -51,8 +52,8 @@ def test_scores_a_group_with_the_task_verifier():
 def test_a_plugin_replaces_the_verifier_and_failures_are_counted(plugin_scorer, caplog):
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="groupflow.reward_workers.scorer"):
-        scored = plugin_scorer.score_group(
-            group(Prompt("1+1", "1+1=", 2), "yes", "2", "boom", "hang", "hang", "die", "yes")
+        (scored,) = plugin_scorer.score_groups(
+            [group(Prompt("1+1", "1+1=", 2), "yes", "2", "boom", "hang", "hang", "die", "yes")]
         )
     # two hangs side by side in two processes, each ended at its deadline
     assert time.monotonic() - start < 30
@@ -68,12 +69,43 @@ def test_a_plugin_replaces_the_verifier_and_failures_are_counted(plugin_scorer, 
 def test_a_batch_budget_ends_the_batch(plugin_scorer):
     prompt = Prompt("1+1", "1+1=", 2)
     start = time.monotonic()
-    scored = plugin_scorer.score_groups([group(prompt, "hang", "hang", "hang", "yes")], 0.5)
+    items = [(prompt, text) for text in ("hang", "hang", "hang", "yes")]
+    verdicts = list(plugin_scorer.score_stream(items, 0.5))
     elapsed = time.monotonic() - start
     assert elapsed < 0.5 + DEADLINE_MARGIN_S + 5  # loose: the machine is shared
-    assert [v.error for v in scored[0].verdicts][:3] == ["timeout"] * 3
+    assert [v.error for v in verdicts][:3] == ["timeout"] * 3
     # whatever happened before, the next correct answer scores 1
-    assert plugin_scorer.score_response(prompt, "yes").reward == 1.0
+    assert plugin_scorer.score_groups([group(prompt, "yes")])[0].rewards == [1.0]
+
+
+def test_a_reward_worker_gets_prompt_and_text_and_returns_verdicts_and_counters(tmp_path):
+    path = tmp_path / "plugin.py"
+    path.write_text(PLUGIN)
+    worker = RewardWorker("arithmetic", {}, f"{path}:reward", plugin_timeout_s=0.3, processes=2)
+    try:
+        groups = [
+            group(Prompt("1+1", "1+1=", 2), "yes", "boom"),
+            group(Prompt("2+2", "", 4), "hang"),
+        ]
+        items = response_items(groups)
+        assert items == [
+            (groups[0].prompt, "yes"),
+            (groups[0].prompt, "boom"),
+            (groups[1].prompt, "hang"),
+        ]
+        verdicts, errors, timeouts = worker.score(items, time.time() + 10)
+    finally:
+        worker.scorer.close()
+    assert all(isinstance(v, Verdict) for v in verdicts)
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0] and (errors, timeouts) == (1, 1)
+    # the pool puts the verdicts back with the groups it kept, in order
+    scored = scored_groups(groups, verdicts)
+    assert [s.group for s in scored] == groups and [s.rewards for s in scored] == [
+        [1.0, 0.0],
+        [0.0],
+    ]
+    with pytest.raises(ValueError, match="2 verdicts for 3 responses"):
+        scored_groups(groups, verdicts[:2])
 
 
 def test_bad_configuration_fails_at_construction(tmp_path):

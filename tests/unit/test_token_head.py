@@ -9,22 +9,12 @@ from groupflow.learner.token_head import (
     response_token_stats,
 )
 from groupflow.learner.token_stats import token_stats
+from groupflow.random_model import random_causal_lm
 
 
 def tiny_qwen2(gen: torch.Generator, tied: bool, dtype: torch.dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=53,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=24,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    model = Qwen2ForCausalLM(config).to(dtype)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    model = random_causal_lm(53, seed=seed, tie_word_embeddings=tied).to(dtype)
     with torch.no_grad():  # weights large enough that the softmax is far from uniform
         for p in model.parameters():
             p.normal_(0, 0.5, generator=gen)

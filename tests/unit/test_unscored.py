@@ -65,9 +65,9 @@ class TimingOutRewards(test_job_loop.FakeRewards):
 
     unscored_below = 0
 
-    def submit(self, groups, rollout_id):
-        super().submit(groups, rollout_id)
-        if rollout_id >= 0:
+    def submit(self, groups, chunk_id):
+        super().submit(groups, chunk_id)
+        if chunk_id >= 0:
             _, batch = self.batches[-1]  # the batch just submitted
             for sg in batch.value:
                 if int(sg.group.prompt.uid) < self.unscored_below:

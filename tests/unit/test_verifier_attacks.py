@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from groupflow.config import build_config
-from groupflow.records import Prompt
+from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.datasets import load_prompts
 from groupflow.reward_workers.score_cli import main as score_main
@@ -93,6 +93,10 @@ def _timed(fn, *args):
     return result, time.monotonic() - start
 
 
+def score_one(scorer: Scorer, prompt: Prompt, response: str) -> Verdict:
+    return next(scorer.score_stream([(prompt, response)]))
+
+
 # --- deadlines -----------------------------------------------------------------------------
 
 RUNAWAY_MATH = [
@@ -147,7 +151,7 @@ def test_deadlines_hold_whatever_the_verifier_does(tmp_path, nothing_left_behind
         verdicts, elapsed = _timed(list, scorer.score_stream([(gold, r) for r in RUNAWAY_MATH]))
         assert [v.reward for v in verdicts] == [0.0] * len(RUNAWAY_MATH)
         assert elapsed < len(RUNAWAY_MATH) / 2 * (0.5 + SLACK_S)
-        assert scorer.score_response(gold, r"so \boxed{5}").reward == 1.0
+        assert score_one(scorer, gold, r"so \boxed{5}").reward == 1.0
     finally:
         scorer.close()
 
@@ -157,10 +161,10 @@ def test_deadlines_hold_whatever_the_verifier_does(tmp_path, nothing_left_behind
     scorer = Scorer("arithmetic", plugin=f"{path}:dispatch", timeout_s=0.3, processes=2)
     try:
         for function in HANGING_FUNCTIONS:
-            verdict, elapsed = _timed(scorer.score_response, prompt, function)
+            verdict, elapsed = _timed(score_one, scorer, prompt, function)
             assert (verdict.reward, verdict.error) == (0.0, "timeout"), function
             assert elapsed < 0.3 + SLACK_S, function
-        assert scorer.score_response(prompt, "2").reward == 1.0
+        assert score_one(scorer, prompt, "2").reward == 1.0
     finally:
         scorer.close()
 
@@ -177,7 +181,7 @@ def test_many_timeouts_leave_a_worker_that_still_scores_correctly(tmp_path, noth
         assert scorer.timeouts == 20
         restarts = scorer.pool.restarts
         for _ in range(3):  # and calls that return in time never cost a restart
-            assert scorer.score_response(prompt, "2").reward == 1.0
+            assert score_one(scorer, prompt, "2").reward == 1.0
         assert scorer.pool.restarts == restarts
     finally:
         scorer.close()
@@ -189,14 +193,11 @@ def test_a_reward_batch_never_outlasts_its_budget(tmp_path, nothing_left_behind)
     worker_timeout = 1.0
     scorer = Scorer("arithmetic", plugin=f"{path}:sleeps", timeout_s=worker_timeout, processes=2)
     prompt = Prompt("p", "1+1=", 2)
-    from groupflow.records import Response, SampledGroup
-
-    group = SampledGroup(prompt, [0], [Response([0], "x", [0.0])] * 16, 0)
     try:
-        scored, elapsed = _timed(scorer.score_groups, [group], worker_timeout)
+        verdicts, elapsed = _timed(list, scorer.score_stream([(prompt, "x")] * 16, worker_timeout))
     finally:
         scorer.close()
-    assert all(v.error == "timeout" for v in scored[0].verdicts)
+    assert all(v.error == "timeout" for v in verdicts)
     assert elapsed < worker_timeout + SLACK_S  # not 16 timeouts one after another
 
 

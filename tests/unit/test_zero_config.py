@@ -11,6 +11,7 @@ from groupflow.learner.zero_config import (
     model_parameter_count,
     zero3_tuning,
 )
+from groupflow.random_model import random_causal_lm
 
 B = 1_000_000_000
 
@@ -130,18 +131,7 @@ def test_a_negative_knob_is_named():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_parameter_count_comes_from_the_config_alone(tmp_path, tied):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=101,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=24,
-        tie_word_embeddings=tied,
-    )
-    config.save_pretrained(tmp_path)  # no weights: the count must not need them
-    model = Qwen2ForCausalLM(config)
+    model = random_causal_lm(101, num_hidden_layers=3, tie_word_embeddings=tied)
+    model.config.save_pretrained(tmp_path)  # no weights: the count must not need them
     assert model_parameter_count(str(tmp_path)) == sum(p.numel() for p in model.parameters())
     assert model_parameter_count(str(tmp_path)) > 101 * 16 * (1 if tied else 2)

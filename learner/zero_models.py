@@ -1,7 +1,8 @@
-"""Building a rank's DeepSpeed ZeRO-3 engines: the process group, the policy (model loaded
+"""Building a rank's DeepSpeed ZeRO-3 models: the process group, the policy (model loaded
 straight into shards, AdamW) and, when KL is on, the frozen reference.
 
-`ZeroPolicy` is the engine as learner/step.py's `Policy`.
+`ZeroPolicy` is the policy's DeepSpeed model as learner/step.py's `Policy`. ("Engine" in this
+project means a vLLM engine only; DeepSpeed's own class is `DeepSpeedEngine`.)
 """
 
 from __future__ import annotations
@@ -33,39 +34,39 @@ class RankSetup:
 
 @dataclass
 class ZeroPolicy:
-    """A DeepSpeed engine as the step's Policy."""
+    """A DeepSpeed ZeRO-3 model as the step's Policy."""
 
-    engine: object  # deepspeed.DeepSpeedEngine
+    zero_model: object  # deepspeed.DeepSpeedEngine: the model wrapped, sharded, with AdamW
     world_size: int
     device: torch.device
 
     @property
     def model(self):
-        return self.engine
+        return self.zero_model
 
     def backward(self, loss: Tensor, last_micro_batch: bool) -> None:
-        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
+        self.zero_model.set_gradient_accumulation_boundary(last_micro_batch)
         # DeepSpeed averages gradients over ranks; the credit plan's coefficients already hold
         # the global denominator, so undo the average to get the plain sum over ranks.
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.zero_model.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self) -> float:
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
+        self.zero_model.step()
+        norm = self.zero_model.get_global_grad_norm()
         return float(norm) if norm is not None else math.nan
 
 
 @dataclass
-class ZeroEngines:
+class ZeroModels:
     policy: ZeroPolicy
-    reference: object | None  # the frozen reference engine (KL on), else None
+    reference: object | None  # the frozen reference model (KL on), else None
     # transformers finds the ZeRO-3 settings through a weak reference to this: kept alive
-    # with the engines, as from_pretrained and save_pretrained consult it.
+    # with the models, as from_pretrained and save_pretrained consult it.
     hf_ds_config: object
 
 
-def build_zero_engines(setup: RankSetup, cfg: Config) -> ZeroEngines:
-    """Join the ranks' process group and build this rank's engines. Collective."""
+def build_zero_models(setup: RankSetup, cfg: Config) -> ZeroModels:
+    """Join the ranks' process group and build this rank's models. Collective."""
     setup.device.prepare_process()
     os.environ.update(
         RANK=str(setup.rank),
@@ -89,15 +90,15 @@ def build_zero_engines(setup: RankSetup, cfg: Config) -> ZeroEngines:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
     )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    zero_model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     # The frozen reference policy costs a second sharded copy: only when KL is on.
     reference = None
     if cfg.algorithm.kl.coef > 0:
         reference_model = _load_model(setup.model_path, cfg, trainable=False)
         reference, *_ = deepspeed.initialize(model=reference_model, config=ds_config)
         reference.eval()
-    policy = ZeroPolicy(engine, setup.world_size, setup.device.torch_device())
-    return ZeroEngines(policy, reference, hf_ds_config)
+    policy = ZeroPolicy(zero_model, setup.world_size, setup.device.torch_device())
+    return ZeroModels(policy, reference, hf_ds_config)
 
 
 def _load_model(path: str, cfg: Config, trainable: bool):
