@@ -164,7 +164,7 @@ class TaskConfig(Section):
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=2, description="vLLM accepts (0, 2]")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
     min_p: float = Field(

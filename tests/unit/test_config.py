@@ -292,6 +292,8 @@ def test_set_values_go_through_the_same_bounded_reader(value, problem):
         ("rollout.tensor_parallel_size=0", r"^rollout\.tensor_parallel_size: "),
         ("rollout.max_num_seqs=0", r"^rollout\.max_num_seqs: "),
         ("rollout.enforce_eager=sometimes", r"^rollout\.enforce_eager: "),
+        # vLLM refuses it only at the first request, on the engine
+        ("rollout.sampling.temperature=2.5", r"^rollout\.sampling\.temperature: "),
     ],
 )
 def test_engine_settings_out_of_range_are_one_line_naming_the_key(override, problem):
