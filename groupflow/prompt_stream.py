@@ -57,12 +57,12 @@ class StepGroups:
 
 
 class PromptStream:
-    """The stream of `task`'s training prompts, cut into chunks of `chunk_size()` prompts."""
+    """The stream of `task`'s training prompts, cut into chunks of `chunk_size` prompts."""
 
-    def __init__(self, cfg: Config, task: Task, chunk_size: Callable[[], int]):
+    def __init__(self, cfg: Config, task: Task, chunk_size: int):
         self.cfg = cfg
         self.task = task
-        self.chunk_size = chunk_size  # follows the engine count, which scaling changes
+        self.chunk_size = chunk_size
         self._prompts = task.train_prompts(cfg.trainer.seed)
         # Positions of the stream drawn so far, consumed so far (trained, skipped or dropped),
         # and the most that may be drawn now.
@@ -103,12 +103,15 @@ class PromptStream:
         while (needed := min(per_step - len(taken.groups), budget - looked_at)) > 0:
             self._limit = self._consumed + needed + ahead
             group = self._next_group(taken, scored)
-            if version - group.group.policy_version > k:
+            # Newer than the learner: sampled by weights it no longer holds (it was rebuilt
+            # from a checkpoint while the engine had loaded later ones).
+            if not 0 <= version - group.group.policy_version <= k:
                 taken.dropped_stale += 1
                 if taken.dropped_stale > budget:
                     raise RuntimeError(
-                        f"{taken.dropped_stale} groups in a row were older than "
-                        f"trainer.max_staleness={k}: the engines do not load new weights"
+                        f"{taken.dropped_stale} groups in a row were sampled by other weights "
+                        f"than the learner's last {k + 1} versions (trainer.max_staleness={k}): "
+                        "the engines do not load the weights they are sent"
                     )
                 continue
             looked_at += 1
@@ -146,7 +149,7 @@ class PromptStream:
         return [c for c in self._chunks if c.handle is None]
 
     def _draw(self) -> None:
-        size = self.chunk_size()
+        size = self.chunk_size
         waiting = any(c.handle is None for c in self._chunks)
         # A short chunk only when no full one waits. A refill draws a whole chunk, so that a
         # task with many flat groups is refilled in few rounds of generation, not a round per
