@@ -1,4 +1,4 @@
-"""Generator actors (vLLM async engines that sample groups and load new weights while they
+"""Generator actors (vLLM engines that sample groups, a request each, and load new weights while
 run) and the pool that spreads a rollout over them.
 
 The pool is the twin of the reward pool (actors/reward.py): it sends each chunk of prompts to
@@ -197,12 +197,16 @@ class Generator:
         return await self.engine.parameters_snapshot()
 
 
-def groups_per_engine(prompts_per_step: int, num_engines: int) -> int:
-    """Groups an engine holds at most, all generating at once (each a request that vLLM batches
-    continuously with the others): its share of a step, so that a step's groups are sampled
-    in one round. The rest wait in the prompt stream, to go to whichever engine frees up
-    first."""
-    return -(-prompts_per_step // num_engines)
+# Chunks an engine holds at most, generating side by side (their groups batched continuously
+# with each other): when one ends, the other keeps the engine busy while the driver sends the
+# next. The rest wait in the prompt stream, for whichever engine frees up first.
+CHUNKS_PER_ENGINE = 2
+
+
+def chunk_size(num_prompts: int, num_engines: int) -> int:
+    """A step's prompts in CHUNKS_PER_ENGINE chunks per engine: the first chunks are scored
+    while the second generate."""
+    return max(1, num_prompts // (CHUNKS_PER_ENGINE * num_engines))
 
 
 class GeneratorPool:
@@ -215,7 +219,6 @@ class GeneratorPool:
         group_size: int,
         sampling: SamplingConfig,
         restarts: RestartBudget,
-        prompts_per_step: int,
         start_engine: Callable[[int], object] | None = None,
         starting: StartingActors | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -224,7 +227,6 @@ class GeneratorPool:
         self.futures = futures
         self.group_size = group_size
         self.sampling = sampling
-        self.prompts_per_step = prompts_per_step
         self.version = 0  # the newest weights sent to the engines (weights_sent)
         self.start_engine = start_engine  # a new actor for slot i; None: deaths are fatal
         self.restarts = restarts  # each replacement is charged here
@@ -254,8 +256,7 @@ class GeneratorPool:
     def room(self) -> int:
         """How many more chunks the engines with the current weights take now."""
         ready = self._taking_work()
-        capacity = groups_per_engine(self.prompts_per_step, len(self.engines))
-        return sum(max(0, capacity - self._outstanding[e]) for e in ready)
+        return sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
 
     def send(self, chunk: Chunk) -> None:
         self._count_idle()
@@ -471,6 +472,5 @@ def start_generator_pool(
         cfg.rollout.group_size,
         cfg.rollout.sampling,
         restarts,
-        cfg.rollout.prompts_per_step,
         start_engine if replaceable else None,
     )

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from groupflow.actors.generator import chunk_size
 from groupflow.checkpoint import HF_DIR, LEARNER_DIR, Checkpointing, DriverState
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
@@ -84,8 +85,10 @@ class TrainingJob:
         self.checkpointing = checkpointing
         self.sample_log = sample_log
         self.scaler = scaler  # resizes the pools between steps (groupflow/scaling.py)
-        # A chunk is one group: each goes to the reward pool the moment its responses are in.
-        self.stream = PromptStream(cfg, task, chunk_size=1)
+        per_step = cfg.rollout.prompts_per_step
+        self.stream = PromptStream(
+            cfg, task, lambda: chunk_size(per_step, self.generators.num_engines)
+        )
         self.pipeline = Pipeline(self.stream, generators, rewards, transport, futures, restarts)
         self.evaluation = HeldOutEvaluation(
             cfg, task.eval_prompts(cfg.task.eval_size), self.pipeline, held_out_sets

@@ -57,12 +57,12 @@ class StepGroups:
 
 
 class PromptStream:
-    """The stream of `task`'s training prompts, cut into chunks of `chunk_size` prompts."""
+    """The stream of `task`'s training prompts, cut into chunks of `chunk_size()` prompts."""
 
-    def __init__(self, cfg: Config, task: Task, chunk_size: int):
+    def __init__(self, cfg: Config, task: Task, chunk_size: Callable[[], int]):
         self.cfg = cfg
         self.task = task
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size  # follows the engine count, which scaling changes
         self._prompts = task.train_prompts(cfg.trainer.seed)
         # Positions of the stream drawn so far, consumed so far (trained, skipped or dropped),
         # and the most that may be drawn now.
@@ -149,7 +149,7 @@ class PromptStream:
         return [c for c in self._chunks if c.handle is None]
 
     def _draw(self) -> None:
-        size = self.chunk_size
+        size = self.chunk_size()
         waiting = any(c.handle is None for c in self._chunks)
         # A short chunk only when no full one waits. A refill draws a whole chunk, so that a
         # task with many flat groups is refilled in few rounds of generation, not a round per

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.actors.generator import GeneratorPool, groups_per_engine
+from groupflow.actors.generator import CHUNKS_PER_ENGINE, GeneratorPool
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import Checkpointing, CheckpointStore, read_checkpoint
 from groupflow.config import build_config
@@ -365,7 +365,6 @@ def run_job(
         GROUP_SIZE,
         cfg.rollout.sampling,
         restarts,
-        cfg.rollout.prompts_per_step,
         start_engine,
         starting,
         clock=lambda: clock.now,
@@ -489,15 +488,13 @@ def test_at_staleness_zero_the_engines_wait_while_the_learner_trains():
     assert [r["time_engines_idle_s"] for r in run.records] == pytest.approx([5.0] * 3)
 
 
-def test_weight_loads_wait_behind_at_most_the_groups_an_engine_holds():
-    """A load sent to a busy engine that finishes its requests first (these fakes do, as
-    with rollout.partial_rollout false) waits behind the groups it holds, its share of a
-    step, not behind every prompt drawn ahead (1 s each)."""
+def test_weight_loads_wait_behind_at_most_chunks_per_engine():
+    """A load sent to a busy engine that finishes its requests first (these fakes do, as with
+    rollout.partial_rollout false) waits behind the few chunks it holds, not behind every
+    prompt drawn ahead: CHUNKS_PER_ENGINE chunks of 2 prompts (1 s each)."""
     run = run_job(steps=8, staleness=8, learn_s=3.0, seconds_per_prompt=1.0)
     waits = [w for engine in run.engines for w in engine.queued_at_load]
-    held = groups_per_engine(PROMPTS_PER_STEP, len(run.engines))
-    # and at most one earlier load (0.1 s on these fakes)
-    assert waits and max(waits) <= held * 1.0 + 0.1 + 1e-9
+    assert waits and max(waits) <= CHUNKS_PER_ENGINE * 2 * 1.0 + 1e-9
 
 
 def test_a_sample_older_than_max_staleness_is_dropped_and_counted():
@@ -517,9 +514,8 @@ def test_engines_that_never_load_stop_the_job():
 # ----- streaming --------------------------------------------------------------------------------
 def test_chunks_reach_the_reward_pool_as_each_finishes():
     run = run_job(steps=1, staleness=0, engines=2, seconds_per_prompt=1.0)
-    # 8 prompts, 2 engines: 8 chunks of one group, four per engine, one finishing each
-    # second on each (these fakes sample one group at a time)
-    assert sorted(scored_at(run)) == [(i, float(i // 2 + 1)) for i in range(8)]
+    # 8 prompts, 2 engines: 4 chunks of 2, two per engine, finishing at t=2 and t=4 on each
+    assert sorted(scored_at(run)) == [(0, 2.0), (1, 2.0), (2, 4.0), (3, 4.0)]
     scored = [uids for e in run.log if e[0] == "score" for uids in [e[3]]]
     assert sorted(int(u) for uids in scored for u in uids) == step_prompts(0)
     assert [e.prompts_sampled for e in run.engines] == [4, 4]  # least outstanding work

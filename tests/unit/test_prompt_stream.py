@@ -34,7 +34,7 @@ def stream_config(staleness: int, dynamic: bool):
 
 
 def new_stream(cfg) -> PromptStream:
-    return PromptStream(cfg, make_task(cfg.task.name, cfg.task.options), chunk_size=2)
+    return PromptStream(cfg, make_task(cfg.task.name, cfg.task.options), chunk_size=lambda: 2)
 
 
 def reward(text: str, j: int) -> float:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from groupflow.actors.generator import groups_per_engine
 from groupflow.recovery import RestartBudget, RestartsExhausted
-from tests.unit.test_job_loop import PROMPTS_PER_STEP, run_job, trained_prompts
+from tests.unit.test_job_loop import run_job, trained_prompts
 
 
 def test_engine_and_learner_restarts_draw_on_one_budget():
@@ -33,11 +32,9 @@ def test_restarts_only_add_up_over_a_checkpoint():
     assert fresh.state_dict() == {"engine_restarts": 2, "learner_restarts": 1}
 
 
-# Engine 0 samples its share of a step's groups, a chunk each; a rank dies in step 4 and the
-# ranks come back at step 2's checkpoint: engine 0's first chunk after the four steps it sampled
-# is step 3's again, before the job got past where it was.
-CHUNKS_A_STEP = groups_per_engine(PROMPTS_PER_STEP, 2)
-ENGINE_DIES_AFTER_THE_REBUILD = 4 * CHUNKS_A_STEP + 1
+# Engine 0 samples two chunks a step; a rank dies in step 4 and the ranks come back at step 2's
+# checkpoint: engine 0's 9th chunk is step 3's again, before the job got past where it was.
+ENGINE_DIES_AFTER_THE_REBUILD = 9
 ENGINE_DIES_IN_STEP_1 = 2
 
 
