@@ -1,5 +1,5 @@
-"""Generator actors (vLLM engines that sample groups, a request each, and load new weights while
-run) and the pool that spreads a rollout over them.
+"""Generator actors (vLLM engines that sample groups, a request each, and load new weights
+while they run) and the pool that spreads a rollout over them.
 
 The pool is the twin of the reward pool (actors/reward.py): it sends each chunk of prompts to
 the engine with the least outstanding work and hands chunks on as they finish, so scoring
