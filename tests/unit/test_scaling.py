@@ -215,10 +215,10 @@ class ScalableFakeEngine(FakeEngine):
         self.__ray_terminate__ = Remote(self._terminate)
         sample = self.sample.remote
 
-        def first(prompts, group_size, sampling, min_version=0):
+        def first(prompts, group_size, sampling):
             if self.first_chunk_version is None:
                 self.first_chunk_version = self.version
-            return sample(prompts, group_size, sampling, min_version)
+            return sample(prompts, group_size, sampling)
 
         self.sample = Remote(first)
 
