@@ -1,10 +1,10 @@
-"""Generator actors (vLLM engines that sample groups and load new weights between requests)
-and the pool that spreads a rollout over them.
+"""Generator actors (vLLM engines that sample groups, a request each, and load new weights
+while they run) and the pool that spreads a rollout over them.
 
 The pool is the twin of the reward pool (actors/reward.py): it sends each chunk of prompts to
 the engine with the least outstanding work and hands chunks on as they finish, so scoring
-starts while later chunks still generate. An engine runs its calls in the order they were
-sent, so a weight load sent after a chunk is applied after that chunk.
+starts while later chunks still generate. A chunk sent to an engine after a weight load
+starts once that load is done (Generator.sample).
 
 An engine that dies (killed, out of memory, node lost) is replaced at once by a new actor in
 its slot, a restart charged to the job's budget (groupflow/recovery.py). The replacement takes
@@ -22,8 +22,9 @@ shared with the weight transport, so it only changes in `settle`, never during a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,65 +41,128 @@ from groupflow.peers import Chunk, Futures, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
 from groupflow.recovery import RestartBudget
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
-from groupflow.rollout.weight_intake import broken_stream, streamed
+from groupflow.rollout.weight_intake import broadcast, broken_stream, streamed
 from groupflow.scaling import PoolState
 from groupflow.weight_format import LoadedWeights, Manifest
 
 log = logging.getLogger(__name__)
 
-# The concurrency group of the calls that hand an engine weight references while it samples
-# or loads (Ray runs each group in its own thread; the default group's calls run in order).
-WEIGHTS_IN = "weights_in"
+
+class ArrivingBuckets:
+    """A sync's bucket references as they arrive, by bucket index: Ray starts an async actor's
+    calls in no guaranteed order, so each carries its index. Taken by the thread that loads."""
+
+    def __init__(self):
+        self._refs: dict[int, list | None] = {}
+        self._failed_at: int | None = None
+        self._arrived = threading.Condition()
+
+    def put(self, index: int, refs: list | None) -> None:
+        with self._arrived:
+            if refs is None:  # the stream failed: no bucket from `index` on will come
+                self._failed_at = index if self._failed_at is None else self._failed_at
+            else:
+                self._refs[index] = refs
+            self._arrived.notify_all()
+
+    def get(self, index: int) -> list | None:
+        """Bucket `index`'s references once they are in (taken), or None where the stream
+        failed before it."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._settled(index))
+            return self._refs.pop(index, None)
+
+    def wait_first(self) -> None:
+        """Until the first bucket is in, or the stream failed."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._settled(0))
+
+    def _settled(self, index: int) -> bool:
+        return index in self._refs or (self._failed_at is not None and index >= self._failed_at)
 
 
 class Generator:
+    """An async actor: every call runs in its event loop, so chunks generate side by side (each
+    group a request of its own, batched continuously by vLLM) while weights arrive and load.
+
+    Ray starts an async actor's calls in no guaranteed order, so a chunk says which weights it
+    needs: `sample` waits until the engine holds version `min_version` (the newest the job had
+    sent when it sent the chunk), or a load has ended since the chunk arrived (a failed load,
+    or one that took the engine back to an older version after the learner was rebuilt from a
+    checkpoint: the group then carries the version that sampled it, and the prompt stream
+    drops it if the learner does not hold that version's successors)."""
+
     def __init__(self, settings: EngineSettings, device: Device, cores: list[int]):
         pin_to_cores(cores)  # before vLLM starts its threads, which inherit it
         self.engine = RolloutEngine(settings)
         self.device = device
         self.weight_group = None
-        self._arriving_buckets: dict[int, queue.Queue] = {}  # sync version -> bucket refs
-        self._arriving_lock = threading.Lock()
+        self._arriving_buckets: dict[int, ArrivingBuckets] = {}  # by sync version
+        self._loads_ended = 0  # weight loads done (loaded or failed)
+        self._load_ended = asyncio.Condition()
 
-    def sample(
-        self, prompts: list[Prompt], group_size: int, sampling: SamplingConfig
+    async def sample(
+        self,
+        prompts: list[Prompt],
+        group_size: int,
+        sampling: SamplingConfig,
+        min_version: int = 0,
     ) -> list[SampledGroup]:
-        return self.engine.sample_groups(prompts, group_size, sampling)
+        await self._holds(min_version)
+        return await asyncio.gather(
+            *(self.engine.sample_group(p, group_size, sampling) for p in prompts)
+        )
 
-    def complete(
-        self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
+    async def complete(
+        self,
+        prompts: list[Prompt],
+        n: int,
+        sampling: SamplingConfig,
+        greedy: bool,
+        min_version: int = 0,
     ) -> list[SampledGroup]:
-        return self.engine.complete(prompts, n, sampling, greedy)
+        await self._holds(min_version)
+        return await self.engine.complete(prompts, n, sampling, greedy)
 
-    def warm_up(self, group_size: int, sampling: SamplingConfig) -> None:
+    async def warm_up(self, group_size: int, sampling: SamplingConfig) -> None:
         """Sample once, so that a new engine's first real chunk is not slowed by the engine's
         first-call costs (seconds on CPU), which would hold up the whole step."""
-        self.engine.sample_groups([Prompt("warm-up", "1+1=", 2)] * 2, group_size, sampling)
+        await self.sample([Prompt("warm-up", "1+1=", 2)] * 2, group_size, sampling)
 
-    @ray.method(concurrency_group=WEIGHTS_IN)
-    def add_weights(self, version: int, shards: list[ray.ObjectRef] | None) -> None:
-        """The references to the next bucket's partitions for sync `version`, in rank order
-        (in a list, so Ray does not fetch them here), or None: the sync failed. Runs in a
-        thread of its own, while the engine samples or loads."""
-        self._arriving(version).put(shards)
+    async def _holds(self, version: int) -> None:
+        ended = self._loads_ended
+        async with self._load_ended:
+            await self._load_ended.wait_for(
+                lambda: self.engine.policy_version >= version or self._loads_ended > ended
+            )
 
-    def _arriving(self, version: int) -> queue.Queue:
-        with self._arriving_lock:
-            return self._arriving_buckets.setdefault(version, queue.Queue())
+    async def add_weights(self, version: int, index: int, shards: list | None) -> None:
+        """The references to bucket `index`'s partitions for sync `version`, in rank order
+        (in a list, so Ray does not fetch them here), or None: the sync failed there."""
+        self._arriving(version).put(index, shards)
 
-    def load_streamed_weights(self, buckets: list[Manifest], version: int) -> LoadedWeights | None:
+    def _arriving(self, version: int) -> ArrivingBuckets:
+        return self._arriving_buckets.setdefault(version, ArrivingBuckets())
+
+    async def load_streamed_weights(
+        self, buckets: list[Manifest], version: int
+    ) -> LoadedWeights | None:
         """Load sync `version` in one vLLM pass, each bucket as soon as its references have
-        arrived (add_weights), fetching one bucket at a time (rollout/weight_intake.py).
-        Returns what was loaded, or None where the learner's stream failed part-way: that
-        failure is the learner's to report (its side of the sync fails, and the job rebuilds
-        it and syncs every engine again), so it must not read as this engine's; the layers not
-        loaded keep their weights (rollout/weight_receiver.py). A failure of the engine's own
-        raises."""
+        arrived (add_weights), fetching one bucket at a time (rollout/weight_intake.py); the
+        engine samples on until the first bucket is in. Returns what was loaded, or None where
+        the learner's stream failed part-way: that failure is the learner's to report (its
+        side of the sync fails, and the job rebuilds it and syncs every engine again), so it
+        must not read as this engine's; the layers not loaded keep their weights
+        (rollout/weight_receiver.py). A failure of the engine's own raises."""
         arriving = self._arriving(version)
         try:
-            return self.engine.load_weights(
-                streamed(buckets, arriving.get, ray.get, self.device.kind), version
-            )
+            async with self._loading():
+                await asyncio.to_thread(arriving.wait_first)  # sample on until it is in
+                indices = iter(range(len(buckets)))
+                pairs = streamed(
+                    buckets, lambda: arriving.get(next(indices)), ray.get, self.device.kind
+                )
+                return await self.engine.load(pairs, version)
         except Exception as err:
             broken = broken_stream(err)
             if broken is None:
@@ -108,22 +172,34 @@ class Generator:
             )
             return None
         finally:
-            with self._arriving_lock:
-                del self._arriving_buckets[version]
+            del self._arriving_buckets[version]
+
+    @contextlib.asynccontextmanager
+    async def _loading(self):
+        try:
+            yield
+        finally:
+            # A failed load too: the chunks waiting for it sample with the weights there are
+            # (their groups carry that version: staleness decides what is trained on).
+            async with self._load_ended:
+                self._loads_ended += 1
+                self._load_ended.notify_all()
 
     def open_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.weight_group = open_weight_group(host, port, rank, world_size, self.device.backend)
 
-    def receive_weights(self, buckets: list[Manifest], version: int) -> LoadedWeights:
-        return self.engine.receive_weights(self.weight_group, buckets, version, self.device.kind)
+    async def receive_weights(self, buckets: list[Manifest], version: int) -> LoadedWeights:
+        async with self._loading():
+            received = broadcast(self.weight_group, buckets, self.device.kind)
+            return await self.engine.load(received, version)
 
-    def parameters_snapshot(self) -> dict:
-        return self.engine.parameters_snapshot()
+    async def parameters_snapshot(self) -> dict:
+        return await self.engine.parameters_snapshot()
 
 
-# Chunks an engine holds at most: one generating, one queued behind it so that the engine
-# never waits for the driver. A weight load sent to an engine runs after these, so the bound
-# is also how long a new version waits behind old work (groupflow/pipeline.py).
+# Chunks an engine holds at most, generating side by side (their groups batched continuously
+# with each other): when one ends, the other keeps the engine busy while the driver sends the
+# next. The rest wait in the prompt stream, for whichever engine frees up first.
 CHUNKS_PER_ENGINE = 2
 
 
@@ -151,6 +227,7 @@ class GeneratorPool:
         self.futures = futures
         self.group_size = group_size
         self.sampling = sampling
+        self.version = 0  # the newest weights sent to the engines (weights_sent)
         self.start_engine = start_engine  # a new actor for slot i; None: deaths are fatal
         self.restarts = restarts  # each replacement is charged here
         self._outstanding = [0] * len(engines)  # prompts sent to each engine, not yet taken
@@ -192,7 +269,9 @@ class GeneratorPool:
             seconds = time.monotonic() - self._asked_at.pop(id(chunk.actor))[1]
             self.join_seconds.append(seconds)
             log.info("a new engine took its first chunk %.1fs after it was asked for", seconds)
-        chunk.handle = chunk.actor.sample.remote(chunk.prompts, self.group_size, self.sampling)
+        chunk.handle = chunk.actor.sample.remote(
+            chunk.prompts, self.group_size, self.sampling, self.version
+        )
         chunk.sent = self._clock()
         self._chunks[chunk.handle] = chunk
 
@@ -271,10 +350,11 @@ class GeneratorPool:
     def awaiting_weights(self) -> list:
         return [self.engines[slot] for slot in sorted(self._unloaded)]
 
-    def weights_sent(self) -> None:
-        """Call once a weight load has been sent to every engine that awaited one:
-        replacements take work from now on (their calls run after the load). The lost chunks
-        are sent again."""
+    def weights_sent(self, version: int) -> None:
+        """Call once the load of `version` has been sent to the engines (to every engine
+        that awaited one): chunks sent from now on wait for it, and replacements take work.
+        The lost chunks are sent again."""
+        self.version = version
         self._unloaded.clear()
         self.resend_lost()
 
@@ -294,7 +374,7 @@ class GeneratorPool:
         k = len(self.engines)
         shards = self.futures.get(
             [
-                e.complete.remote(prompts[i::k], n, sampling, greedy)
+                e.complete.remote(prompts[i::k], n, sampling, greedy, self.version)
                 for i, e in enumerate(self.engines)
             ]
         )
@@ -368,13 +448,12 @@ def start_generator_pool(
         restarts = RestartBudget(cfg.trainer.max_restarts)
     res = cfg.rollout.resources
     device = device_for(res.num_gpus)
-    actor = ray.remote(concurrency_groups={WEIGHTS_IN: 1})(Generator).options(
+    actor = ray.remote(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,
         resources=res.custom,
         runtime_env={
             "env_vars": {
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "OMP_NUM_THREADS": str(res.torch_threads),
                 **device.engine_env(),
             }

@@ -107,12 +107,12 @@ class ObjectStoreTransport(WeightTransport):
                 if None in shards:
                     break
                 for engine in engines:
-                    engine.add_weights.remote(version, list(shards))
+                    engine.add_weights.remote(version, forwarded, list(shards))
                 forwarded += 1
         finally:
             if forwarded < len(buckets):  # or the engines would wait for the rest
                 for engine in engines:
-                    engine.add_weights.remote(version, None)
+                    engine.add_weights.remote(version, forwarded, None)
         # The buckets are in the object store once the streams complete: the learner may
         # train on while the engines load them. A failed rank fails its stream's handle.
         return SyncHandles([stream.completed() for stream in streams], loads)

@@ -97,9 +97,9 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     ray.get([stream.completed() for stream in streams])
     start = time.perf_counter()
     loads = [e.load_streamed_weights.remote(buckets, version) for e in engines]
-    for refs in shards:
+    for index, refs in enumerate(shards):
         for engine in engines:
-            engine.add_weights.remote(version, list(refs))
+            engine.add_weights.remote(version, index, list(refs))
     ray.get(loads)
     return time.perf_counter() - start
 

@@ -286,7 +286,7 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "time_sync_s",
-        "the learner's side of the weight sync (each engine loads between its chunks)",
+        "the learner's side of the weight sync (each engine loads between two of its steps)",
         "seconds",
         _TIMES,
         _stage_latency("weight_sync"),

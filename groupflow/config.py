@@ -176,6 +176,11 @@ class SamplingConfig(Section):
         description="strings that end a response (kept in its text and token ids, so the "
         "learner trains the tokens that were sampled)",
     )
+    ignore_eos: bool = Field(
+        False,
+        description="generate past the end-of-text token, to max_tokens or a stop string: for "
+        "benchmarks and tests that need responses of a known length, never for training",
+    )
     seed: int | None = Field(
         None,
         description="seeds each request from (seed, prompt, policy version): a step's samples "
@@ -253,6 +258,14 @@ class RolloutConfig(Section):
         description="devices one engine spans: vLLM's multiprocess executor runs a worker per "
         "device (per share of the actor's cores on CPU), each loading its own shard of every "
         "weight sync; on GPUs resources.num_gpus must equal it",
+    )
+    partial_rollout: bool | None = Field(
+        None,
+        description="load a weight sync while requests run (they stop for the load and go on "
+        "under the new weights, each token labelled with the version that sampled it; "
+        "staleness counts from a group's oldest token) instead of letting them finish under "
+        "the old weights first while new requests wait; null: on when "
+        "trainer.max_staleness > 0 (at 0 no request runs across a sync)",
     )
     weight_transport: Literal["object_store", "collective"] = Field(
         "object_store",
@@ -891,6 +904,8 @@ class Config(Section):
                     f"reward.overlong_penalty.buffer_tokens ({penalty.buffer_tokens}) must be "
                     f"below {where} ({limit})"
                 )
+        if self.rollout.partial_rollout is None:
+            self.rollout.partial_rollout = self.trainer.max_staleness > 0
         off_policy = self.algorithm.off_policy
         if "mode" not in off_policy.model_fields_set and self.trainer.max_staleness > 0:
             # Stale samples come from a policy the learner no longer holds: correct by default.

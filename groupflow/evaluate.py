@@ -4,6 +4,8 @@ and mean@n and pass@k of n sampled answers; for a training job or any model dire
 
 from __future__ import annotations
 
+import asyncio
+
 from groupflow.config import Config, EvalSetConfig
 from groupflow.model_dir import read_model_config
 
@@ -56,8 +58,12 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         processes=reward.scorer_processes,
     )
 
+    loop = asyncio.new_event_loop()  # the engine's requests are coroutines
+
     def rewards(greedy: bool) -> list[list[float]]:
-        groups = engine.complete(prompts, cfg.trainer.eval_samples, cfg.rollout.sampling, greedy)
+        groups = loop.run_until_complete(
+            engine.complete(prompts, cfg.trainer.eval_samples, cfg.rollout.sampling, greedy)
+        )
         return [sg.rewards for sg in scorer.score_groups(groups)]
 
     try:
@@ -74,6 +80,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         return result
     finally:
         scorer.pool.close()
+        loop.close()
 
 
 class HeldOutSet:

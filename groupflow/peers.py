@@ -79,9 +79,10 @@ class Generation(Protocol):
     def awaiting_weights(self) -> list:
         """The engines that wait for the current weights (replacements and new engines)."""
 
-    def weights_sent(self) -> None:
-        """After a weight load was sent to every engine that awaited one: they take work, and
-        the chunks lost with dead engines are sent again."""
+    def weights_sent(self, version: int) -> None:
+        """After the load of `version` was sent to the engines (every engine that awaited
+        one): chunks sent from now on are sampled by it, the engines that awaited it take
+        work, and the chunks lost with dead engines are sent again."""
 
     def resend_lost(self) -> None:
         """Send the chunks lost with dead engines again (every engine has the current

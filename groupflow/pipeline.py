@@ -6,10 +6,10 @@ the first is overdue) and the engines' weight loads. Whatever it waits on, every
 finishes generating goes to the reward pool at once, every engine with room takes the prompt
 stream's next chunk and scored groups are kept for their chunk, so generation and scoring
 overlap learning and each other. The engines hold at most CHUNKS_PER_ENGINE chunks each
-(actors/generator.py) and the rest wait in the stream, so a weight load sent to an engine runs
-after at most that many: the weights reach each engine between its chunks, and no engine waits
-for another's load (`sync_engines` waits for the learner's side only; the engines' loads are
-followed here).
+(actors/generator.py) and the rest wait in the stream; a chunk sent after a weight load starts
+once the load is done, and a load stops an engine's running requests only for itself (partial
+rollouts) or waits for them (rollout/engine.py). No engine waits for another's load
+(`sync_engines` waits for the learner's side only; the engines' loads are followed here).
 
 An engine that dies is replaced by the generator pool; the replacement is sent the current
 weights as soon as the learner is between steps (`version` is set), and the pool then sends
@@ -96,7 +96,7 @@ class Pipeline:
             replaced = self.restarts.engines
             engines = self.generators.awaiting_weights() if only_awaiting else None
             handles = self.transport.async_sync(self.version, engines)
-            self.generators.weights_sent()
+            self.generators.weights_sent(self.version)
             if wait_for_engines:
                 wait = handles.learner + handles.engines
             else:  # an engine that dies loading is noticed in `_pump`

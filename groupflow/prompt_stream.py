@@ -103,12 +103,15 @@ class PromptStream:
         while (needed := min(per_step - len(taken.groups), budget - looked_at)) > 0:
             self._limit = self._consumed + needed + ahead
             group = self._next_group(taken, scored)
-            if version - group.group.policy_version > k:
+            # Newer than the learner: sampled by weights it no longer holds (it was rebuilt
+            # from a checkpoint while the engine had loaded later ones).
+            if not 0 <= version - group.group.policy_version <= k:
                 taken.dropped_stale += 1
                 if taken.dropped_stale > budget:
                     raise RuntimeError(
-                        f"{taken.dropped_stale} groups in a row were older than "
-                        f"trainer.max_staleness={k}: the engines do not load new weights"
+                        f"{taken.dropped_stale} groups in a row were sampled by other weights "
+                        f"than the learner's last {k + 1} versions (trainer.max_staleness={k}): "
+                        "the engines do not load the weights they are sent"
                     )
                 continue
             looked_at += 1

@@ -7,7 +7,7 @@ Plain dataclasses of lists, so they pickle cheaply through Ray's object store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -31,11 +31,16 @@ class Response:
     text: str
     logprobs: list[float]  # vLLM's log-probs of the sampled tokens (kept for a mismatch metric)
     finish_reason: str = "stop"  # "stop": EOS or a stop string; "length": cut at max_tokens
+    # (policy version, index of its first token) for each run of tokens one version sampled,
+    # in order: more than one where a weight sync landed while the response was generating
+    # (rollout.partial_rollout). [] = all by its group's policy_version.
+    versions: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
 class SampledGroup:
-    """G responses to one prompt, from one vLLM request with n = G."""
+    """G responses to one prompt, from one vLLM request with n = G. `policy_version` is that
+    of its oldest token: staleness counts from it."""
 
     prompt: Prompt
     prompt_ids: list[int]

@@ -1,16 +1,21 @@
-"""A vLLM engine for grouped sampling: one request with n = G per prompt.
+"""A vLLM engine for grouped sampling: one request with n = G per prompt, batched continuously,
+weights loaded while requests run.
 
-No Ray in here; actors/generator.py wraps it. The engine core lives in the caller's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be swapped in place: in its one worker,
-or, tensor-parallel, in worker processes of vLLM's multiprocess executor, one per shard.
+No Ray in here; actors/generator.py wraps it and calls it from the actor's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
@@ -34,6 +39,7 @@ class EngineSettings:
     max_num_seqs: int | None = None  # None: vLLM's default
     enable_prefix_caching: bool | None = None  # None: vLLM's default
     tensor_parallel_size: int = 1
+    partial_rollout: bool = True  # a sync loads while requests run (RolloutEngine.load_weights)
 
 
 def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
@@ -58,6 +64,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         max_num_seqs=cfg.rollout.max_num_seqs,
         enable_prefix_caching=cfg.rollout.enable_prefix_caching,
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        partial_rollout=cfg.rollout.partial_rollout,
     )
 
 
@@ -80,6 +87,16 @@ def cpu_threads_bind(cores: list[int], workers: int) -> str:
 
 
 class RolloutEngine:
+    """vLLM's engine, driven request by request: every group is a request of its own, batched
+    continuously with whatever else the engine runs, and a sync loads while requests run.
+
+    The engine core lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that a sync's
+    tensors reach vLLM's worker as tensors, consumed as they arrive; vLLM's async engine would
+    put the core in a process of its own, which costs an engine twice its start time and the
+    sync a copy through a socket. One thread makes every call into vLLM, one at a time (`_call`),
+    stepping the engine while requests are open; the async methods are for the caller's event
+    loop. A weight load is such a call: the requests stop for it, between two steps."""
+
     def __init__(self, settings: EngineSettings):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
@@ -104,6 +121,10 @@ class RolloutEngine:
             # None: vLLM's own default for the device.
             max_num_seqs=settings.max_num_seqs,
             enable_prefix_caching=settings.enable_prefix_caching,
+            # vLLM's CPU sampler cannot rewind a seeded request's random stream, which a
+            # prefill split over steps needs: requests that arrive while others run would
+            # split theirs. GPUs keep chunked prefill.
+            enable_chunked_prefill=False if current_platform.is_cpu() else None,
             # Log-probs after temperature: the same distribution the learner recomputes.
             logprobs_mode="processed_logprobs",
             worker_extension_cls="groupflow.rollout.weight_receiver.WeightReceiver",
@@ -111,72 +132,117 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.renderer = PromptRenderer(self.tokenizer, settings.chat)
         self.max_model_len = settings.max_model_len
+        self.partial_rollout = settings.partial_rollout
         self.policy_version = 0
+        self._vllm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
+        self._open: dict[str, asyncio.Future] = {}  # request id -> its final output, to come
+        self._stepping: asyncio.Task | None = None
+        self._admitting = asyncio.Event()  # cleared while a load waits for requests to end
+        self._admitting.set()
+        self._requests = itertools.count()
 
-    def sample_groups(
-        self, prompts: list[Prompt], group_size: int, sampling: SamplingConfig
-    ) -> list[SampledGroup]:
-        """G sampled responses for each prompt, with their token ids and log-probs."""
+    async def sample_group(
+        self, prompt: Prompt, group_size: int, sampling: SamplingConfig
+    ) -> SampledGroup:
+        """G sampled responses to `prompt`, with their token ids, log-probs and the policy
+        version of each token."""
         from vllm import SamplingParams
 
-        def params(prompt: Prompt) -> SamplingParams:
-            return SamplingParams(
-                n=group_size,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                max_tokens=prompt.max_tokens or sampling.max_tokens,
-                stop=sampling.stop,
-                include_stop_str_in_output=True,
-                seed=request_seed(sampling.seed, prompt.uid, self.policy_version),
-                logprobs=0,
-            )
+        params = SamplingParams(
+            n=group_size,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            max_tokens=prompt.max_tokens or sampling.max_tokens,
+            stop=sampling.stop,
+            include_stop_str_in_output=True,
+            ignore_eos=sampling.ignore_eos,
+            seed=request_seed(sampling.seed, prompt.uid, self.policy_version),
+            logprobs=0,
+        )
+        return await self._generate(prompt, params, sampling.max_tokens)
 
-        return self._generate(prompts, [params(p) for p in prompts], sampling.max_tokens)
-
-    def complete(
+    async def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
     ) -> list[SampledGroup]:
         """Held-out evaluation: one greedy answer per prompt, or n sampled ones."""
         from vllm import SamplingParams
 
-        if greedy:
-            params = [
-                SamplingParams(n=1, temperature=0.0, max_tokens=p.max_tokens or sampling.max_tokens)
-                for p in prompts
-            ]
-            return self._generate(prompts, params, sampling.max_tokens)
-        return self.sample_groups(prompts, n, sampling)
+        if not greedy:
+            return await asyncio.gather(*(self.sample_group(p, n, sampling) for p in prompts))
 
-    def _generate(self, prompts: list[Prompt], params, max_tokens: int) -> list[SampledGroup]:
-        prompt_ids = [self.renderer.ids(p) for p in prompts]
+        def params(prompt: Prompt) -> SamplingParams:
+            return SamplingParams(
+                n=1, temperature=0.0, max_tokens=prompt.max_tokens or sampling.max_tokens
+            )
+
+        return await asyncio.gather(
+            *(self._generate(p, params(p), sampling.max_tokens) for p in prompts)
+        )
+
+    async def _generate(self, prompt: Prompt, params, max_tokens: int) -> SampledGroup:
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = self.renderer.ids(prompt)
         # The driver measured every prompt it could draw before the job started; this guard
         # keeps any other prompt (a caller's own) from reaching vLLM, which would fail on it.
-        check_prompt_lengths(
-            prompts, [len(ids) for ids in prompt_ids], self.max_model_len, max_tokens
-        )
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
-        )
-        groups = []
-        for prompt, ids, out in zip(prompts, prompt_ids, outputs, strict=True):
-            responses = [
-                Response(
-                    token_ids=list(c.token_ids),
-                    text=c.text,
-                    logprobs=_sampled_logprobs(c),
-                    finish_reason=c.finish_reason,
-                )
-                for c in out.outputs
-            ]
-            groups.append(SampledGroup(prompt, ids, responses, self.policy_version))
-        return groups
+        check_prompt_lengths([prompt], [len(ids)], self.max_model_len, max_tokens)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # the G responses at once
+        await self._admitting.wait()
+        submitted_at = self.policy_version
+        request = str(next(self._requests))
+        final = asyncio.get_running_loop().create_future()
+        self._open[request] = final
+        try:
+            await self._call(
+                self.llm.llm_engine.add_request, request, {"prompt_token_ids": ids}, params
+            )
+        except BaseException:
+            del self._open[request]
+            raise
+        if self._stepping is None or self._stepping.done():
+            self._stepping = asyncio.create_task(self._step_while_open())
+        out = await final
+        responses = [_response(c, submitted_at) for c in out.outputs]
+        oldest = min(r.versions[0][0] for r in responses)
+        return SampledGroup(prompt, ids, responses, oldest)
+
+    async def _step_while_open(self) -> None:
+        try:
+            while self._open:
+                for out in await self._call(self.llm.llm_engine.step):
+                    final = self._open.pop(out.request_id, None) if out.finished else None
+                    if final is not None:
+                        final.set_result(out)
+        except BaseException as err:  # the engine failed: so did every open request
+            open_requests, self._open = self._open, {}
+            for final in open_requests.values():
+                final.set_exception(err)
+            raise
+
+    async def _call(self, fn: Callable, *args):
+        """`fn(*args)` in the one thread that calls into vLLM, after the calls before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._vllm_thread, fn, *args)
+
+    async def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
+        """Load sync `version` (load_weights) between two engine steps. With partial rollouts
+        the running requests go on under the new weights, their key-value caches computed
+        again; without, they finish first and new ones wait for the load."""
+        if not self.partial_rollout:
+            self._admitting.clear()
+        try:
+            while not self.partial_rollout and self._open:
+                await asyncio.sleep(0.01)  # the stepping task ends the open requests
+            return await self._call(self.load_weights, named_tensors, version)
+        finally:
+            self._admitting.set()
 
     def load_weights(self, named_tensors, version: int) -> LoadedWeights:
         """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they
         arrive (the engine lives in this process, so the worker consumes it lazily). Returns
-        the checksum of every tensor loaded (groupflow/weight_format.py)."""
+        the checksum of every tensor loaded (groupflow/weight_format.py). Called from the
+        thread that calls into vLLM (`load`), or where no request runs."""
         loaded = LoadedWeights(version)
         pairs = checksummed(named_tensors, loaded.checksums)
         if self.tensor_parallel_size > 1:
@@ -185,8 +251,12 @@ class RolloutEngine:
             # holds the model once more while it loads (an iterator does not cross).
             pairs = list(pairs)
         self.llm.collective_rpc("load_named_tensors", args=(pairs,))
-        # Cached prefixes were computed by the old weights.
-        self.llm.reset_prefix_cache()
+        engine = self.llm.llm_engine
+        # Tokens sampled from here on carry the new version (vLLM labels each one), and no
+        # key-value cache the old weights computed is used again: running requests compute
+        # theirs anew (vLLM preempts them), cached prefixes are dropped.
+        engine.set_weight_version(str(version))
+        engine.reset_prefix_cache(reset_running_requests=True)
         self.policy_version = version
         return loaded
 
@@ -197,8 +267,26 @@ class RolloutEngine:
         loads each layer once its tensors have arrived, while the next bucket is in transfer."""
         return self.load_weights(broadcast(group, buckets, device), version)
 
-    def parameters_snapshot(self) -> dict:
-        return self.llm.collective_rpc("named_parameters_snapshot")[0]
+    async def parameters_snapshot(self) -> dict:
+        return (await self._call(self.llm.collective_rpc, "named_parameters_snapshot"))[0]
+
+
+def _response(completion, submitted_at: int) -> Response:
+    # vLLM labels each token with the version set when it was sampled; "default" is the
+    # engine's label before its first sync, which the request's submission version names.
+    spans = completion.weight_versions or []
+    versions = [
+        (submitted_at if s.version == "default" else int(s.version), s.start)
+        for s in spans
+        if s.end > s.start
+    ]
+    return Response(
+        token_ids=list(completion.token_ids),
+        text=completion.text,
+        logprobs=_sampled_logprobs(completion),
+        finish_reason=completion.finish_reason,
+        versions=versions or [(submitted_at, 0)],
+    )
 
 
 def request_seed(seed: int | None, uid: str, version: int) -> int | None:

@@ -85,9 +85,12 @@ RIDERS = {
         "metrics.wandb_mode=offline",
         "learner.micro_batch_tokens=96",  # several micro-batches, planned as a whole
         # the threshold from the running probability histogram, all-reduced over the 2 ranks:
-        # on the quickstart's 3-token answers a fixed 0.002 finds no candidate at all
+        # on the quickstart's 3-token answers a fixed 0.002 finds no candidate at all, and so
+        # may a small share (the threshold is its bin's lower edge, and the lowest nonempty
+        # bin of a few dozen tokens often holds more than 5% of them): at the median, the
+        # tokens of the bins below it are candidates whatever the samples
         "algorithm.stapo.tau_p=auto",
-        "algorithm.stapo.target_share=0.05",
+        "algorithm.stapo.target_share=0.5",
     ],
 }
 
@@ -120,7 +123,7 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
         assert list((tmp_path / preset / "wandb").glob("offline-run-*/run-*.wandb"))
-        # tau_p: auto puts 5% of the examined tokens below a threshold in (0, 1): STAPO acts
+        # tau_p: auto puts under half of the examined tokens below a threshold in (0, 1): STAPO acts
         assert all(0.0 < r["stapo_tau_p"] < 1.0 for r in records)
         assert any(r["spurious_frac"] > 0 and r["stapo_silenced_frac"] > 0 for r in records)
     if preset == "dfpo":

@@ -90,18 +90,24 @@ TRAIN = [
 ]
 
 
-def _kill_our_worker(title: str) -> float:
-    """SIGKILL the worker of this session's Ray cluster whose process title starts with
-    `title` (Ray titles a worker `ray::Class.method` while it runs that method); when."""
+def _our_worker(title: str) -> psutil.Process:
+    """The worker of this session's Ray cluster whose process title starts with `title`, once
+    there is one (Ray titles a worker `ray::Class` and, while a sync actor runs a method,
+    `ray::Class.method`; an async actor's title does not follow its calls)."""
     while True:
         for proc in psutil.Process().children(recursive=True):
             try:
                 if proc.cmdline()[:1] and proc.cmdline()[0].startswith(title):
-                    proc.send_signal(signal.SIGKILL)
-                    return time.monotonic()
+                    return proc
             except psutil.Error:
                 continue
         time.sleep(0.05)
+
+
+def _kill_our_worker(title: str) -> float:
+    """SIGKILL the worker titled `title` (see `_our_worker`); when."""
+    _our_worker(title).send_signal(signal.SIGKILL)
+    return time.monotonic()
 
 
 def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
@@ -115,8 +121,16 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
     driver = DriverProcess(TRAIN, tmp_path)
     store = CheckpointStore(run)
     try:
+        # Step 2's chunks are sent before step 1 learns and wait on the engine for the weights
+        # step 1 makes: an engine frozen while step 1 learns holds them, and is killed once
+        # step 1's record is out (killed earlier, its death would be step 1's).
+        _our_worker("ray::LearnerRankActor.train_step")
+        assert not run_records(run), "step 1 was over before its learning was seen"
+        engine = _our_worker("ray::Generator")
+        engine.send_signal(signal.SIGSTOP)
         driver.wait_for(lambda: [r["step"] for r in run_records(run)] == [1])
-        engine_killed = _kill_our_worker("ray::Generator.sample")
+        engine.send_signal(signal.SIGKILL)
+        engine_killed = time.monotonic()
         driver.wait_for(lambda: len(run_records(run)) == 2)
         engine_back = time.monotonic()
         driver.wait_for(lambda: store.newest() is not None and store.newest().name == "step_2")

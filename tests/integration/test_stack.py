@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -19,7 +21,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster, quickstart_model):
-    cfg = build_config({}, ["rollout.num_engines=2", "learner.optimizer.lr=1e-3"])
+    cfg = build_config(
+        {}, ["rollout.num_engines=2", "learner.optimizer.lr=1e-3", "rollout.partial_rollout=true"]
+    )
     pool = start_generator_pool(cfg, quickstart_model)
     learner = LearnerGroup(cfg, quickstart_model)
     yield cfg, pool.engines, learner
@@ -108,13 +112,13 @@ class CorruptingEngine:
         self.add_weights = self
         self.corrupted = False
 
-    def remote(self, version, shards):  # stands in for add_weights.remote
+    def remote(self, version, index, shards):  # stands in for add_weights.remote
         if shards is not None and not self.corrupted:
             array = ray.get(shards[0]).copy()
             array[0] ^= 1
             shards = [ray.put(array), *shards[1:]]
             self.corrupted = True
-        return self.engine.add_weights.remote(version, shards)
+        return self.engine.add_weights.remote(version, index, shards)
 
 
 def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
@@ -140,16 +144,30 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
 
 
 def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(stack):
-    """The engine's load starts before the buckets arrive, behind a chunk it is sampling:
-    the references reach it meanwhile (their own concurrency group) and it loads exactly.
-    A sync whose stream breaks ends the load instead of leaving the engine waiting."""
+    """The engine's load starts while a chunk samples, before the buckets arrive: the
+    references reach it meanwhile and it loads exactly, without waiting for the chunk (a
+    partial rollout): a response generating across the load carries both versions, split
+    where the load landed, and its group the older one. A chunk sent after the load starts
+    after it. A sync whose stream breaks ends the load instead of leaving the engine
+    waiting."""
     cfg, engines, learner = stack
+    before = ray.get(engines[0].sample.remote([Prompt("v", "1+1=", 2)], 2, SamplingConfig()))
+    old = before[0].policy_version
     _train(learner, _sample_sequences(engines, seed=5))
-    chunk = engines[0].sample.remote(
-        [Prompt("busy", "1+1=", 2)] * 4, 8, SamplingConfig(temperature=1.0)
-    )
+    # Responses of 240 tokens each, still generating when the load lands.
+    long = SamplingConfig(temperature=1.0, max_tokens=240, ignore_eos=True)
+    chunk = engines[0].sample.remote([Prompt(f"long{i}", "1+1=", 2) for i in range(4)], 8, long)
+    time.sleep(0.5)
     _sync(ObjectStoreTransport(learner, engines, bucket_bytes=2**20), version=2)
-    assert ray.get(chunk)[0].policy_version < 2, "the chunk ran before the load"
+    after = engines[0].sample.remote([Prompt("after-load", "1+1=", 2)], 2, SamplingConfig())
+    groups = ray.get(chunk)
+    assert all(g.policy_version == old for g in groups), "the chunk started before the load"
+    straddling = [r for g in groups for r in g.responses if len(r.versions) > 1]
+    assert straddling, [r.versions for g in groups for r in g.responses]
+    for response in straddling:
+        (v0, first), (v1, split) = response.versions
+        assert (v0, first, v1) == (old, 0, 2) and 0 < split < len(response.token_ids)
+    assert [r.versions for r in ray.get(after)[0].responses] == [[(2, 0)]] * 2
     _assert_engines_match(engines, _weights(learner))
 
     # A stream that breaks after its first bucket, of weights a step newer: the engine
@@ -160,8 +178,8 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     buckets = bucket_manifest(manifest, 2**20)
     streams = learner.async_stream_weights(buckets)
     load = engines[0].load_streamed_weights.remote(buckets, 3)
-    engines[0].add_weights.remote(3, [next(stream) for stream in streams])
-    engines[0].add_weights.remote(3, None)
+    engines[0].add_weights.remote(3, 0, [next(stream) for stream in streams])
+    engines[0].add_weights.remote(3, 1, None)
     assert ray.get(load, timeout=120) is None, "the load is abandoned, not failed"
     ray.get([stream.completed() for stream in streams])
     groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SamplingConfig()))

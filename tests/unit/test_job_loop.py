@@ -94,7 +94,7 @@ class FakeEngine:
         self.free_at = max(self.clock.now, self.free_at) + seconds
         return self.free_at
 
-    def _sample(self, prompts, group_size, sampling):
+    def _sample(self, prompts, group_size, sampling, min_version=0):
         self.chunks += 1
         if self.dead or self.chunks == self.dies_at_chunk:  # killed in the middle of it
             self.dead = True
@@ -112,7 +112,7 @@ class FakeEngine:
         done = self._run(self.seconds_per_prompt * len(prompts))
         return FakeRef(done, groups, f"chunk of {[p.uid for p in prompts]}")
 
-    def _complete(self, prompts, n, sampling, greedy):
+    def _complete(self, prompts, n, sampling, greedy, min_version=0):
         if self.dies_at == "greedy":
             self.dead = True
         if self.dead:
@@ -489,7 +489,8 @@ def test_at_staleness_zero_the_engines_wait_while_the_learner_trains():
 
 
 def test_weight_loads_wait_behind_at_most_chunks_per_engine():
-    """A load sent to a busy engine runs after the few chunks it holds, not after every
+    """A load sent to a busy engine that finishes its requests first (these fakes do, as with
+    rollout.partial_rollout false) waits behind the few chunks it holds, not behind every
     prompt drawn ahead: CHUNKS_PER_ENGINE chunks of 2 prompts (1 s each)."""
     run = run_job(steps=8, staleness=8, learn_s=3.0, seconds_per_prompt=1.0)
     waits = [w for engine in run.engines for w in engine.queued_at_load]

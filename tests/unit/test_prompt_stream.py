@@ -125,3 +125,20 @@ def test_a_state_goes_on_at_its_position_after_a_stream_that_went_further():
     stream.load_state_dict(state)
     assert train(stream, 3, 3, version=2) == after
     assert stream.state_dict() == StreamState(consumed=state.consumed + 3 * 6)
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_groups_newer_than_the_learner_are_dropped_like_stale_ones(ahead):
+    """After the learner is rebuilt from a checkpoint, an engine may still hold later weights
+    than the learner: what it samples is dropped and counted, never trained on."""
+    cfg = stream_config(2, False)
+    stream = new_stream(cfg)
+    scorer = Scorer(stream)
+    scorer.version = 5 + ahead  # every group sampled by weights the learner does not hold
+    with pytest.raises(RuntimeError, match="groups in a row"):
+        stream.take_step(1, 5, scorer)
+    fresh = new_stream(cfg)
+    scorer = Scorer(fresh)
+    scorer.version = 5
+    taken = fresh.take_step(1, 5, scorer)
+    assert taken.dropped_stale == 0 and len(taken.groups) == cfg.rollout.prompts_per_step

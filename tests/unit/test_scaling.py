@@ -215,10 +215,10 @@ class ScalableFakeEngine(FakeEngine):
         self.__ray_terminate__ = Remote(self._terminate)
         sample = self.sample.remote
 
-        def first(prompts, group_size, sampling):
+        def first(prompts, group_size, sampling, min_version=0):
             if self.first_chunk_version is None:
                 self.first_chunk_version = self.version
-            return sample(prompts, group_size, sampling)
+            return sample(prompts, group_size, sampling, min_version)
 
         self.sample = Remote(first)
 

@@ -205,14 +205,19 @@ class RecordingLLM:
 
     def __init__(self):
         self.loads: list[list[tuple[str, torch.Tensor]]] = []
+        self.llm_engine = self  # the engine core's calls, recorded here too
+        self.after_load: list[tuple] = []
 
     def collective_rpc(self, method, args):
         assert method == "load_named_tensors"
         (named,) = args
         self.loads.append([(n, t.clone()) for n, t in named])
 
-    def reset_prefix_cache(self):
-        pass
+    def set_weight_version(self, version: str):
+        self.after_load.append(("version", version))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False):
+        self.after_load.append(("reset", reset_running_requests))
 
 
 class RecordingEngine:
@@ -276,6 +281,8 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
     assert sent == {name: checksum(p) for name, p in want.items()}
     for rank, engine in enumerate(engines, start=1):
         assert len(engine.llm.loads) == 1, "one load per sync, fed as the buckets arrive"
+        # the tokens after it labelled with its version; no cache of the old weights used
+        assert engine.llm.after_load == [("version", "7"), ("reset", True)]
         assert engine.policy_version == loaded[rank].version == 7
         check_loaded(sent, loaded[rank], f"engine {rank}")
         got = engine.llm.loads[0]
