@@ -49,36 +49,57 @@ log = logging.getLogger(__name__)
 
 
 class ArrivingBuckets:
-    """A sync's bucket references as they arrive, by bucket index: Ray starts an async actor's
-    calls in no guaranteed order, so each carries its index. Taken by the thread that loads."""
+    """A sync's partitions as the learner ranks hand them in: Ray starts an async actor's calls
+    in no guaranteed order, so each carries its bucket index and rank. A bucket is whole once
+    every rank's partition is in; the thread that loads takes whole buckets in order."""
 
     def __init__(self):
-        self._refs: dict[int, list | None] = {}
-        self._failed_at: int | None = None
+        self.ranks: int | None = None  # known once the load starts (`expect`)
+        self._parts: dict[int, dict[int, object]] = {}  # bucket -> rank -> reference
+        self._failed_at: int | None = None  # no bucket from here on will be whole
         self._arrived = threading.Condition()
 
-    def put(self, index: int, refs: list | None) -> None:
+    def expect(self, ranks: int) -> None:
         with self._arrived:
-            if refs is None:  # the stream failed: no bucket from `index` on will come
-                self._failed_at = index if self._failed_at is None else self._failed_at
-            else:
-                self._refs[index] = refs
+            self.ranks = ranks
+            self._arrived.notify_all()
+
+    def put(self, index: int, rank: int, part: list | None) -> None:
+        """Rank `rank`'s partition of bucket `index` (its reference, in a list), or None: the
+        rank failed there, and sends nothing more."""
+        if part is None:
+            self.fail(index)
+            return
+        with self._arrived:
+            self._parts.setdefault(index, {})[rank] = part[0]
+            self._arrived.notify_all()
+
+    def fail(self, index: int = 0) -> None:
+        """No bucket from `index` on that is not whole yet will be (a rank failed)."""
+        with self._arrived:
+            failed_at = self._failed_at
+            self._failed_at = index if failed_at is None else min(failed_at, index)
             self._arrived.notify_all()
 
     def get(self, index: int) -> list | None:
-        """Bucket `index`'s references once they are in (taken), or None where the stream
-        failed before it."""
+        """Bucket `index`'s references in rank order once it is whole (taken), or None where
+        a rank failed before it was."""
         with self._arrived:
             self._arrived.wait_for(lambda: self._settled(index))
-            return self._refs.pop(index, None)
+            parts = self._parts.pop(index, {})
+            return [parts[r] for r in range(self.ranks)] if self._whole(parts) else None
 
     def wait_first(self) -> None:
-        """Until the first bucket is in, or the stream failed."""
+        """Until the first bucket is whole, or a rank failed."""
         with self._arrived:
             self._arrived.wait_for(lambda: self._settled(0))
 
+    def _whole(self, parts: dict) -> bool:
+        return self.ranks is not None and len(parts) == self.ranks
+
     def _settled(self, index: int) -> bool:
-        return index in self._refs or (self._failed_at is not None and index >= self._failed_at)
+        failed = self._failed_at is not None and index >= self._failed_at
+        return failed or self._whole(self._parts.get(index, {}))
 
 
 class Generator:
@@ -97,7 +118,8 @@ class Generator:
         self.engine = RolloutEngine(settings)
         self.device = device
         self.weight_group = None
-        self._arriving_buckets: dict[int, ArrivingBuckets] = {}  # by sync version
+        self._arriving_buckets: dict[str, ArrivingBuckets] = {}  # by sync
+        self._ended_syncs: set[str] = set()
         self._loads_ended = 0  # weight loads done (loaded or failed)
         self._load_ended = asyncio.Condition()
 
@@ -136,25 +158,31 @@ class Generator:
                 lambda: self.engine.policy_version >= version or self._loads_ended > ended
             )
 
-    async def add_weights(self, version: int, index: int, shards: list | None) -> None:
-        """The references to bucket `index`'s partitions for sync `version`, in rank order
-        (in a list, so Ray does not fetch them here), or None: the sync failed there."""
-        self._arriving(version).put(index, shards)
+    async def add_weights(self, sync: str, index: int, rank: int, part: list | None) -> None:
+        """Learner rank `rank`'s partition of bucket `index` of sync `sync` (a reference in a
+        list, so that Ray does not fetch it here), or None: the rank failed there. A part of a
+        sync already ended is let go (its load was abandoned)."""
+        if sync not in self._ended_syncs:
+            self._arriving(sync).put(index, rank, part)
 
-    def _arriving(self, version: int) -> ArrivingBuckets:
-        return self._arriving_buckets.setdefault(version, ArrivingBuckets())
+    def _arriving(self, sync: str) -> ArrivingBuckets:
+        return self._arriving_buckets.setdefault(sync, ArrivingBuckets())
 
     async def load_streamed_weights(
-        self, buckets: list[Manifest], version: int
+        self, buckets: list[Manifest], version: int, sync: str, pushes: list
     ) -> LoadedWeights | None:
-        """Load sync `version` in one vLLM pass, each bucket as soon as its references have
-        arrived (add_weights), fetching one bucket at a time (rollout/weight_intake.py); the
-        engine samples on until the first bucket is in. Returns what was loaded, or None where
-        the learner's stream failed part-way: that failure is the learner's to report (its
-        side of the sync fails, and the job rebuilds it and syncs every engine again), so it
-        must not read as this engine's; the layers not loaded keep their weights
+        """Load sync `sync` (policy `version`) in one vLLM pass, each bucket as soon as every
+        rank's partition of it has arrived (add_weights), fetching one bucket at a time
+        (rollout/weight_intake.py); the engine samples on until the first bucket is whole.
+        `pushes` are the ranks' handles of their side (LearnerRankActor.push_weights): one
+        that fails (a rank died) ends the load. Returns what was loaded, or None where the
+        learner failed part-way: that failure is the learner's to report (its side of the
+        sync fails, and the job rebuilds it and syncs every engine again), so it must not read
+        as this engine's; the layers not loaded keep their weights
         (rollout/weight_receiver.py). A failure of the engine's own raises."""
-        arriving = self._arriving(version)
+        arriving = self._arriving(sync)
+        arriving.expect(len(pushes))
+        watching = [asyncio.create_task(_failure_of(push, arriving)) for push in pushes]
         try:
             async with self._loading():
                 await asyncio.to_thread(arriving.wait_first)  # sample on until it is in
@@ -172,7 +200,10 @@ class Generator:
             )
             return None
         finally:
-            del self._arriving_buckets[version]
+            for task in watching:
+                task.cancel()
+            del self._arriving_buckets[sync]
+            self._ended_syncs.add(sync)
 
     @contextlib.asynccontextmanager
     async def _loading(self):
@@ -195,6 +226,14 @@ class Generator:
 
     async def parameters_snapshot(self) -> dict:
         return await self.engine.parameters_snapshot()
+
+
+async def _failure_of(push, arriving: ArrivingBuckets) -> None:
+    """Fail `arriving` if the rank's push fails (its rank died): its parts would never come."""
+    try:
+        await push
+    except Exception:
+        arriving.fail()
 
 
 # Chunks an engine holds at most, generating side by side (their groups batched continuously

@@ -49,19 +49,29 @@ class LearnerRankActor:
         """Rank 0: the full parameters as one object (for checks; syncs stream buckets)."""
         return self.rank.gathered_weights()
 
-    def stream_weights(self, buckets: list):
-        """Called with num_returns="streaming": yields this rank's partition of each bucket as
-        soon as it is laid out, so each enters the object store on its own; nothing is
-        gathered among the ranks. A partition goes as the bytes of its flat tensor in a numpy
-        array: Ray writes that into the object store in one copy and an engine on the node
-        reads it in place (a torch tensor would be pickled, and copied). On CPU the array is a
-        view of the live partitions (`shard_buckets`); that is safe because Ray copies each
-        yielded value before the generator resumes, and no other call runs meanwhile."""
+    def push_weights(self, buckets: list, sync: str, engines: list) -> None:
+        """Put this rank's partition of each bucket into the object store as soon as it is
+        laid out and hand its reference to every engine (Generator.add_weights) without
+        waiting for them: nothing is gathered among the ranks and the driver is not on the
+        weight path. A partition goes as the bytes of its flat tensor in a numpy array: Ray
+        writes that into the object store in one copy and an engine on the node reads it in
+        place (a torch tensor would be pickled, and copied). On CPU the array is a view of the
+        live partitions (`shard_buckets`); ray.put has copied it before the next is laid out.
+        A push that fails part-way tells the engines where, so they abandon the sync."""
         import torch
 
-        for shard in self.rank.weight_shard_buckets(buckets):
-            # the bytes, on the CPU: a GPU rank keeps its partitions on its device
-            yield shard.view(torch.uint8).cpu().numpy()
+        rank, sent = self.rank.setup.rank, 0
+        try:
+            for shard in self.rank.weight_shard_buckets(buckets):
+                # the bytes, on the CPU: a GPU rank keeps its partitions on its device
+                ref = ray.put(shard.view(torch.uint8).cpu().numpy())
+                for engine in engines:  # in a list, so that Ray does not fetch it for the call
+                    engine.add_weights.remote(sync, sent, rank, [ref])
+                sent += 1
+        finally:
+            if sent < len(buckets):
+                for engine in engines:
+                    engine.add_weights.remote(sync, sent, rank, None)
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
@@ -190,13 +200,10 @@ class LearnerGroup:
         as (name, tensor) pairs, so they enter the object store once and never the driver."""
         return [r.publish_weights.remote() for r in self.ranks]
 
-    def async_stream_weights(self, buckets: list) -> list[ray.ObjectRefGenerator]:
-        """A stream per rank, each yielding a reference per bucket of `buckets` to the rank's
-        partition of it, in rank order (learner/weight_export.py `shard_buckets`; no
-        collective)."""
-        return [
-            r.stream_weights.options(num_returns="streaming").remote(buckets) for r in self.ranks
-        ]
+    def async_push_weights(self, buckets: list, sync: str, engines: list) -> list[ray.ObjectRef]:
+        """Every rank hands its partitions of `buckets` to `engines` (push_weights); a handle
+        per rank, ready when its partitions are all in the object store."""
+        return [r.push_weights.remote(buckets, sync, engines) for r in self.ranks]
 
     def async_sent_checksums(self) -> list[ray.ObjectRef]:
         """Each rank's shares of the checksums of the sync it sent last (call after starting

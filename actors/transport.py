@@ -3,20 +3,19 @@
 Both transports send the model in buckets of whole layers (groupflow/weight_format.py) of up to
 `rollout.weight_bucket_mb`, one after the other, so no learner rank holds a second copy of the
 model.
-`ObjectStoreTransport` (any cluster): every rank yields its own ZeRO-3 partition of each
-bucket, one flat array, from a streaming Ray generator; nothing is gathered among the ranks,
-and each rank sends 1/world of the model. Each partition enters the object store on its own
-and the references are forwarded to every engine as they arrive. An engine loads the sync in a
-single vLLM pass that takes each bucket as soon as its partitions have arrived: it fetches them
-(in place, from the ranks on its node), puts the parameters back together and loads them
-while the ranks lay out the next buckets. The driver only passes references, never the
-tensors.
+`ObjectStoreTransport` (any cluster): every rank puts its own ZeRO-3 partition of each bucket,
+one flat array, into Ray's object store as soon as it is laid out and hands the reference to
+every engine itself; nothing is gathered among the ranks, each rank sends 1/world of the
+model, and the driver is not on the weight path (it starts the sync and returns). An engine
+loads the sync in a single vLLM pass that takes each bucket as soon as every rank's partition
+of it is in: it fetches them (in place, from the ranks on its node), puts the parameters back
+together and loads them while the ranks lay out the next buckets.
 `CollectiveTransport`: a broadcast from rank 0 to the engines over NCCL (GPUs) or gloo (CPUs):
 rank 0 gathers the next bucket while the current one is in transfer, and each engine loads a
 bucket as soon as it has arrived, while the next one arrives.
 
-Both return with references the caller waits on. An engine runs its calls in order, so it
-loads the weights after the chunks already sent to it and before any sent later. The buckets
+Both return at once with references the caller waits on. A chunk sent to an engine after a
+sync samples once that sync is loaded (actors/generator.py, `min_version`). The buckets
 are cut once, from learner rank 0's manifest, and handed to the ranks and the engines alike
 (groupflow/weight_format.py). Every load is verified (`check_load`): the engine reports the
 checksum of each tensor it loaded, the ranks theirs of what they sent, and one that differs
@@ -25,7 +24,7 @@ stops the job.
 
 from __future__ import annotations
 
-from itertools import zip_longest
+import uuid
 
 import ray
 
@@ -94,28 +93,14 @@ class WeightTransport:
 class ObjectStoreTransport(WeightTransport):
     def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
         engines = self.engines if engines is None else engines
-        buckets = self.buckets
-        streams = self.learner.async_stream_weights(buckets)
-        loads = [e.load_streamed_weights.remote(buckets, version) for e in engines]
+        buckets, sync = self.buckets, uuid.uuid4().hex
+        # The buckets are in the object store once the pushes are done: the learner may train
+        # on while the engines load them. A rank that fails fails its push's handle, and its
+        # engines abandon the load.
+        pushes = self.learner.async_push_weights(buckets, sync, engines)
+        loads = [e.load_streamed_weights.remote(buckets, version, sync, pushes) for e in engines]
         self._note(engines, loads)
-        # Each stream hands out a reference per bucket as the rank has laid it out (this
-        # waits for it); wrapped in a list, the engines keep them unfetched until they load.
-        # A rank that fails ends its stream early (its last reference holds the error).
-        forwarded = 0
-        try:
-            for shards in zip_longest(*streams):
-                if None in shards:
-                    break
-                for engine in engines:
-                    engine.add_weights.remote(version, forwarded, list(shards))
-                forwarded += 1
-        finally:
-            if forwarded < len(buckets):  # or the engines would wait for the rest
-                for engine in engines:
-                    engine.add_weights.remote(version, forwarded, None)
-        # The buckets are in the object store once the streams complete: the learner may
-        # train on while the engines load them. A failed rank fails its stream's handle.
-        return SyncHandles([stream.completed() for stream in streams], loads)
+        return SyncHandles(pushes, loads)
 
 
 class CollectiveTransport(WeightTransport):

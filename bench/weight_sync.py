@@ -92,15 +92,11 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     figure cannot beat however fast the learner's side is."""
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
     buckets = bucket_manifest(manifest, bucket_bytes)
-    streams = learner.async_stream_weights(buckets)
-    shards = list(zip(*streams, strict=True))
-    ray.get([stream.completed() for stream in streams])
+    sync = f"engines-alone-{version}"
+    pushes = learner.async_push_weights(buckets, sync, engines)
+    ray.get(pushes)  # every partition in the object store and on its way to the engines
     start = time.perf_counter()
-    loads = [e.load_streamed_weights.remote(buckets, version) for e in engines]
-    for index, refs in enumerate(shards):
-        for engine in engines:
-            engine.add_weights.remote(version, index, list(refs))
-    ray.get(loads)
+    ray.get([e.load_streamed_weights.remote(buckets, version, sync, pushes) for e in engines])
     return time.perf_counter() - start
 
 

@@ -100,36 +100,40 @@ def test_weight_sync_is_exact_on_every_engine(stack):
     _assert_engines_match(engines, after)
 
 
+@ray.remote(num_cpus=0)
 class CorruptingEngine:
-    """An engine's handle whose first bucket arrives with one bit flipped on the way: the
-    partition of learner rank 0, its first element's lowest bit (a change vLLM loads
-    silently, the engine samples on)."""
+    """Stands between the learner ranks and an engine: the first bucket's partition of
+    learner rank 0 reaches the engine with one bit flipped, its first element's lowest bit (a
+    change vLLM loads silently, the engine samples on)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self._actor_id = engine._actor_id
-        self.load_streamed_weights = engine.load_streamed_weights
-        self.add_weights = self
         self.corrupted = False
 
-    def remote(self, version, index, shards):  # stands in for add_weights.remote
-        if shards is not None and not self.corrupted:
-            array = ray.get(shards[0]).copy()
+    async def add_weights(self, sync, index, rank, part):
+        if part is not None and (index, rank) == (0, 0):
+            array = (await part[0]).copy()
             array[0] ^= 1
-            shards = [ray.put(array), *shards[1:]]
+            part = [ray.put(array)]
             self.corrupted = True
-        return self.engine.add_weights.remote(version, index, shards)
+        await self.engine.add_weights.remote(sync, index, rank, part)
+
+    async def load_streamed_weights(self, *args):
+        return await self.engine.load_streamed_weights.remote(*args)
+
+    def has_corrupted(self) -> bool:
+        return self.corrupted
 
 
 def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
     cfg, engines, learner = stack
-    corrupting = CorruptingEngine(engines[1])
+    corrupting = CorruptingEngine.remote(engines[1])
     transport = ObjectStoreTransport(learner, [engines[0], corrupting])
     handles = transport.async_sync(version=1)  # the version the engines hold: later tests
     # count on the engines being at version 1 here
     ray.get(handles.learner, timeout=300)
     loaded = ray.get(handles.engines, timeout=300)
-    assert corrupting.corrupted
+    assert ray.get(corrupting.has_corrupted.remote())
     assert transport.check_load(handles.engines[0], loaded[0])
     first = transport.buckets[0][0][0]  # the bucket's first tensor holds the flipped bit
     with pytest.raises(WeightSyncMismatch) as err:
@@ -170,22 +174,31 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     assert [r.versions for r in ray.get(after)[0].responses] == [[(2, 0)]] * 2
     _assert_engines_match(engines, _weights(learner))
 
-    # A stream that breaks after its first bucket, of weights a step newer: the engine
+    # A sync whose rank fails after its first bucket, of weights a step newer: the engine
     # abandons the load (the learner's side reports the failure) and still samples (the
-    # layers not loaded keep their weights) until a whole sync makes it exact again.
+    # layers not loaded keep their weights) until a whole sync makes it exact again. The
+    # ranks push the first bucket only, and rank 0 then says it failed at the second.
     _train(learner, _sample_sequences(engines, seed=6))
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
     buckets = bucket_manifest(manifest, 2**20)
-    streams = learner.async_stream_weights(buckets)
-    load = engines[0].load_streamed_weights.remote(buckets, 3)
-    engines[0].add_weights.remote(3, 0, [next(stream) for stream in streams])
-    engines[0].add_weights.remote(3, 1, None)
+    assert len(buckets) > 1
+    pushes = learner.async_push_weights(buckets[:1], "broken", [engines[0]])
+    load = engines[0].load_streamed_weights.remote(buckets, 3, "broken", pushes)
+    ray.get(pushes)
+    engines[0].add_weights.remote("broken", 1, 0, None)
     assert ray.get(load, timeout=120) is None, "the load is abandoned, not failed"
-    ray.get([stream.completed() for stream in streams])
     groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SamplingConfig()))
     assert len(groups[0].responses) == 2
+    # A rank lost in a sync (its push's handle fails) abandons the load just as well.
+    lost = [_lost_rank.remote(), _lost_rank.remote()]
+    assert ray.get(engines[0].load_streamed_weights.remote(buckets, 4, "lost", lost)) is None
     _sync(ObjectStoreTransport(learner, engines), version=4)
     _assert_engines_match(engines, _weights(learner))
+
+
+@ray.remote(num_cpus=0)
+def _lost_rank() -> None:
+    raise RuntimeError("a learner rank died")
 
 
 def _assert_engines_match(engines, after: dict[str, torch.Tensor]) -> None:
