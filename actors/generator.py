@@ -37,7 +37,7 @@ from groupflow.actors.starting import ActorSlots, StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.device import Device, device_for
-from groupflow.peers import Chunk, Futures, Handle, PeerDied
+from groupflow.peers import Chunk, Futures, GenerationFigures, Handle, PeerDied
 from groupflow.records import Prompt, SampledGroup
 from groupflow.recovery import RestartBudget
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
@@ -288,16 +288,17 @@ class GeneratorPool:
         self._asked_at: dict[int, tuple[object, float]] = {}
         self.join_seconds: list[float] = []
 
-    @property
-    def num_engines(self) -> int:
-        return len(self.engines)
+    def figures(self) -> GenerationFigures:
+        self._count_idle()
+        return GenerationFigures(len(self.engines), self._idle_engine_s, sum(self._outstanding))
 
-    def room(self) -> int:
-        """How many more chunks the engines with the current weights take now."""
+    def send(self, chunks: Sequence[Chunk]) -> None:
         ready = self._taking_work()
-        return sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
+        room = sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
+        for chunk in chunks[:room]:
+            self._send(chunk)
 
-    def send(self, chunk: Chunk) -> None:
+    def _send(self, chunk: Chunk) -> None:
         self._count_idle()
         ready = self._taking_work()
         chunk.engine = min(ready, key=lambda e: (self._chunks_on[e], self._outstanding[e]))
@@ -330,11 +331,6 @@ class GeneratorPool:
         self._idle_engine_s += idle * (now - self._idle_counted_at)
         self._idle_counted_at = now
 
-    def idle_engine_seconds(self) -> float:
-        """Engine-seconds so far in which an engine held no chunk (it waited for work)."""
-        self._count_idle()
-        return self._idle_engine_s
-
     def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         taken = []
         self._count_idle()
@@ -357,6 +353,8 @@ class GeneratorPool:
         self._lost.append(chunk)
         if self.engines[chunk.engine] is chunk.actor:  # not replaced yet
             self._replace(chunk.engine)
+        elif not self._unloaded:  # its replacement already holds the current weights
+            self._resend_lost()
 
     def _replace(self, slot: int) -> None:
         self.engines[slot] = self.start_engine(slot)
@@ -382,10 +380,6 @@ class GeneratorPool:
         """Forget the lost chunks: their rollouts were abandoned."""
         self._lost.clear()
 
-    def needs_weights(self) -> bool:
-        """A replacement waits for the current weights (and lost chunks wait for it)."""
-        return bool(self._unloaded)
-
     def awaiting_weights(self) -> list:
         return [self.engines[slot] for slot in sorted(self._unloaded)]
 
@@ -395,17 +389,14 @@ class GeneratorPool:
         The lost chunks are sent again."""
         self.version = version
         self._unloaded.clear()
-        self.resend_lost()
+        self._resend_lost()
 
-    def resend_lost(self) -> None:
-        """Send the lost chunks again, to engines with the current weights (a chunk of a
-        dead engine can fail after its replacement got them); each gets its new handle."""
+    def _resend_lost(self) -> None:
+        """Send the lost chunks again, to engines with the current weights; each gets its
+        new handle."""
         lost, self._lost = self._lost, []
         for chunk in lost:
-            self.send(chunk)
-
-    def queued_prompts(self) -> int:
-        return sum(self._outstanding)
+            self._send(chunk)
 
     def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool

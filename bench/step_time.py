@@ -5,7 +5,8 @@ pinned apart.
     .venv/bin/python bench/step_time.py [--steps 8] [--staleness 0 1 2 4] [--set key=value ...]
                                         [--no-pinned]
 
-Prints, per setting, the mean over steps after the first (which pays warm-up) of the step time
+Prints, per setting, the mean over steps after the first (which pays warm-up), up to the last
+`staleness` steps (whose engines have nothing left to draw), of the step time
 and of each stage, the tokens generated per second of step time, and the bound the overlap aims
 for: max(generation + reward, learning) + sync. The waits: `learner waits` is the learner idle
 for want of samples (time_wait_rollout_s); `engines idle` is the time an engine held no chunk,
@@ -64,7 +65,8 @@ def measure(name: str, staleness: int, steps: int, overrides: list[str], out: Pa
     )
     run(cfg)
     records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
-    steady = records[1:] or records
+    # Step 1 pays warm-up; in the last `staleness` steps the engines have nothing left to draw.
+    steady = records[1 : len(records) - staleness] or records
     row = {k: statistics.fmean(r.get(k, 0.0) for r in steady) for k in STAGES}
     row["tokens_per_s"] = statistics.fmean(r["tokens_generated"] / r["time_step_s"] for r in steady)
     row["tokens"] = statistics.fmean(r["tokens_generated"] for r in steady)
@@ -128,7 +130,7 @@ def main() -> None:
                     overrides = args.overrides + pins + partial[mode]
                     rows[placement, s, mode] = measure(name, s, args.steps, overrides, Path(tmp))
     ray.shutdown()
-    print(f"\nstep time breakdown, mean of steps 2..{args.steps} (seconds)")
+    print(f"\nstep time breakdown, mean of steps 2..{args.steps} - staleness (seconds)")
     print(
         f"{'cores':>7} {'stale':>5} {'partial':>7} {'gen':>6} {'reward':>6} {'learn':>6} "
         f"{'sync':>6} {'step':>6} {'tokens':>6} {'tok/s':>6} {'bound':>6} {'learner waits':>13} "

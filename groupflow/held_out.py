@@ -59,8 +59,7 @@ class HeldOutEvaluation:
     def _answers(self, prompts: list[Prompt], greedy: bool) -> list[SampledGroup]:
         """A group per prompt; an engine that dies answering is replaced and asked again."""
         while True:
-            if self.generators.needs_weights():  # a replacement gets the weights first
-                self.pipeline.heal()
+            self.pipeline.heal()  # a replacement gets the weights first
             try:
                 return self.generators.complete(
                     prompts, self.cfg.trainer.eval_samples, self.cfg.rollout.sampling, greedy

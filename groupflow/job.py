@@ -87,7 +87,7 @@ class TrainingJob:
         self.scaler = scaler  # resizes the pools between steps (groupflow/scaling.py)
         per_step = cfg.rollout.prompts_per_step
         self.stream = PromptStream(
-            cfg, task, lambda: chunk_size(per_step, self.generators.num_engines)
+            cfg, task, lambda: chunk_size(per_step, self.generators.figures().engines)
         )
         self.pipeline = Pipeline(self.stream, generators, rewards, transport, futures, restarts)
         self.evaluation = HeldOutEvaluation(
@@ -118,7 +118,7 @@ class TrainingJob:
 
     def _step(self, step: int) -> dict:
         started, times = time.monotonic(), {}
-        idle_before = self.generators.idle_engine_seconds()
+        idle_before = self.generators.figures().idle_engine_s
         taken = self._take_groups(step, times)
         while not self.unscored.trainable(taken.groups):  # never train on nothing
             taken = self._take_groups(step, times)
@@ -149,8 +149,8 @@ class TrainingJob:
         if every and step % every == 0 and step < self.cfg.trainer.steps:  # the run ends with one
             record.update(self.evaluate())
         times["step"] = time.monotonic() - started
-        idle = self.generators.idle_engine_seconds() - idle_before
-        times["engines_idle"] = idle / max(1, self.generators.num_engines)
+        rollout = self.generators.figures()
+        times["engines_idle"] = (rollout.idle_engine_s - idle_before) / max(1, rollout.engines)
         record.update(time_keys(times))
         return record
 
@@ -238,10 +238,11 @@ class TrainingJob:
     # ----- monitoring ---------------------------------------------------------------------------
     def _export_queues(self) -> None:
         if self.exporter is not None:
-            self.exporter.set_queue_depth("generation", self.generators.queued_prompts())
+            rollout = self.generators.figures()
+            self.exporter.set_queue_depth("generation", rollout.queued_prompts)
             self.exporter.set_queue_depth("reward", self.rewards.pending_groups())
             self.exporter.set_cluster(
-                self.generators.num_engines, self.rewards.num_workers, self.learner.num_ranks
+                rollout.engines, self.rewards.num_workers, self.learner.num_ranks
             )
 
     def _export(self, record: dict) -> None:

@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 from groupflow.config import SamplingConfig
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, TrainSequence
-from groupflow.scaling import PoolState
 
 Handle = Hashable
 
@@ -50,43 +49,41 @@ class Chunk:
     generated: float | None = None  # when its groups were taken, to be handed on for scoring
 
 
+@dataclass
+class GenerationFigures:
+    engines: int  # in the pool, retiring ones included
+    idle_engine_s: float  # engine-seconds so far in which an engine held no chunk
+    queued_prompts: int  # sent to the engines and not yet taken
+
+
 class Generation(Protocol):
-    """The engines (groupflow.actors.generator.GeneratorPool)."""
+    """The engines (groupflow.actors.generator.GeneratorPool); scaled through
+    groupflow.scaling.ScalablePool."""
 
-    num_engines: int
+    def figures(self) -> GenerationFigures: ...
 
-    def room(self) -> int:
-        """How many more chunks the engines take now (each holds a few at most, so that a
-        weight load waits behind little work)."""
-
-    def send(self, chunk: Chunk) -> None:
-        """Send a chunk to the engine with the least work (when `room()`); sets its handle."""
+    def send(self, chunks: Sequence[Chunk]) -> None:
+        """Send `chunks`, in order, each to the engine with the least work, as many as the
+        engines with the current weights have room for (each holds a few chunks at most, so
+        that a weight load waits behind little work); sets each sent chunk's handle."""
 
     def in_flight(self) -> list[Handle]:
         """Handles of the chunks submitted and not yet taken."""
 
-    def idle_engine_seconds(self) -> float:
-        """Engine-seconds so far in which an engine held no chunk (it waited for work)."""
-
     def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         """The finished chunks among `ready` (handles of other peers are ignored), with
         their groups. A chunk whose engine died is not among them: the engine is replaced
-        (a restart charged to the job's budget) and the chunk kept, to be sent again."""
-
-    def needs_weights(self) -> bool:
-        """A replaced engine waits for the current weights before it takes work."""
+        (a restart charged to the job's budget) and the chunk kept, to be sent again once
+        the replacement holds the current weights."""
 
     def awaiting_weights(self) -> list:
-        """The engines that wait for the current weights (replacements and new engines)."""
+        """The engines that wait for the current weights before they take work (replacements
+        and new engines)."""
 
     def weights_sent(self, version: int) -> None:
         """After the load of `version` was sent to the engines (every engine that awaited
         one): chunks sent from now on are sampled by it, the engines that awaited it take
         work, and the chunks lost with dead engines are sent again."""
-
-    def resend_lost(self) -> None:
-        """Send the chunks lost with dead engines again (every engine has the current
-        weights); nothing when none was lost."""
 
     def replace_dead(self) -> int:
         """Replace the engines that died; how many."""
@@ -94,29 +91,17 @@ class Generation(Protocol):
     def drop_lost(self) -> None:
         """Forget the lost chunks (their rollouts were abandoned)."""
 
-    def queued_prompts(self) -> int:
-        """Prompts sent to the engines and not yet taken."""
-
     def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
     ) -> list[SampledGroup]:
         """A group per prompt, in order (blocking): one greedy answer, or n sampled ones."""
 
-    def scale_to(self, target: int) -> None:
-        """Start or retire engines toward `target`, at once; a new engine takes work once
-        it is up and has the current weights, a retiring one once its chunks are taken."""
-
-    def settle(self) -> PoolState:
-        """Between steps only: admit the new engines that are up, remove drained ones."""
-
-    def state(self) -> PoolState:
-        """The counts, changing nothing."""
-
     def shutdown(self) -> None: ...
 
 
 class Scoring(Protocol):
-    """The reward workers (groupflow.actors.reward.RewardPool)."""
+    """The reward workers (groupflow.actors.reward.RewardPool); scaled through
+    groupflow.scaling.ScalablePool."""
 
     num_workers: int
     errors: int
@@ -142,15 +127,6 @@ class Scoring(Protocol):
 
     def pending_groups(self) -> int:
         """Groups submitted and not yet scored."""
-
-    def scale_to(self, target: int) -> None:
-        """Start or retire reward workers toward `target`, at once."""
-
-    def settle(self) -> PoolState:
-        """Between steps only: admit the workers that are up, remove drained ones."""
-
-    def state(self) -> PoolState:
-        """The counts, changing nothing."""
 
     def shutdown(self) -> None: ...
 

@@ -77,15 +77,13 @@ class Pipeline:
         the weights and lost chunks are sent again first, if the learner can send them)."""
         if self.version is not None:
             self.heal()
-        for chunk in self.stream.waiting()[: self.generators.room()]:
-            self.generators.send(chunk)
+        self.generators.send(self.stream.waiting())
 
     def heal(self) -> None:
-        """Send replaced engines the current weights, and the chunks the dead ones held."""
-        if self.generators.needs_weights():
+        """Send replaced engines the current weights (the pool then sends the chunks the
+        dead ones held again)."""
+        if self.generators.awaiting_weights():
             self.sync_engines(wait_for_engines=True, only_awaiting=True)
-        else:
-            self.generators.resend_lost()
 
     def sync_engines(self, wait_for_engines: bool, only_awaiting: bool = False) -> None:
         """Send every engine (or, `only_awaiting`, those that await the weights) `version`

@@ -147,16 +147,20 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
     _assert_engines_match(engines, _weights(learner))
 
 
-def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(stack):
+def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(
+    stack, quickstart_model
+):
     """The engine's load starts while a chunk samples, before the buckets arrive: the
     references reach it meanwhile and it loads exactly, without waiting for the chunk (a
     partial rollout): a response generating across the load carries both versions, split
-    where the load landed, and its group the older one. A chunk sent after the load starts
-    after it. A sync whose stream breaks ends the load instead of leaving the engine
-    waiting."""
+    where the load landed, and its group the older one; each of its tokens' log-probs (what
+    the learner's off-policy correction divides by) is that of the version that sampled it.
+    A chunk sent after the load starts after it. A sync whose stream breaks ends the load
+    instead of leaving the engine waiting."""
     cfg, engines, learner = stack
     before = ray.get(engines[0].sample.remote([Prompt("v", "1+1=", 2)], 2, SamplingConfig()))
     old = before[0].policy_version
+    weights = {old: _weights(learner)}  # what the engines hold (the last test synced them)
     _train(learner, _sample_sequences(engines, seed=5))
     # Responses of 240 tokens each, still generating when the load lands.
     long = SamplingConfig(temperature=1.0, max_tokens=240, ignore_eos=True)
@@ -172,7 +176,17 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
         (v0, first), (v1, split) = response.versions
         assert (v0, first, v1) == (old, 0, 2) and 0 < split < len(response.token_ids)
     assert [r.versions for r in ray.get(after)[0].responses] == [[(2, 0)]] * 2
-    _assert_engines_match(engines, _weights(learner))
+    weights[2] = _weights(learner)
+    _assert_engines_match(engines, weights[2])
+    group = next(g for g in groups if any(len(r.versions) > 1 for r in g.responses))
+    response = next(r for r in group.responses if len(r.versions) > 1)
+    by_version = _token_logprobs(quickstart_model, group.prompt_ids, response.token_ids, weights)
+    split = response.versions[1][1]
+    sampled = torch.tensor(response.logprobs, dtype=torch.float64)
+    for span, version, other in ((slice(0, split), old, 2), (slice(split, None), 2, old)):
+        own = (sampled[span] - by_version[version][span]).abs()
+        off = (sampled[span] - by_version[other][span]).abs()
+        assert own.max() < 1e-3 and own.mean() < off.mean() / 4, (version, own, off)
 
     # A sync whose rank fails after its first bucket, of weights a step newer: the engine
     # abandons the load (the learner's side reports the failure) and still samples (the
@@ -199,6 +213,26 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
 @ray.remote(num_cpus=0)
 def _lost_rank() -> None:
     raise RuntimeError("a learner rank died")
+
+
+def _token_logprobs(
+    model_path: str, prompt_ids: list[int], token_ids: list[int], weights: dict
+) -> dict[int, torch.Tensor]:
+    """Each version's log-probs (temperature 1) of the response's tokens, by a forward of
+    Hugging Face's model with that version's weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    ids = torch.tensor([prompt_ids + token_ids])
+    out = {}
+    for version, named in weights.items():
+        missing, unexpected = model.load_state_dict(named, strict=False)
+        assert not unexpected and all("lm_head" in name for name in missing)
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].to(torch.float64)
+        picked = logits.log_softmax(-1).gather(-1, torch.tensor(token_ids).unsqueeze(-1))
+        out[version] = picked.squeeze(-1)
+    return out
 
 
 def _assert_engines_match(engines, after: dict[str, torch.Tensor]) -> None:

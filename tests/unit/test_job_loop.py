@@ -229,12 +229,19 @@ class FakeLearner:
 class FakeTransport:
     """`skip`: (engine, version) loads that never happen (the engine keeps its weights);
     `rank_dies_at`: the version whose sync a learner rank dies in: the engines abandon their
-    loads of it (as an engine does a broken stream's), before the learner's side fails."""
+    loads of it (as an engine does a broken stream's), before the learner's side fails;
+    `learner_s`: seconds the learner's side of a sync takes (its ranks' pushes)."""
 
     def __init__(
-        self, engines: list[FakeEngine], loads: bool = True, skip=frozenset(), rank_dies_at=None
+        self,
+        engines: list[FakeEngine],
+        loads: bool = True,
+        skip=frozenset(),
+        rank_dies_at=None,
+        learner_s: float = 0.0,
     ):
         self.engines, self.loads, self.skip, self.rank_dies_at = engines, loads, skip, rank_dies_at
+        self.learner_s = learner_s
         self.corrupt_at = None  # the version whose loads fail their checksum check
         self.checked: list[object] = []  # the values of the loads checked, in order
         self.forgotten = 0
@@ -259,8 +266,12 @@ class FakeTransport:
                 [FakeRef(now + 0.2, DIED, "dead rank in a sync")],
                 [FakeRef(now + 0.1, None, "load of a broken stream") for _ in targets],
             )
+        pushes = []
+        if self.learner_s:
+            now = self.engines[0].clock.now
+            pushes = [FakeRef(now + self.learner_s, None, f"learner side of sync {version}")]
         return SyncHandles(
-            [],
+            pushes,
             [
                 e.load(version)
                 for i, e in enumerate(self.engines)
@@ -328,6 +339,7 @@ def run_job(
     starting=None,
     scaler=None,
     corrupt_sync_at=None,
+    sync_s=0.0,
 ) -> Run:
     """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
     on from the newest checkpoint, as a restarted driver with new peers would. `starting`
@@ -370,7 +382,7 @@ def run_job(
         clock=lambda: clock.now,
     )
     rewards = FakeRewards(clock, log, reward, score_s)
-    transport = FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync)
+    transport = FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync, sync_s)
     transport.corrupt_at = corrupt_sync_at
     job = TrainingJob(
         cfg,
@@ -480,6 +492,23 @@ def test_slow_scoring_holds_up_no_engine(k):
     idle = [r["time_engines_idle_s"] for r in run.records]
     assert idle[:-1] == [0.0] * (steps - 1), idle
     assert all(r["time_reward_s"] > 0 for r in run.records)  # the scores were waited for
+    assert trained_prompts(run) == [step_prompts(8 * s) for s in range(steps)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_slow_learner_side_sync_holds_up_no_engine(k):
+    """The learner's side of each weight sync takes 2 s (a large model into the object
+    store), learning 0.5 s, generation 4 s a step: while the loop waits for the sync, finished
+    chunks still go to the reward pool and engines with room get their next chunks, so the
+    engines idle only in the last step, with nothing left to draw."""
+    steps = 8
+    run = run_job(steps=steps, staleness=k, learn_s=0.5, seconds_per_prompt=1.0, sync_s=2.0)
+    idle = [r["time_engines_idle_s"] for r in run.records]
+    assert idle[:-1] == [0.0] * (steps - 1), idle
+    generation, loads = steps * PROMPTS_PER_STEP * 1.0 / 2, (steps - 1) * 0.1  # per engine
+    assert run.clock.now <= generation + loads + 0.5 + 2.0 + 1e-9  # + the last learn and sync
+    synced = {e[1] for e in run.log if e[0] == "get" and e[1].startswith("learner side")}
+    assert synced == {f"learner side of sync {v}" for v in range(1, steps + 1)}
     assert trained_prompts(run) == [step_prompts(8 * s) for s in range(steps)]
 
 

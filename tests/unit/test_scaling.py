@@ -282,7 +282,7 @@ def test_engines_added_and_removed_while_the_job_trains(staleness):
     (new,) = run.started
     assert new.prompts_sampled > 0  # it took work
     assert new.first_chunk_version is not None and new.first_chunk_version == 3
-    assert new.terminated and pool.num_engines == 1 and pool.engines == [engines[0]]
+    assert new.terminated and pool.figures().engines == 1 and pool.engines == [engines[0]]
     assert pool.restarts.engines == 0 and all(r["engine_restarts"] == 0 for r in run.records)
     assert all(r["staleness_max"] <= staleness for r in run.records)
 
