@@ -45,10 +45,6 @@ class LearnerRankActor:
     ) -> RankFigures:
         return self.rank.train_step(minibatches, lr)
 
-    def publish_weights(self) -> list | None:
-        """Rank 0: the full parameters as one object (for checks; syncs stream buckets)."""
-        return self.rank.gathered_weights()
-
     def push_weights(self, buckets: list, sync: str, engines: list) -> None:
         """Put this rank's partition of each bucket into the object store as soon as it is
         laid out and hand its reference to every engine (Generator.add_weights) without
@@ -194,11 +190,6 @@ class LearnerGroup:
             for rank_layout in layout
         ]
         return [r.train_step.remote(share, lr) for r, share in zip(self.ranks, shares, strict=True)]
-
-    def async_publish_weights(self) -> list[ray.ObjectRef]:
-        """Gather the full parameters (collective over ranks); rank 0's reference holds them
-        as (name, tensor) pairs, so they enter the object store once and never the driver."""
-        return [r.publish_weights.remote() for r in self.ranks]
 
     def async_push_weights(self, buckets: list, sync: str, engines: list) -> list[ray.ObjectRef]:
         """Every rank hands its partitions of `buckets` to `engines` (push_weights); a handle

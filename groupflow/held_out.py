@@ -18,7 +18,7 @@ from groupflow.peers import PeerDied
 from groupflow.pipeline import Pipeline
 from groupflow.records import Prompt, SampledGroup
 
-EVAL_ROLLOUT = -1  # the reward pool's batch id for held-out answers (chunks count from 0)
+EVAL_CHUNK = -1  # the reward pool's batch id for held-out answers (chunks count from 0)
 
 
 class HeldOutEvaluation:
@@ -69,8 +69,8 @@ class HeldOutEvaluation:
                     raise
 
     def _pool(self, groups: list[SampledGroup]) -> list[list[float]]:
-        self.pipeline.rewards.submit(groups, EVAL_ROLLOUT)
-        return [sg.rewards for sg in self.pipeline.scores_of(EVAL_ROLLOUT)]
+        self.pipeline.rewards.submit(groups, EVAL_CHUNK)
+        return [sg.rewards for sg in self.pipeline.scores_of(EVAL_CHUNK)]
 
     def close(self) -> None:
         for held_out in self.held_out_sets:

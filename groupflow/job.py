@@ -69,7 +69,6 @@ class TrainingJob:
         futures: Futures,
         restarts: RestartBudget,
         exporter: PrometheusExporter | None = None,
-        learner_figures: Callable[[list], dict] = learner_record,
         checkpointing: Checkpointing | None = None,
         sample_log: Callable[[int, list[ScoredGroup], list[list[float]]], None] | None = None,
         held_out_sets: Sequence[HeldOutSet] = (),
@@ -81,7 +80,6 @@ class TrainingJob:
         self.learner = learner
         self.restarts = restarts
         self.exporter = exporter
-        self.learner_figures = learner_figures
         self.checkpointing = checkpointing
         self.sample_log = sample_log
         self.scaler = scaler  # resizes the pools between steps (groupflow/scaling.py)
@@ -135,7 +133,7 @@ class TrainingJob:
         with stage_timer("metrics", times):
             record = {"step": step, "policy_version": self.version, "lr": lr}
             record.update(rollout_record(taken.groups, staleness, times))
-            record.update(self.learner_figures(results))
+            record.update(learner_record(results))
             record["groups_dropped_stale"] = taken.dropped_stale
             record["groups_filtered"] = taken.filtered
             record["weight_sync_verified"] = self.pipeline.loads_verified  # since the last step

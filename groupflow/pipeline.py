@@ -66,11 +66,11 @@ class Pipeline:
         with stage_timer("reward", times):
             return self.scores_of(chunk.id)
 
-    def scores_of(self, rollout_id: int) -> list[ScoredGroup]:
-        """The groups submitted for scoring under `rollout_id`, scored (blocking)."""
-        while self.rewards.scoring(rollout_id):
+    def scores_of(self, chunk_id: int) -> list[ScoredGroup]:
+        """The groups submitted for scoring under `chunk_id`, scored (blocking)."""
+        while self.rewards.scoring(chunk_id):
             self._pump(())
-        return self._scored.pop(rollout_id, [])
+        return self._scored.pop(chunk_id, [])
 
     def feed(self) -> None:
         """Send the stream's waiting chunks to the engines with room (replaced engines get
@@ -148,8 +148,8 @@ class Pipeline:
         )
         for chunk, groups in self.generators.take(ready):
             self.rewards.submit(groups, chunk.id)
-        for rollout_id, groups in self.rewards.take(ready):
-            self._scored[rollout_id] += groups
+        for chunk_id, groups in self.rewards.take(ready):
+            self._scored[chunk_id] += groups
         for load in (h for h in ready if h in loads):
             self._engine_loads.remove(load)
             try:

@@ -1,7 +1,8 @@
 """The records that cross actor boundaries, defined once.
 
 prompt -> SampledGroup (rollout) -> ScoredGroup (reward workers) -> TrainSequence
-(driver, with advantages) -> learner. Weights go learner -> engines as (name, tensor) lists.
+(driver, with advantages) -> learner. Weights do not travel as records: they go from the
+learner ranks to the engines in buckets (groupflow/weight_format.py, actors/transport.py).
 Plain dataclasses of lists, so they pickle cheaply through Ray's object store.
 """
 

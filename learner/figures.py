@@ -114,7 +114,7 @@ class UpdateFigures:
 class RankFigures:
     """One rank's figures of one step (or of the mini-batches it has trained so far)."""
 
-    behaviour: ProximalFigures = field(default_factory=ProximalFigures)
+    proximal: ProximalFigures = field(default_factory=ProximalFigures)
     update: UpdateFigures = field(default_factory=UpdateFigures)
     residual: CancellationResidual = field(
         default_factory=CancellationResidual
@@ -149,7 +149,7 @@ class RankFigures:
 
     def _merged_sums(self, other: RankFigures) -> dict:
         return {
-            "behaviour": self.behaviour.merge(other.behaviour),
+            "proximal": self.proximal.merge(other.proximal),
             "update": self.update.merge(other.update),
             "residual": self.residual.merge(other.residual),
             "residual_whole_group": self.residual_whole_group.merge(other.residual_whole_group),
@@ -172,14 +172,14 @@ def _credit_mean(credit: list[CreditStats], name: str) -> float:
 def learner_record(results: list[RankFigures]) -> dict[str, float]:
     """The step record's learner keys from every rank's figures of the step."""
     total = reduce(RankFigures.merge, results) if results else RankFigures()
-    behaviour, update, off_policy = total.behaviour, total.update, total.off_policy
+    proximal, update, off_policy = total.proximal, total.update, total.off_policy
     grad_norms = [g for g in total.grad_norms if not math.isnan(g)]
     clip_low = _ratio(update.clipped_low, update.tokens)
     clip_high = _ratio(update.clipped_high, update.tokens)
     record = {
-        "entropy_mean": _ratio(behaviour.entropy, behaviour.tokens),
-        "entropy_pos": _ratio(behaviour.entropy_pos, behaviour.tokens_pos),
-        "entropy_neg": _ratio(behaviour.entropy_neg, behaviour.tokens_neg),
+        "entropy_mean": _ratio(proximal.entropy, proximal.tokens),
+        "entropy_pos": _ratio(proximal.entropy_pos, proximal.tokens_pos),
+        "entropy_neg": _ratio(proximal.entropy_neg, proximal.tokens_neg),
         "clip_frac_low": clip_low,
         "clip_frac_high": clip_high,
         "clip_frac": clip_low + clip_high,
@@ -187,8 +187,8 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "kl_ref": _ratio(update.kl_ref, update.tokens),
         "grad_norm": statistics.fmean(grad_norms) if grad_norms else 0.0,
         "optimizer_updates": total.optimizer_updates,
-        "logp_mismatch_mean": _ratio(behaviour.logp_mismatch, behaviour.tokens),
-        "logp_mismatch_max": behaviour.logp_mismatch_max,
+        "logp_mismatch_mean": _ratio(proximal.logp_mismatch, proximal.tokens),
+        "logp_mismatch_max": proximal.logp_mismatch_max,
         "cancellation_residual": total.residual.value,
         # only nodes every response of the group passes through: exactly 0 when the
         # aggregation is exchangeable and nothing clips or masks by sign

@@ -19,7 +19,6 @@ from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
     broadcast_weights,
-    gathered_weights,
     save_pretrained,
     shard_buckets,
     weight_manifest,
@@ -61,10 +60,6 @@ class LearnerRank:
         return train_rank_step(
             self.models.policy, self.models.reference, minibatches, self.settings
         )
-
-    def gathered_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """Full parameters in Hugging Face names on rank 0 (None elsewhere)."""
-        return gathered_weights(self._module, self._is_source)
 
     def weight_shard_buckets(self, buckets: list[Manifest]) -> Iterator[torch.Tensor]:
         """This rank's partition of each bucket as one flat tensor (local: no collective);

@@ -270,7 +270,7 @@ def _figures(
     """A mini-batch's figures; the cancellation residual from dLoss/dlogp per sequence
     (summed over the passes) when the diagnostic collected them."""
     figures = RankFigures(
-        behaviour=ProximalFigures.of(seqs, old),
+        proximal=ProximalFigures.of(seqs, old),
         update=update,
         credit=[plan.stats],
         grad_norms=grad_norms,

@@ -130,15 +130,9 @@ def broadcast_weights(module, group: Broadcaster | None, buckets: list[Manifest]
     return checksums
 
 
-def gathered_weights(module, is_source: bool) -> list[tuple[str, torch.Tensor]] | None:
-    """The whole model on the source rank (None elsewhere), gathered bucket by bucket: what
-    a Hugging Face export saves."""
-    weights = [pair for bucket in weight_buckets(module, is_source) for pair in bucket]
-    return weights if is_source else None
-
-
 def save_pretrained(module, is_source: bool, path: str) -> None:
-    """The current policy in Hugging Face format, written by the source rank."""
-    weights = gathered_weights(module, is_source)
-    if weights is not None:
+    """The current policy in Hugging Face format, written by the source rank, gathered bucket
+    by bucket."""
+    weights = [pair for bucket in weight_buckets(module, is_source) for pair in bucket]
+    if is_source:
         module.save_pretrained(path, state_dict=dict(weights))

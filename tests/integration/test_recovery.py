@@ -21,6 +21,7 @@ from groupflow.config import build_config
 from groupflow.learner.figures import learner_record
 from groupflow.records import TrainSequence
 from tests.integration.driver_process import DriverProcess, run_records
+from tests.integration.learner_weights import learner_weights
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +35,6 @@ def _sequences(seed: int, n: int = 8) -> list[TrainSequence]:
         advantage = float(torch.randn((), generator=g, dtype=torch.float64))
         seqs.append(TrainSequence(ids, 4, advantage, i // 2, 0, []))
     return seqs
-
-
-def _weights(learner: LearnerGroup) -> dict[str, torch.Tensor]:
-    return dict(ray.get(learner.async_publish_weights()[0]))
 
 
 def _step(learner: LearnerGroup, seed: int) -> dict[str, float]:
@@ -58,13 +55,13 @@ def test_a_learner_checkpoint_restores_weights_and_optimizer_exactly(
     try:
         _step(learner, seed)
         ray.get(learner.async_save_checkpoint(str(tmp_path / "learner")))
-        after_a = _weights(learner)
+        after_a = learner_weights(learner)
         record_b = _step(learner, seed + 1)
-        after_b = _weights(learner)
+        after_b = learner_weights(learner)
         learner.load_checkpoint(str(tmp_path / "learner"))
-        loaded = _weights(learner)
+        loaded = learner_weights(learner)
         record_again_b = _step(learner, seed + 1)
-        again_b = _weights(learner)
+        again_b = learner_weights(learner)
     finally:
         learner.shutdown()
     assert record_again_b["stapo_tau_p"] == record_b["stapo_tau_p"] > 0

@@ -15,6 +15,7 @@ from groupflow.config import SamplingConfig, build_config
 from groupflow.records import Prompt, TrainSequence
 from groupflow.reward_workers.tasks import make_task
 from groupflow.weight_format import WeightSyncMismatch, bucket_manifest
+from tests.integration.learner_weights import learner_weights
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +35,6 @@ def stack(ray_cluster, quickstart_model):
 def _train(learner, seqs):
     """One blocking step: each rank's figures."""
     return ray.get(learner.async_train_step(seqs))
-
-
-def _weights(learner) -> dict[str, torch.Tensor]:
-    return dict(ray.get(learner.async_publish_weights()[0]))
 
 
 def _sync(transport, version: int) -> None:
@@ -91,11 +88,11 @@ def _expected_vllm_params(hf: dict[str, torch.Tensor], vllm_names) -> dict[str, 
 
 def test_weight_sync_is_exact_on_every_engine(stack):
     cfg, engines, learner = stack
-    before = _weights(learner)
+    before = learner_weights(learner)
     results = _train(learner, _sample_sequences(engines))
     assert all(r.optimizer_updates == 1 for r in results)
     _sync(ObjectStoreTransport(learner, engines), version=1)
-    after = _weights(learner)
+    after = learner_weights(learner)
     assert any(not torch.equal(before[k], after[k]) for k in after), "the step changed nothing"
     _assert_engines_match(engines, after)
 
@@ -144,7 +141,7 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
     assert f"tensor {first}: loaded checksum" in line
     # a clean sync makes the engine whole again, verified
     _sync(ObjectStoreTransport(learner, engines), version=1)
-    _assert_engines_match(engines, _weights(learner))
+    _assert_engines_match(engines, learner_weights(learner))
 
 
 def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(
@@ -160,7 +157,7 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     cfg, engines, learner = stack
     before = ray.get(engines[0].sample.remote([Prompt("v", "1+1=", 2)], 2, SamplingConfig()))
     old = before[0].policy_version
-    weights = {old: _weights(learner)}  # what the engines hold (the last test synced them)
+    weights = {old: learner_weights(learner)}  # what the engines hold (the last test synced them)
     _train(learner, _sample_sequences(engines, seed=5))
     # Responses of 240 tokens each, still generating when the load lands.
     long = SamplingConfig(temperature=1.0, max_tokens=240, ignore_eos=True)
@@ -176,7 +173,7 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
         (v0, first), (v1, split) = response.versions
         assert (v0, first, v1) == (old, 0, 2) and 0 < split < len(response.token_ids)
     assert [r.versions for r in ray.get(after)[0].responses] == [[(2, 0)]] * 2
-    weights[2] = _weights(learner)
+    weights[2] = learner_weights(learner)
     _assert_engines_match(engines, weights[2])
     group = next(g for g in groups if any(len(r.versions) > 1 for r in g.responses))
     response = next(r for r in group.responses if len(r.versions) > 1)
@@ -207,7 +204,7 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     lost = [_lost_rank.remote(), _lost_rank.remote()]
     assert ray.get(engines[0].load_streamed_weights.remote(buckets, 4, "lost", lost)) is None
     _sync(ObjectStoreTransport(learner, engines), version=4)
-    _assert_engines_match(engines, _weights(learner))
+    _assert_engines_match(engines, learner_weights(learner))
 
 
 @ray.remote(num_cpus=0)
@@ -255,14 +252,12 @@ def test_vllm_logprobs_match_the_learner(stack):
     seqs = _sample_sequences(engines, seed=1)
     assert sum(len(s.vllm_logprobs) for s in seqs) > 20
     results = _train(learner, seqs)
-    worst = max(r.behaviour.logp_mismatch_max for r in results)
-    mean = sum(r.behaviour.logp_mismatch for r in results) / sum(
-        r.behaviour.tokens for r in results
-    )
+    worst = max(r.proximal.logp_mismatch_max for r in results)
+    mean = sum(r.proximal.logp_mismatch for r in results) / sum(r.proximal.tokens for r in results)
     assert worst < 1e-3, (worst, mean)
     # The off-policy figures see the same tokens: weights within that mismatch of 1.
     off_policy = [r.off_policy for r in results]
-    assert sum(f.tokens for f in off_policy) == sum(r.behaviour.tokens for r in results)
+    assert sum(f.tokens for f in off_policy) == sum(r.proximal.tokens for r in results)
     assert max(f.weight_max for f in off_policy) < 1.01
     assert 0 <= sum(f.kl for f in off_policy) / sum(f.tokens for f in off_policy) < 1e-5
 
@@ -310,7 +305,7 @@ def test_micro_batches_and_ranks_give_the_one_batch_gradient(stack, cut):
     batch."""
     cfg, engines, learner = stack
     seqs = _sample_sequences(engines, n_prompts=6, group_size=4, seed=2)
-    expected = _one_batch_grad_norm(cfg, learner.model_path, _weights(learner), seqs)
+    expected = _one_batch_grad_norm(cfg, learner.model_path, learner_weights(learner), seqs)
     shares = LAYOUTS[cut](seqs)
     results = ray.get(
         [r.train_step.remote(sh) for r, sh in zip(learner.ranks, shares, strict=True)]
@@ -328,7 +323,7 @@ def test_collective_transport_syncs_exactly_too(stack):
     _sync(transport, version=10)
     _train(learner, _sample_sequences(engines, seed=4))
     _sync(transport, version=11)  # the group is reused
-    _assert_engines_match(engines, _weights(learner))
+    _assert_engines_match(engines, learner_weights(learner))
 
 
 def test_a_tensor_parallel_engine_samples_what_a_one_device_engine_does_after_a_sync(stack):

@@ -124,7 +124,7 @@ def rank_figures(seed: int, credits: list[CreditStats], grad_norms: list[float])
     gen = torch.Generator().manual_seed(seed)
     seqs, stats = random_sequences(gen)
     return RankFigures(
-        behaviour=ProximalFigures.of(seqs, stats),
+        proximal=ProximalFigures.of(seqs, stats),
         update=UpdateFigures(
             tokens=40 + seed, clipped_low=3, clipped_high=seed, approx_kl=0.2, kl_ref=0.1
         ),
@@ -150,9 +150,9 @@ def test_ranks_merge_by_adding_their_sums():
         rank_figures(2, credits, [0.5, 0.7, math.nan]),
     )
     merged = a.merge(b)
-    assert merged.behaviour.tokens == a.behaviour.tokens + b.behaviour.tokens
-    assert merged.behaviour.logp_mismatch_max == max(
-        a.behaviour.logp_mismatch_max, b.behaviour.logp_mismatch_max
+    assert merged.proximal.tokens == a.proximal.tokens + b.proximal.tokens
+    assert merged.proximal.logp_mismatch_max == max(
+        a.proximal.logp_mismatch_max, b.proximal.logp_mismatch_max
     )
     assert merged.update == UpdateFigures(83, 6, 3, pytest.approx(0.4), pytest.approx(0.2))
     assert merged.residual == CancellationResidual(6.0, 8.0)
@@ -179,7 +179,7 @@ def test_learner_record_keys_and_values():
     record = learner_record(ranks)
     assert record.keys() == LEARNER_KEYS
     total = ranks[0].merge(ranks[1])
-    assert record["entropy_mean"] == pytest.approx(total.behaviour.entropy / total.behaviour.tokens)
+    assert record["entropy_mean"] == pytest.approx(total.proximal.entropy / total.proximal.tokens)
     assert record["clip_frac_high"] == pytest.approx(3 / 83)
     assert record["clip_frac"] == pytest.approx(6 / 83 + 3 / 83)
     assert record["approx_kl"] == pytest.approx(0.4 / 83)

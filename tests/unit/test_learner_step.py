@@ -272,7 +272,7 @@ def test_micro_batches_and_ranks_leave_the_update_unchanged(gen, preset, keys, d
 def assert_same_figures(got: RankFigures, want: RankFigures) -> None:
     """Equal up to rounding; figures of the second mini-batch are taken at parameters that
     differ in the last bits, magnified as in the update (see above)."""
-    assert astuple(got.behaviour) == pytest.approx(astuple(want.behaviour), rel=1e-12)
+    assert astuple(got.proximal) == pytest.approx(astuple(want.proximal), rel=1e-12)
     assert astuple(got.update) == pytest.approx(astuple(want.update), rel=1e-7, abs=1e-15)
     assert got.residual.value == pytest.approx(want.residual.value, rel=1e-7, abs=1e-12)
     assert got.residual.weight == want.residual.weight

@@ -1,12 +1,12 @@
 """One restart budget for engines and learner ranks (groupflow/recovery.py): on its own, and
-in the job loop on the virtual clock (tests/unit/test_job_loop.py's fakes)."""
+in the job loop on the virtual clock (tests/unit/job_loop_fakes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from groupflow.recovery import RestartBudget, RestartsExhausted
-from tests.unit.test_job_loop import run_job, trained_prompts
+from tests.unit.job_loop_fakes import run_job, trained_prompts
 
 
 def test_engine_and_learner_restarts_draw_on_one_budget():

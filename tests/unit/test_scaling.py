@@ -1,6 +1,6 @@
 """Scaling a running job (groupflow/scaling.py): request checks, the autoscale policy, the
 Scaler, and the real generator pool growing and shrinking inside the job loop over the fake
-engines of test_job_loop (no Ray)."""
+engines of tests/unit/job_loop_fakes.py (no Ray)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from groupflow.scaling import (
     policy_for,
     ray_demand,
 )
-from tests.unit.test_job_loop import (
+from tests.unit.job_loop_fakes import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
     FakeEngine,

@@ -1,5 +1,5 @@
 """Never train on nothing (groupflow/unscored.py): the rule, and the job loop that follows it
-(over test_job_loop's fakes on the virtual clock)."""
+(over the fakes of tests/unit/job_loop_fakes.py on the virtual clock)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, Verdict
 from groupflow.unscored import UnscoredError, UnscoredSteps, unscored_reason
-from tests.unit import test_job_loop
-from tests.unit.test_job_loop import (
+from tests.unit import job_loop_fakes
+from tests.unit.job_loop_fakes import (
     PROMPTS_PER_STEP,
     FakeLearner,
     run_job,
@@ -59,7 +59,7 @@ def test_unscored_steps_stop_the_job_only_in_a_row():
         rule.trainable(random_step(rng, unscored=True))
 
 
-class TimingOutRewards(test_job_loop.FakeRewards):
+class TimingOutRewards(job_loop_fakes.FakeRewards):
     """Training prompts below `unscored_below` get timeout verdicts (held-out ones are
     scored, as a pool that comes back would)."""
 
@@ -76,7 +76,7 @@ class TimingOutRewards(test_job_loop.FakeRewards):
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_the_job_never_trains_on_an_unscored_step(monkeypatch, staleness):
-    monkeypatch.setattr(test_job_loop, "FakeRewards", TimingOutRewards)
+    monkeypatch.setattr(job_loop_fakes, "FakeRewards", TimingOutRewards)
     monkeypatch.setattr(TimingOutRewards, "unscored_below", PROMPTS_PER_STEP)
     run = run_job(steps=3, staleness=staleness)
     trained = trained_prompts(run)
@@ -87,13 +87,13 @@ def test_the_job_never_trains_on_an_unscored_step(monkeypatch, staleness):
 
 
 def test_a_job_whose_rewards_never_come_stops_without_training(monkeypatch):
-    monkeypatch.setattr(test_job_loop, "FakeRewards", TimingOutRewards)
+    monkeypatch.setattr(job_loop_fakes, "FakeRewards", TimingOutRewards)
     monkeypatch.setattr(TimingOutRewards, "unscored_below", 10**9)
     with pytest.raises(UnscoredError, match="reward.max_unscored_steps=2"):
         run_job(steps=5, overrides=["reward.max_unscored_steps=2"])
     learners = []
     monkeypatch.setattr(
-        test_job_loop,
+        job_loop_fakes,
         "FakeLearner",
         lambda *args: learners.append(FakeLearner(*args)) or learners[-1],
     )
