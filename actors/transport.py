@@ -49,17 +49,10 @@ class WeightTransport:
     ):
         self.learner = learner
         self.engines = engines  # the generator pool's list: a slot may hold a replacement
-        self.bucket_bytes = bucket_bytes
-        self._buckets: list[Manifest] | None = None
+        manifest = ray.get(learner.ranks[0].weight_manifest.remote())
+        self.buckets: list[Manifest] = bucket_manifest(manifest, bucket_bytes)
         # A load not checked yet -> (the engine, in words; the ranks' checksum shares).
         self._loads: dict[ray.ObjectRef, tuple[str, list[ray.ObjectRef]]] = {}
-
-    @property
-    def buckets(self) -> list[Manifest]:
-        if self._buckets is None:
-            manifest = ray.get(self.learner.ranks[0].weight_manifest.remote())
-            self._buckets = bucket_manifest(manifest, self.bucket_bytes)
-        return self._buckets
 
     def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
         raise NotImplementedError
@@ -106,13 +99,14 @@ class ObjectStoreTransport(WeightTransport):
 class CollectiveTransport(WeightTransport):
     """Learner rank 0 broadcasts the parameters bucket by bucket, as they are gathered from the
     ZeRO-3 shards, to every engine over a process group of its own (actors/weight_group.py);
-    the engines receive in place and load. The group is opened on the first sync."""
+    the engines receive in place and load. The group is opened here, once the ranks and the
+    engines are up (blocking), so that a sync returns at once."""
 
     def __init__(
         self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ):
         super().__init__(learner, engines, bucket_bytes)
-        self._opened = False
+        self._open()
 
     def _open(self) -> None:
         ranks = self.learner.ranks
@@ -125,14 +119,11 @@ class CollectiveTransport(WeightTransport):
                 for i, e in enumerate(self.engines)
             ]
         )
-        self._opened = True
 
     def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
         if engines is not None and engines != self.engines:
             # Its engines never change (a death ends the job), so none ever awaits alone.
             raise ValueError("the collective transport broadcasts to all of its engines")
-        if not self._opened:
-            self._open()
         buckets = self.buckets
         # The ranks' broadcast ends only when every engine has received.
         sending = [r.broadcast_weights.remote(buckets) for r in self.learner.ranks]
