@@ -200,7 +200,15 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "is_masked_frac": _ratio(off_policy.masked, off_policy.tokens),
         "kl_behaviour_proximal": _ratio(off_policy.kl, off_policy.tokens),
     }
-    # The credit figures, averaged over the step's mini-batches.
+    # The credit figures over the step's mini-batches: token counts add up, shares and
+    # thresholds are averaged. The step's sequence count is the rollout's (num_sequences,
+    # groupflow/rollout_figures.py), one key from one place.
     for f in fields(CreditStats):
-        record[f.name] = _credit_mean(total.credit, f.name)
+        if f.name in _ADDED_UP:
+            record[f.name] = sum(getattr(c, f.name) for c in total.credit)
+        elif f.name != "num_sequences":
+            record[f.name] = _credit_mean(total.credit, f.name)
     return record
+
+
+_ADDED_UP = {"valid_tokens"}

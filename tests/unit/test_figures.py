@@ -46,7 +46,6 @@ LEARNER_KEYS = {
     "cancellation_residual",
     "cancellation_residual_whole_group",
     "valid_tokens",
-    "num_sequences",
     "trained_frac",
     "spurious_frac",
     "stapo_tau_p",
@@ -187,7 +186,8 @@ def test_learner_record_keys_and_values():
     assert record["optimizer_updates"] == 3
     assert record["cancellation_residual"] == pytest.approx(6.0 / 8.0)
     assert record["cancellation_residual_whole_group"] == 0.0
-    assert record["valid_tokens"] == 80 and record["optimizer_passes"] == 1.5
+    # the step's tokens over its two mini-batches; the passes a mini-batch, averaged
+    assert record["valid_tokens"] == 160 and record["optimizer_passes"] == 1.5
     # off-policy figures: sums over both ranks' 21 + 22 tokens, the max over ranks
     assert record["is_weight_mean"] == pytest.approx((22.0 + 23.0) / 43)
     assert record["is_weight_max"] == 3.5
