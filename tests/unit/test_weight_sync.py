@@ -19,6 +19,7 @@ from groupflow.learner.weight_export import (
     shard_buckets,
     weight_manifest,
 )
+from groupflow.random_model import random_causal_lm
 from groupflow.rollout.engine import RolloutEngine
 from groupflow.weight_format import (
     LoadedWeights,
@@ -239,18 +240,15 @@ def free_port() -> int:
 
 
 def test_buckets_reach_the_engines_exactly_in_one_load(gen):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(int(torch.randint(0, 2**31, (), generator=gen)))
-    config = Qwen2Config(
-        vocab_size=96,
+    model = random_causal_lm(
+        96,
+        seed=int(torch.randint(0, 2**31, (), generator=gen)),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    model = Qwen2ForCausalLM(config)
     manifest = weight_manifest(model)
     bucket_bytes = 40_000  # about a layer: several buckets
     buckets = bucket_manifest(manifest, bucket_bytes)
