@@ -100,7 +100,6 @@ class RewardPool:
         self._pending: list[_Batch] = []
         self.errors = 0
         self.timeouts = 0
-        self.worker_restarts = 0
         self.futures = RayFutures()
         # Retiring slots are given no new batch.
         self.slots = ActorSlots(self.workers, StartingActors("reward worker"))
@@ -135,7 +134,6 @@ class RewardPool:
         ray.kill(batch.actor, no_restart=True)
         self.workers[batch.worker] = self._actor.remote(*self._args)
         self._load[batch.worker] = 0
-        self.worker_restarts += 1
 
     def _retry_or_zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
         if batch.attempts <= self.cfg.reward.max_retries:

@@ -60,10 +60,6 @@ class PromptRenderer:
                 "(set task.chat_template to a template file)"
             )
 
-    @property
-    def uses_chat(self) -> bool:
-        return self.template is not None
-
     def messages(self, prompt: Prompt) -> list[dict]:
         """The conversation a chat model sees: the system prompt, then the prompt's turns (a
         task's chat wording when it has one, else its text as one user turn)."""

@@ -314,6 +314,20 @@ class Run:
     started: list[FakeEngine]  # engines started after the job began (replacements, scale-ups)
 
 
+@dataclass(frozen=True)
+class Faults:
+    """What goes wrong in a job of `run_job`; nothing by default."""
+
+    # the chunk each engine, then each replacement in its turn, dies in (0: never)
+    engine_dies_at_chunk: tuple[int, ...] = ()
+    engine_dies_at: str = ""  # the last engine: "load 2" dies loading version 2; "greedy"
+    learner_dies_in_step: int = 0  # a rank dies in that step's training
+    rank_dies_in_sync: int | None = None  # a rank dies in the sync of that version
+    corrupt_sync_at: int | None = None  # that version's loads fail their checksum check
+    skip_loads: frozenset = frozenset()  # (engine, version) loads that never happen
+    loads: bool = True  # False: no engine ever loads a sync
+
+
 def run_job(
     steps=4,
     staleness=0,
@@ -324,19 +338,13 @@ def run_job(
     score_s=0.0,
     engines=2,
     overrides=(),
-    loads=True,
-    skip_loads=frozenset(),
     run_dir: Path | None = None,
     resume=False,
-    engine_dies_at_chunk=(),
-    engine_dies_at="",
-    learner_dies_in_step=0,
-    rank_dies_in_sync=None,
+    faults: Faults = Faults(),
     held_out_sets=(),
     engine_type=FakeEngine,
     starting=None,
     scaler=None,
-    corrupt_sync_at=None,
     sync_s=0.0,
 ) -> Run:
     """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
@@ -357,10 +365,10 @@ def run_job(
     cfg.trainer = cfg.trainer.model_copy(update={"max_staleness": staleness})
     clock, log = Clock(), []
     futures = FakeFutures(clock, log)
-    dies = list(engine_dies_at_chunk) + [0] * engines
+    dies = list(faults.engine_dies_at_chunk) + [0] * engines
     fake_engines = [engine_type(clock, seconds_per_prompt, dies[i]) for i in range(engines)]
-    fake_engines[-1].dies_at = engine_dies_at
-    learner = FakeLearner(clock, log, learn_s, learner_dies_in_step)
+    fake_engines[-1].dies_at = faults.engine_dies_at
+    learner = FakeLearner(clock, log, learn_s, faults.learner_dies_in_step)
     replacements = iter(dies[engines:])  # when each replacement dies in its turn
     started = []
     restarts = RestartBudget(cfg.trainer.max_restarts)
@@ -380,8 +388,10 @@ def run_job(
         clock=lambda: clock.now,
     )
     rewards = FakeRewards(clock, log, reward, score_s)
-    transport = FakeTransport(fake_engines, loads, skip_loads, rank_dies_in_sync, sync_s)
-    transport.corrupt_at = corrupt_sync_at
+    transport = FakeTransport(
+        fake_engines, faults.loads, faults.skip_loads, faults.rank_dies_in_sync, sync_s
+    )
+    transport.corrupt_at = faults.corrupt_sync_at
     job = TrainingJob(
         cfg,
         CountingTask(),

@@ -15,6 +15,7 @@ from groupflow.weight_format import WeightSyncMismatch
 from tests.unit.job_loop_fakes import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
+    Faults,
     Run,
     run_job,
     scored_at,
@@ -121,7 +122,7 @@ def test_weight_loads_wait_behind_at_most_chunks_per_engine():
 def test_a_sample_older_than_max_staleness_is_dropped_and_counted():
     # Engine 1 misses its load of version 1: its chunks of step 3 come from version 0, two
     # versions behind the learner.
-    run = run_job(steps=5, staleness=1, skip_loads={(1, 1)}, learn_s=4.0)
+    run = run_job(steps=5, staleness=1, faults=Faults(skip_loads={(1, 1)}), learn_s=4.0)
     assert sum(r["groups_dropped_stale"] for r in run.records) > 0
     assert all(r["staleness_max"] <= 1 for r in run.records)
     assert all(r["num_groups"] == PROMPTS_PER_STEP for r in run.records)
@@ -129,7 +130,7 @@ def test_a_sample_older_than_max_staleness_is_dropped_and_counted():
 
 def test_engines_that_never_load_stop_the_job():
     with pytest.raises(RuntimeError, match="trainer.max_staleness=1"):
-        run_job(steps=4, staleness=1, loads=False)
+        run_job(steps=4, staleness=1, faults=Faults(loads=False))
 
 
 # ----- streaming --------------------------------------------------------------------------------
@@ -248,7 +249,12 @@ def scored_prompts(run: Run) -> list[int]:
     ],
 )
 def test_a_dead_engine_is_replaced_and_its_chunks_generated_again(engines, staleness, dies_at):
-    run = run_job(steps=4, staleness=staleness, engines=engines, engine_dies_at_chunk=(dies_at,))
+    run = run_job(
+        steps=4,
+        staleness=staleness,
+        engines=engines,
+        faults=Faults(engine_dies_at_chunk=(dies_at,)),
+    )
     straight = run_job(steps=4, staleness=staleness, engines=engines)
     assert trained_prompts(run) == trained_prompts(straight)
     assert scored_prompts(run) == scored_prompts(straight)  # no group lost or scored twice
@@ -270,7 +276,7 @@ def test_a_dead_engine_is_replaced_and_its_chunks_generated_again(engines, stale
 @pytest.mark.parametrize("dies_at", ["load 2", "greedy"])
 def test_an_engine_dying_in_a_weight_sync_or_an_evaluation_is_replaced(dies_at):
     overrides = ["trainer.eval_every=2"]
-    run = run_job(steps=4, engine_dies_at=dies_at, overrides=overrides)
+    run = run_job(steps=4, faults=Faults(engine_dies_at=dies_at), overrides=overrides)
     straight = run_job(steps=4, overrides=overrides)
     assert trained_prompts(run) == trained_prompts(straight)
     assert run.records[-1]["engine_restarts"] == 1
@@ -282,7 +288,10 @@ def test_engines_dying_in_a_row_end_the_job_after_max_restarts():
     with pytest.raises(RuntimeError, match=r"trainer.max_restarts=1"):
         # the engine and each replacement die in their first chunk
         run_job(
-            steps=2, engines=1, engine_dies_at_chunk=(1, 1, 1), overrides=["trainer.max_restarts=1"]
+            steps=2,
+            engines=1,
+            faults=Faults(engine_dies_at_chunk=(1, 1, 1)),
+            overrides=["trainer.max_restarts=1"],
         )
 
 
@@ -299,9 +308,11 @@ def test_a_dead_learner_rank_rebuilds_the_learner_from_the_newest_checkpoint(
         staleness=staleness,
         run_dir=tmp_path / "b",
         overrides=overrides,
-        learner_dies_in_step=4 if in_step else 0,
-        rank_dies_in_sync=None if in_step else 3,  # every engine's load of it fails too
-        engine_dies_at_chunk=(2,),  # and an engine in step 1: counted once over the rebuild
+        faults=Faults(
+            learner_dies_in_step=4 if in_step else 0,
+            rank_dies_in_sync=None if in_step else 3,  # every engine's load of it fails too
+            engine_dies_at_chunk=(2,),  # and an engine in step 1: counted once over the rebuild
+        ),
     )
     # steps 1-3 trained, a rank died, the ranks came back at step 2's checkpoint and trained
     # 3-5 again on the same prompts
@@ -337,7 +348,7 @@ def test_an_abandoned_load_is_checked_but_not_counted_as_verified(tmp_path):
         steps=4,
         run_dir=tmp_path,
         overrides=["trainer.checkpoint_every=1"],
-        rank_dies_in_sync=2,  # the engines abandon their loads of version 2
+        faults=Faults(rank_dies_in_sync=2),  # the engines abandon their loads of version 2
     )
     checked = run.job.pipeline.transport.checked
     assert checked.count(None) == 2
@@ -347,11 +358,11 @@ def test_an_abandoned_load_is_checked_but_not_counted_as_verified(tmp_path):
 
 def test_a_load_that_fails_its_check_stops_the_job():
     with pytest.raises(WeightSyncMismatch, match="policy version 2"):
-        run_job(steps=4, staleness=1, corrupt_sync_at=2)
+        run_job(steps=4, staleness=1, faults=Faults(corrupt_sync_at=2))
 
 
 def test_a_load_on_an_engine_that_died_is_forgotten_not_checked():
-    run = run_job(steps=3, engine_dies_at="load 2")
+    run = run_job(steps=3, faults=Faults(engine_dies_at="load 2"))
     assert run.job.pipeline.transport.forgotten == 1
     assert 2 not in [v for v in run.job.pipeline.transport.checked if v is not None][:1]
 

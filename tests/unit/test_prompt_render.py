@@ -33,7 +33,7 @@ def _text(rng: random.Random, n: int) -> str:
 def test_raw_text_is_encoded_as_before(tokenizer):
     renderer = PromptRenderer(tokenizer, ChatSettings("none"))
     text = _text(random.Random(), 20)
-    assert not renderer.uses_chat
+    assert renderer.template is None
     assert renderer.ids(Prompt("p", text, None)) == tokenizer.encode(text)
 
 
@@ -66,7 +66,7 @@ def test_auto_uses_the_tokenizers_own_template_and_message_lists(tokenizer):
 
 def test_auto_without_a_template_is_raw_text(tokenizer):
     renderer = PromptRenderer(tokenizer, ChatSettings("auto"))
-    assert not renderer.uses_chat
+    assert renderer.template is None
     assert renderer.ids(Prompt("p", "1+2=", None)) == tokenizer.encode("1+2=")
 
 

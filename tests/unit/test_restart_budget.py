@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from groupflow.recovery import RestartBudget, RestartsExhausted
-from tests.unit.job_loop_fakes import run_job, trained_prompts
+from tests.unit.job_loop_fakes import Faults, run_job, trained_prompts
 
 
 def test_engine_and_learner_restarts_draw_on_one_budget():
@@ -43,12 +43,13 @@ def test_an_engine_death_after_a_learner_rebuild_counts_against_the_same_budget(
     tmp_path, max_restarts
 ):
     overrides = ["trainer.checkpoint_every=2", f"trainer.max_restarts={max_restarts}"]
-    job = dict(steps=5, run_dir=tmp_path / "b", overrides=overrides, learner_dies_in_step=4)
+    faults = Faults(learner_dies_in_step=4, engine_dies_at_chunk=(ENGINE_DIES_AFTER_THE_REBUILD,))
+    job = dict(steps=5, run_dir=tmp_path / "b", overrides=overrides, faults=faults)
     if max_restarts == 1:
         with pytest.raises(RestartsExhausted, match=r"2 restarts .*max_restarts=1\)"):
-            run_job(**job, engine_dies_at_chunk=(ENGINE_DIES_AFTER_THE_REBUILD,))
+            run_job(**job)
         return
-    run = run_job(**job, engine_dies_at_chunk=(ENGINE_DIES_AFTER_THE_REBUILD,))
+    run = run_job(**job)
     straight = run_job(steps=5, run_dir=tmp_path / "a", overrides=overrides)
     died = run.learner.steps.index("restarted")
     again = [sorted({s.input_ids[0] for s in seqs}) for seqs in run.learner.steps[died + 1 :]]
@@ -64,7 +65,6 @@ def test_a_new_step_between_two_deaths_gives_the_budget_back(tmp_path):
         steps=5,
         run_dir=tmp_path,
         overrides=["trainer.checkpoint_every=2", "trainer.max_restarts=1"],
-        learner_dies_in_step=4,
-        engine_dies_at_chunk=(ENGINE_DIES_IN_STEP_1,),
+        faults=Faults(learner_dies_in_step=4, engine_dies_at_chunk=(ENGINE_DIES_IN_STEP_1,)),
     )
     assert run.records[-1]["engine_restarts"] == 1 and run.records[-1]["learner_restarts"] == 1
