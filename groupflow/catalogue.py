@@ -30,10 +30,6 @@ class Series:
     # (e.g. {"math": 0.4, "code": 0.2} under label "task"), one series each.
     label: str | None = None
 
-    @property
-    def promql_name(self) -> str:
-        return f"{self.name}_total" if self.kind in ("counter", "running_total") else self.name
-
 
 @dataclass(frozen=True)
 class Metric:
@@ -63,33 +59,6 @@ TOKENS_PER_SECOND = "groupflow_tokens_per_second"
 FAMILY_HELP = {
     STAGE_LATENCY: "time spent in each stage of a step",
     TOKENS_PER_SECOND: "tokens per second of the last step, by stage",
-}
-
-# Grafana panel -> its dashboard row.
-PANEL_ROWS = {
-    "Reward": "Progress",
-    "Accuracy": "Progress",
-    "Response length": "Progress",
-    "Step and policy version": "Progress",
-    "Learning rate": "Progress",
-    "Entropy": "Token credit",
-    "Spurious and low-probability tokens": "Token credit",
-    "Cancellation residual": "Token credit",
-    "Clip fractions": "Token credit",
-    "Approx. KL": "Token credit",
-    "Gradient norm and log-prob mismatch": "Token credit",
-    "Off-policy correction": "Token credit",
-    "Tokens per second by stage": "Throughput",
-    "Mean stage latency and step time": "Throughput",
-    "Staleness": "Throughput",
-    "Queue depths": "Throughput",
-    "Live actors": "Cluster",
-    "Reward errors and timeouts": "Cluster",
-    "Checkpoints": "Cluster",
-    "Restarts": "Cluster",
-    "Scaling": "Cluster",
-    "Weight sync": "Cluster",
-    "Prompts left out": "Cluster",
 }
 
 _STEP = "Step and policy version"
@@ -551,11 +520,3 @@ RENAMED_KEYS: dict[str, str] = {"num_stages": "optimizer_passes"}
 def with_current_keys(record: dict) -> dict:
     """A step record as read from metrics.jsonl, its renamed keys under today's names."""
     return {RENAMED_KEYS.get(key, key): value for key, value in record.items()}
-
-
-# Every metric name as a PromQL query spells it (counters with _total, histograms by their
-# base name), so the dashboard can be checked against what the exporter emits.
-EXPORTED_METRICS: frozenset[str] = frozenset(
-    [m.series.promql_name for m in METRICS if m.series is not None]
-    + [g.name for g in LIVE_GAUGES.values()]
-)

@@ -30,7 +30,7 @@ class MetricsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self._file.close()
 
 
@@ -60,5 +60,5 @@ class ProgressReporter:
         else:
             print(f"step {record['step']}/{self.total} {summary}", file=sys.stderr, flush=True)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self.bar.close()

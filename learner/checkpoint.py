@@ -82,7 +82,7 @@ class _RestrictedReads:
     def __enter__(self):
         self.checkpoint_engine.load = self._load
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         del self.checkpoint_engine.load  # the class's own method again
 
     @staticmethod

@@ -37,7 +37,7 @@ def run(solution: str, entry_point: str, cases_json: str, case_timeout_s: float)
         report(load_error=f"no function named {entry_point}")
         return
 
-    def on_alarm(signum: int, frame: object) -> None:
+    def on_alarm(_signum: int, _frame: object) -> None:
         raise CaseTimeout
 
     signal.signal(signal.SIGALRM, on_alarm)
