@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.catalogue import EXPORTED_METRICS
+from tests.unit.dashboard_spec import EXPORTED_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "alerts.yml"

@@ -8,52 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.catalogue import LIVE_GAUGES, METRICS, Series
+from groupflow.catalogue import LIVE_GAUGES, METRICS
+from tests.unit.dashboard_spec import EXPORTED_METRICS, PANEL_ROWS, promql_name
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "groupflow.json"
 METRIC = re.compile(r"groupflow_[a-z_]+")
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
-
-# Grafana panel -> its dashboard row (the layout users expect).
-PANEL_ROWS = {
-    "Reward": "Progress",
-    "Accuracy": "Progress",
-    "Response length": "Progress",
-    "Step and policy version": "Progress",
-    "Learning rate": "Progress",
-    "Entropy": "Token credit",
-    "Spurious and low-probability tokens": "Token credit",
-    "Cancellation residual": "Token credit",
-    "Clip fractions": "Token credit",
-    "Approx. KL": "Token credit",
-    "Gradient norm and log-prob mismatch": "Token credit",
-    "Off-policy correction": "Token credit",
-    "Tokens per second by stage": "Throughput",
-    "Mean stage latency and step time": "Throughput",
-    "Staleness": "Throughput",
-    "Queue depths": "Throughput",
-    "Live actors": "Cluster",
-    "Reward errors and timeouts": "Cluster",
-    "Checkpoints": "Cluster",
-    "Restarts": "Cluster",
-    "Scaling": "Cluster",
-    "Weight sync": "Cluster",
-    "Prompts left out": "Cluster",
-}
-
-
-def promql_name(series: Series) -> str:
-    """A series' name as a PromQL query spells it: counters with _total, histograms by their
-    base name."""
-    return f"{series.name}_total" if series.kind in ("counter", "running_total") else series.name
-
-
-# Every metric name as a query spells it, so the dashboard can be checked against what the
-# exporter emits.
-EXPORTED_METRICS: frozenset[str] = frozenset(
-    [promql_name(m.series) for m in METRICS if m.series is not None]
-    + [g.name for g in LIVE_GAUGES.values()]
-)
 
 # A catalogue unit -> the Grafana unit of a panel drawing it (others: "short").
 GRAFANA_UNITS = {"fraction": "percentunit", "seconds": "s"}

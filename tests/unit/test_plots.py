@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.catalogue import BY_KEY, PANEL_ROWS, RENAMED_KEYS
+from groupflow.catalogue import BY_KEY, RENAMED_KEYS
 from groupflow.plots import (
     FIGURES,
     latest_run,
@@ -17,6 +17,7 @@ from groupflow.plots import (
     read_records,
     write_plots,
 )
+from tests.unit.dashboard_spec import PANEL_ROWS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from groupflow.catalogue import EXPORTED_METRICS
 from groupflow.prometheus import PrometheusExporter
+from tests.unit.dashboard_spec import EXPORTED_METRICS
 
 STEP_1 = {
     "step": 1,

@@ -1,0 +1,47 @@
+"""What the tests hold the exporter, the dashboard, the alert rules and the plots to: the
+dashboard's rows, and every series name as a PromQL query spells it."""
+
+from __future__ import annotations
+
+from groupflow.catalogue import LIVE_GAUGES, METRICS, Series
+
+# Grafana panel -> its dashboard row (the layout users expect).
+PANEL_ROWS = {
+    "Reward": "Progress",
+    "Accuracy": "Progress",
+    "Response length": "Progress",
+    "Step and policy version": "Progress",
+    "Learning rate": "Progress",
+    "Entropy": "Token credit",
+    "Spurious and low-probability tokens": "Token credit",
+    "Cancellation residual": "Token credit",
+    "Clip fractions": "Token credit",
+    "Approx. KL": "Token credit",
+    "Gradient norm and log-prob mismatch": "Token credit",
+    "Off-policy correction": "Token credit",
+    "Tokens per second by stage": "Throughput",
+    "Mean stage latency and step time": "Throughput",
+    "Staleness": "Throughput",
+    "Queue depths": "Throughput",
+    "Live actors": "Cluster",
+    "Reward errors and timeouts": "Cluster",
+    "Checkpoints": "Cluster",
+    "Restarts": "Cluster",
+    "Scaling": "Cluster",
+    "Weight sync": "Cluster",
+    "Prompts left out": "Cluster",
+}
+
+
+def promql_name(series: Series) -> str:
+    """A series' name as a PromQL query spells it: counters with _total, histograms by their
+    base name."""
+    return f"{series.name}_total" if series.kind in ("counter", "running_total") else series.name
+
+
+# Every metric name as a query spells it, so the dashboard can be checked against what the
+# exporter emits.
+EXPORTED_METRICS: frozenset[str] = frozenset(
+    [promql_name(m.series) for m in METRICS if m.series is not None]
+    + [g.name for g in LIVE_GAUGES.values()]
+)
