@@ -4,8 +4,9 @@
         [--steps 40] [--staleness 0 2] [--presets grpo stapo ...] [--out DIR]
 
 Each (staleness, preset, seed) is one `groupflow train` run in this process's Ray cluster;
-its summary and step records are kept under --out, and a run already there is not run again,
-so a comparison cut short goes on where it stopped. Prints, per staleness, the final held-out
+its summary and step records are kept under --out, and a run already there with the same
+settings is not run again, so a comparison cut short goes on where it stopped (one there with
+other settings stops the comparison with one line). Prints, per staleness, the final held-out
 greedy accuracy (mean and standard deviation over seeds), its difference from GRPO with a
 paired t-test over seeds (seed s of a preset against seed s of GRPO: the same prompt stream
 and engine seeds), the entropy at the start and the end, and the token-credit diagnostics
@@ -46,11 +47,11 @@ def run_name(staleness: int, preset: str, seed: int) -> str:
 
 
 def train_once(args: argparse.Namespace, staleness: int, preset: str, seed: int) -> dict:
-    """One run's summary and step records, from --out when it already finished there."""
+    """One run's summary and step records, from --out when it already finished there with
+    the same settings (one that ran with others stops the comparison: it would be compared as
+    if it had not)."""
     name = run_name(staleness, preset, seed)
     kept = args.out / name / "result.json"
-    if kept.is_file():
-        return json.loads(kept.read_text())
     overrides = [
         f"task.name={args.task}",
         f"task.eval_size={args.eval_size}",
@@ -69,9 +70,17 @@ def train_once(args: argparse.Namespace, staleness: int, preset: str, seed: int)
         "metrics.progress=false",
         *args.set,
     ]
+    if kept.is_file():
+        result = json.loads(kept.read_text())
+        if result.get("overrides") != overrides:
+            raise SystemExit(
+                f"{kept}: a run with other settings is there; give another --out, or the same "
+                "settings as that run"
+            )
+        return result
     summary = run(build_config({}, overrides))
     records = [json.loads(x) for x in (args.out / name / "metrics.jsonl").read_text().splitlines()]
-    result = {"summary": summary, "records": records}
+    result = {"overrides": overrides, "summary": summary, "records": records}
     kept.write_text(json.dumps(result))
     return result
 
