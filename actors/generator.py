@@ -6,11 +6,14 @@ the engine with the least outstanding work and hands chunks on as they finish, s
 starts while later chunks still generate. A chunk sent to an engine after a weight load
 starts once that load is done (Generator.sample).
 
-An engine that dies (killed, out of memory, node lost) is replaced at once by a new actor in
-its slot, a restart charged to the job's budget (groupflow/recovery.py). The replacement takes
-no work until the job has sent it the current weights (`weights_sent`); the pool then sends
-the chunks the dead engine held again itself, each once (the chunk records are shared with the
-prompt stream, so the job loop sees each chunk's new handle without being told).
+An engine that dies (killed, out of memory, node lost) is one restart, charged to the job's
+budget (groupflow/recovery.py) however many of its calls fail. Its slot takes no work from then
+on and a new actor is asked for it (actors/starting.py Replacements); the chunks it held go to
+the engines still there, each once (the chunk records are shared with the prompt stream, so the
+job loop sees each chunk's new handle without being told), and generation goes on with them.
+The replacement fills the slot when it is up, on a node with room for it (a lost node's
+replacement waits, pending, until one joins), and takes work once the job has sent it the
+current weights (`weights_sent`).
 
 Scaling (groupflow scale, rollout.autoscale): `scale_to` starts new engines or retires live
 ones and returns at once; `settle`, between steps, admits the new engines that are up (each
@@ -27,13 +30,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import ray
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
-from groupflow.actors.starting import ActorSlots, StartingActors
+from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.device import Device, device_for
@@ -42,7 +45,7 @@ from groupflow.records import Prompt, SampledGroup
 from groupflow.recovery import RestartBudget
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, engine_settings
 from groupflow.rollout.weight_intake import broadcast, broken_stream, streamed
-from groupflow.scaling import PoolState
+from groupflow.scaling import PoolState, ray_demand
 from groupflow.weight_format import LoadedWeights, Manifest
 
 log = logging.getLogger(__name__)
@@ -260,8 +263,12 @@ class GeneratorPool:
         restarts: RestartBudget,
         start_engine: Callable[[int], object] | None = None,
         starting: StartingActors | None = None,
+        replacements: Replacements | None = None,
+        demand: Mapping[str, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """`starting` and `replacements` stand in for Ray's in the job loop's unit tests;
+        `demand` is one engine's Ray resources (said when a replacement waits for room)."""
         self.engines = engines  # the weight transport loads the engines of this same list
         self.futures = futures
         self.group_size = group_size
@@ -275,12 +282,19 @@ class GeneratorPool:
         self._idle_engine_s = 0.0
         self._idle_counted_at = clock()
         self._chunks: dict[Handle, Chunk] = {}
-        self._unloaded: set[int] = set()  # slots whose replacement awaits the weights
+        self._unloaded: set[int] = set()  # slots whose new engine awaits the weights
         self._lost: list[Chunk] = []  # chunks of dead engines, to generate again
-        # Engines asked for and not yet up (a stand-in in the job loop's unit tests).
-        if starting is None:  # an engine is ready once warmed up (see Generator.warm_up)
-            starting = StartingActors("engine", lambda e: e.warm_up.remote(group_size, sampling))
-        self.slots = ActorSlots(engines, starting)  # retiring slots are sent no new chunks
+        self._dead_retiring: set[int] = set()  # retiring slots whose engine died
+
+        def warm_up(engine):  # an engine is ready once warmed up (see Generator.warm_up)
+            return engine.warm_up.remote(group_size, sampling)
+
+        if starting is None:
+            starting = StartingActors("engine", warm_up)
+        if replacements is None:
+            replacements = Replacements("engine", warm_up, futures, demand or {})
+        # retiring and vacant slots are sent no new chunks
+        self.slots = ActorSlots(engines, starting, replacements)
         self._next_seed_slot = len(engines)  # a new engine samples with a seed of its own
         # New engines not yet sent a chunk -> when they were asked for: the time a scale-up
         # takes to produce work is logged, and kept in join_seconds.
@@ -290,10 +304,17 @@ class GeneratorPool:
 
     def figures(self) -> GenerationFigures:
         self._count_idle()
-        return GenerationFigures(len(self.engines), self._idle_engine_s, sum(self._outstanding))
+        return GenerationFigures(
+            len(self.engines),
+            self._idle_engine_s,
+            sum(self._outstanding),
+            len(self._taking_work()),
+        )
 
     def send(self, chunks: Sequence[Chunk]) -> None:
         ready = self._taking_work()
+        if ready:  # the chunks of dead engines first: they come first in the stream
+            self._resend_lost()
         room = sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
         for chunk in chunks[:room]:
             self._send(chunk)
@@ -316,8 +337,9 @@ class GeneratorPool:
         self._chunks[chunk.handle] = chunk
 
     def _taking_work(self) -> list[int]:
-        """Slots that take new chunks: loaded with the current weights and not retiring."""
-        skip = self._unloaded | self.slots.retiring
+        """Slots that take new chunks: loaded with the current weights, neither retiring nor
+        vacant (their engine died)."""
+        skip = self._unloaded | self.slots.idle()
         return [e for e in range(len(self.engines)) if e not in skip]
 
     def in_flight(self) -> list[Handle]:
@@ -331,6 +353,9 @@ class GeneratorPool:
         self._idle_engine_s += idle * (now - self._idle_counted_at)
         self._idle_counted_at = now
 
+    def arrivals(self) -> list[Handle]:
+        return self.slots.replacements.handles()
+
     def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         taken = []
         self._count_idle()
@@ -340,41 +365,47 @@ class GeneratorPool:
             self._chunks_on[chunk.engine] -= 1
             try:
                 (groups,) = self.futures.get([handle])
-            except PeerDied:
-                if self.start_engine is None:
-                    raise
-                self._lose(chunk)
+            except PeerDied as err:
+                self.lost(chunk.actor, str(err))
+                self._lost.append(chunk)
                 continue
             chunk.generated = self._clock()
             taken.append((chunk, groups))
+        self._admit_replacements(ready)
         return taken
 
-    def _lose(self, chunk: Chunk) -> None:
-        self._lost.append(chunk)
-        if self.engines[chunk.engine] is chunk.actor:  # not replaced yet
-            self._replace(chunk.engine)
-        elif not self._unloaded:  # its replacement already holds the current weights
-            self._resend_lost()
-
-    def _replace(self, slot: int) -> None:
-        self.engines[slot] = self.start_engine(slot)
-        self._unloaded.add(slot)
-        self.restarts.charge("engine", f"engine {slot} died")
-
-    def replace_dead(self) -> int:
-        """Probe every engine and replace the dead ones (a death noticed outside a chunk:
-        in an evaluation or a weight load); how many were replaced."""
+    def lost(self, engine, cause: str) -> None:
+        """`engine` died (one of its chunks, loads or answers failed): one restart, however
+        many of its calls fail; its slot takes no work, and a replacement is asked for."""
+        slot = next((i for i, e in enumerate(self.engines) if e is engine), None)
+        if slot is None or slot in self.slots.vacant() | self._dead_retiring:  # known
+            return
         if self.start_engine is None:
-            return 0
-        dead = []
-        for slot, engine in enumerate(self.engines):
-            try:
-                self.futures.get([engine.__ray_ready__.remote()])
-            except PeerDied:
-                dead.append(slot)
-        for slot in dead:
-            self._replace(slot)
-        return len(dead)
+            raise PeerDied(cause)
+        self.restarts.charge("engine", f"engine {slot} died: {cause}")
+        self._unloaded.discard(slot)
+        if slot in self.slots.retiring:  # it was leaving: settle removes it
+            self._dead_retiring.add(slot)
+            return
+        self.slots.replacements.ask(slot, self.start_engine(slot))
+        serving = len(self._taking_work())
+        log.warning(
+            "engine %d lost (%s); a replacement is asked for; %s",
+            slot,
+            cause,
+            f"generation goes on with {serving} engine(s)"
+            if serving
+            else "no engine is left: generation waits for it",
+        )
+
+    def _admit_replacements(self, ready: Sequence[Handle]) -> None:
+        up, failed = self.slots.replacements.take(ready)
+        for slot, engine in up:  # it takes work once it holds the current weights
+            self.slots.fill(slot, engine)
+            self._unloaded.add(slot)
+        for slot, why in failed:
+            self.restarts.charge("engine", why)
+            self.slots.replacements.ask(slot, self.start_engine(slot))
 
     def drop_lost(self) -> None:
         """Forget the lost chunks: their rollouts were abandoned."""
@@ -383,13 +414,14 @@ class GeneratorPool:
     def awaiting_weights(self) -> list:
         return [self.engines[slot] for slot in sorted(self._unloaded)]
 
+    def engines_up(self) -> list:
+        return [e for slot, e in enumerate(self.engines) if slot not in self.slots.vacant()]
+
     def weights_sent(self, version: int) -> None:
         """Call once the load of `version` has been sent to the engines (to every engine
-        that awaited one): chunks sent from now on wait for it, and replacements take work.
-        The lost chunks are sent again."""
+        that awaited one): chunks sent from now on wait for it, and new engines take work."""
         self.version = version
         self._unloaded.clear()
-        self._resend_lost()
 
     def _resend_lost(self) -> None:
         """Send the lost chunks again, to engines with the current weights; each gets its
@@ -400,18 +432,24 @@ class GeneratorPool:
 
     def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
-    ) -> list[SampledGroup]:
-        k = len(self.engines)
-        shards = self.futures.get(
-            [
-                e.complete.remote(prompts[i::k], n, sampling, greedy, self.version)
-                for i, e in enumerate(self.engines)
-            ]
-        )
+    ) -> list[SampledGroup] | None:
+        serving = [self.engines[slot] for slot in self._taking_work()]
+        if not serving:
+            return None
+        k = len(serving)
+        calls = [
+            e.complete.remote(prompts[i::k], n, sampling, greedy, self.version)
+            for i, e in enumerate(serving)
+        ]
         groups: list = [None] * len(prompts)
-        for i, shard in enumerate(shards):
-            groups[i::k] = shard
-        return groups
+        answered = True
+        for i, (engine, call) in enumerate(zip(serving, calls, strict=True)):
+            try:
+                groups[i::k] = self.futures.get([call])[0]
+            except PeerDied as err:
+                self.lost(engine, str(err))
+                answered = False
+        return groups if answered else None
 
     # ----- scaling (between steps; see the module's docstring) ---------------------------------
     def scale_to(self, target: int) -> None:
@@ -450,6 +488,7 @@ class GeneratorPool:
             return e - 1 if e > slot else e
 
         self._unloaded = {moved(e) for e in self._unloaded if e != slot}
+        self._dead_retiring = {moved(e) for e in self._dead_retiring if e != slot}
         for chunk in self._chunks.values():
             chunk.engine = moved(chunk.engine)
         for chunk in self._lost:  # placed anew when sent again
@@ -462,6 +501,7 @@ class GeneratorPool:
 
     def shutdown(self) -> None:
         self.slots.starting.shutdown()
+        self.slots.replacements.shutdown()
         for engine in self.engines:
             ray.kill(engine)
 
@@ -503,4 +543,5 @@ def start_generator_pool(
         cfg.rollout.sampling,
         restarts,
         start_engine if replaceable else None,
+        demand=ray_demand(res.num_cpus, res.num_gpus, res.custom),
     )

@@ -12,6 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
+from groupflow.actors.placement import live_nodes
 from groupflow.actors.starting import wait_started
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config
@@ -20,6 +21,7 @@ from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
+from groupflow.placement import NOTE_AFTER_S, describe_cluster, describe_demand
 from groupflow.records import TrainSequence
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,19 @@ class LearnerRankActor:
 
 
 def ray_get_ready(placement: PlacementGroup) -> None:
-    """Wait for the placement group, however long a node takes to join."""
+    """Wait for the placement group, however long a node takes to join (a rebuild after the
+    ranks' node was lost); a wait past NOTE_AFTER_S is said once, with what the cluster has."""
+    if placement.wait(timeout_seconds=NOTE_AFTER_S):
+        return
+    bundle = placement.bundle_specs[0]
+    nodes, free = live_nodes()
+    log.warning(
+        "the learner's %d ranks wait for room on the cluster: each asks %s (learner.resources); "
+        "the cluster has %s",
+        len(placement.bundle_specs),
+        describe_demand(bundle),
+        describe_cluster(nodes, free, bundle),
+    )
     ray.get(placement.ready())
 
 

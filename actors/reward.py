@@ -10,7 +10,9 @@ within `reward.timeout_s` (its scorer processes are killed at each call's deadli
 responses still unscored when the budget runs out are timeouts), so the driver never waits on
 a stuck verifier longer than that. A worker that gives no answer within that plus a grace
 period is replaced and its batch scored 0; a worker that dies is replaced and its batch
-retried up to `reward.max_retries` times.
+retried up to `reward.max_retries` times. Its slot takes no batch until the replacement is up
+(actors/starting.py Replacements): the other workers score meanwhile, and with none left the
+batches wait for the first replacement that comes up.
 
 Scaling (groupflow scale): `scale_to` starts or retires workers and returns at once; `settle`,
 between steps, admits the workers that are up and removes retired ones once their batches
@@ -28,12 +30,13 @@ from dataclasses import dataclass
 import ray
 
 from groupflow.actors.futures import RayFutures
-from groupflow.actors.starting import ActorSlots, StartingActors
+from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
 from groupflow.config import Config
 from groupflow.peers import Handle, PeerDied
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
-from groupflow.scaling import PoolState
+from groupflow.scaling import PoolState, ray_demand
+from groupflow.start_errors import StartError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 # Beyond reward.timeout_s, what a worker may take to answer before it counts as hung: the
 # last call's deadline margin and the Ray round trip.
 _GRACE_S = 5.0
+# Replacements that fail to start in a row (a verifier plugin that does not import on a node)
+# before the job stops with the last one's error.
+MAX_FAILED_STARTS = 3
 
 
 class RewardWorker:
@@ -98,11 +104,23 @@ class RewardPool:
         self.workers = [self._actor.remote(*self._args) for _ in range(cfg.reward.num_workers)]
         self._load = [0] * len(self.workers)
         self._pending: list[_Batch] = []
+        # (chunk id, groups, attempts) of batches that wait for a worker: every one was lost
+        self._queued: list[tuple[int, list[SampledGroup], int]] = []
+        self._failed_starts = 0  # in a row
         self.errors = 0
         self.timeouts = 0
         self.futures = RayFutures()
-        # Retiring slots are given no new batch.
-        self.slots = ActorSlots(self.workers, StartingActors("reward worker"))
+        # Retiring and vacant slots are given no new batch.
+        self.slots = ActorSlots(
+            self.workers,
+            StartingActors("reward worker"),
+            Replacements(
+                "reward worker",
+                lambda w: w.__ray_ready__.remote(),
+                self.futures,
+                ray_demand(res.num_cpus, res.num_gpus, res.custom),
+            ),
+        )
 
     def _deadline_s(self, batch: _Batch) -> float:
         """The worker ends every batch within reward.timeout_s; one past that (and a grace
@@ -116,24 +134,61 @@ class RewardPool:
     def submit(self, groups: list[SampledGroup], chunk_id: int) -> None:
         """Queue groups for scoring on the least-loaded worker."""
         if groups:
-            self._pending.append(self._launch(chunk_id, groups, attempts=1))
+            self._launch(chunk_id, groups, attempts=1)
 
-    def _launch(self, chunk_id: int, groups: list[SampledGroup], attempts: int) -> _Batch:
-        taking = [w for w in range(len(self.workers)) if w not in self.slots.retiring]
+    def _launch(self, chunk_id: int, groups: list[SampledGroup], attempts: int) -> None:
+        """Send a batch to the least-loaded worker, or queue it while there is none."""
+        idle = self.slots.idle()
+        taking = [w for w in range(len(self.workers)) if w not in idle]
+        if not taking:
+            self._queued.append((chunk_id, groups, attempts))
+            return
         worker = min(taking, key=self._load.__getitem__)
         self._load[worker] += len(groups)
         actor = self.workers[worker]
         # The worker gets what its verifier reads; the groups stay here (scored_groups).
         ref = actor.score.remote(response_items(groups), time.time() + self.cfg.reward.timeout_s)
-        return _Batch(chunk_id, groups, worker, actor, ref, time.monotonic(), attempts)
+        self._pending.append(
+            _Batch(chunk_id, groups, worker, actor, ref, time.monotonic(), attempts)
+        )
 
-    def _replace(self, batch: _Batch) -> None:
-        """Replace the batch's worker, unless another failed batch already did."""
-        if self.workers[batch.worker] is not batch.actor:
+    def _replace(self, batch: _Batch, why: str) -> None:
+        """Replace the batch's worker, unless another failed batch already did (a retiring one
+        is only ended: it was leaving)."""
+        slot = batch.worker
+        if self.workers[slot] is not batch.actor or slot in self.slots.vacant():
             return
         ray.kill(batch.actor, no_restart=True)
-        self.workers[batch.worker] = self._actor.remote(*self._args)
-        self._load[batch.worker] = 0
+        if slot in self.slots.retiring:
+            return
+        self.slots.replacements.ask(slot, self._actor.remote(*self._args))
+        self._load[slot] = 0
+        left = len(self.workers) - len(self.slots.idle())
+        log.warning(
+            "reward worker %d %s; a replacement is asked for; %s",
+            slot,
+            why,
+            f"scoring goes on with {left} worker(s)" if left else "batches wait for it",
+        )
+
+    def arrivals(self) -> list[Handle]:
+        return self.slots.replacements.handles()
+
+    def _admit_replacements(self, ready: Sequence[Handle]) -> None:
+        up, failed = self.slots.replacements.take(ready)
+        for slot, worker in up:
+            self.slots.fill(slot, worker)
+            self._failed_starts = 0
+        for slot, why in failed:
+            self._failed_starts += 1
+            if self._failed_starts >= MAX_FAILED_STARTS:
+                raise StartError(why)
+            log.warning("%s; asking for another", why)
+            self.slots.replacements.ask(slot, self._actor.remote(*self._args))
+        if up and self._queued:
+            queued, self._queued = self._queued, []
+            for chunk_id, groups, attempts in queued:
+                self._launch(chunk_id, groups, attempts)
 
     def _retry_or_zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
         if batch.attempts <= self.cfg.reward.max_retries:
@@ -143,7 +198,7 @@ class RewardPool:
                 batch.worker,
                 batch.attempts + 1,
             )
-            self._pending.append(self._launch(batch.chunk_id, batch.groups, batch.attempts + 1))
+            self._launch(batch.chunk_id, batch.groups, batch.attempts + 1)
             return []
         log.error("reward batch %s after %d attempts; scoring it 0", why, batch.attempts)
         return self._zero(batch, why)
@@ -167,11 +222,14 @@ class RewardPool:
         return max(0.0, first - time.monotonic())
 
     def scoring(self, chunk_id: int) -> bool:
-        return any(b.chunk_id == chunk_id for b in self._pending)
+        return any(b.chunk_id == chunk_id for b in self._pending) or any(
+            q[0] == chunk_id for q in self._queued
+        )
 
     def take(self, ready: Sequence[Handle]) -> list[tuple[int, list[ScoredGroup]]]:
         """The groups of the batches among `ready`, and of the overdue ones (scored 0), by
         chunk id; a batch whose worker died is sent again instead (up to max_retries)."""
+        self._admit_replacements(ready)
         ready, now = set(ready), time.monotonic()
         taken = []
         for batch in list(self._pending):
@@ -186,12 +244,12 @@ class RewardPool:
 
     def _result(self, batch: _Batch, finished: bool) -> list[ScoredGroup]:
         if not finished:  # overdue; not retried: that would stall the step again
-            self._replace(batch)
+            self._replace(batch, "gave no answer in time (hung or lost)")
             return self._zero(batch, "timed out")
         try:
             ((verdicts, errors, timeouts),) = self.futures.get([batch.ref])
-        except PeerDied:
-            self._replace(batch)
+        except PeerDied as err:
+            self._replace(batch, f"died ({err})")
             return self._retry_or_zero(batch, "lost its worker")
         self.errors += errors
         self.timeouts += timeouts
@@ -201,14 +259,15 @@ class RewardPool:
         """Block until every batch is scored; the groups by chunk id, in completion order.
         For a caller without a job loop (a benchmark, a test of the pool)."""
         done: dict[int, list[ScoredGroup]] = defaultdict(list)
-        while self._pending:
-            ready = self.futures.wait_any(self.in_flight(), self.seconds_to_deadline())
+        while self._pending or self._queued:
+            handles = self.in_flight() + self.arrivals()
+            ready = self.futures.wait_any(handles, self.seconds_to_deadline())
             for chunk_id, groups in self.take(ready):
                 done[chunk_id] += groups
         return done
 
     def pending_groups(self) -> int:
-        return sum(len(b.groups) for b in self._pending)
+        return sum(len(b.groups) for b in self._pending) + sum(len(q[1]) for q in self._queued)
 
     # ----- scaling (between steps) --------------------------------------------------------------
     def scale_to(self, target: int) -> None:
@@ -234,5 +293,6 @@ class RewardPool:
 
     def shutdown(self) -> None:
         self.slots.starting.shutdown()
+        self.slots.replacements.shutdown()
         for worker in self.workers:
             ray.kill(worker)

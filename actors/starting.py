@@ -9,17 +9,28 @@ they hold none) and the target count. What an actor holds is the pool's business
 resources; until then it is a pending resource request, which the Ray autoscaler (and
 KubeRay's) reads as demand for a node. The pool polls these actors between steps
 (`take_ready`, never blocking) and admits those whose constructor has finished.
+
+An actor that dies (killed, out of memory, its node lost) leaves its slot vacant: the slot
+takes no work, and `Replacements` starts a new actor for it, which fills the slot the moment
+it is up, mid-step included (the job loop waits on its start with everything else), so a pool
+goes on with the actors it still has and one whose every actor was lost goes on as soon as one
+is back. A replacement that waits for room on the cluster is said once, with what it asks and
+what the cluster has, and counts as pending, never as live.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayError
 
+from groupflow.actors.placement import has_node, live_nodes
+from groupflow.peers import Futures, Handle
+from groupflow.placement import NOTE_AFTER_S, describe_cluster, describe_demand
 from groupflow.scaling import PoolState
 from groupflow.start_errors import StartError, start_failure
 
@@ -115,18 +126,128 @@ class StartingActors:
         self.cancel(len(self._starting))
 
 
-class ActorSlots:
-    """A pool's live actors (`actors`, a list the pool indexes by slot), the ones starting, and
-    the slots retiring."""
+@dataclass
+class _Replacement:
+    slot: int
+    actor: object
+    ready: Handle  # resolves when the actor is up
+    asked_at: float
+    noted: bool = False  # its wait for room on the cluster was said
 
-    def __init__(self, actors: list, starting: StartingActors):
+
+class Replacements:
+    """Actors started in place of dead ones, each for its slot (see the module's docstring).
+    `futures` is the job's (the replacements' starts are waited on in the job loop's one
+    wait); `demand` is one actor's resources as Ray names them, for what is said of a wait."""
+
+    def __init__(
+        self,
+        what: str,
+        ready: Callable[[object], Handle],
+        futures: Futures,
+        demand: Mapping[str, float],
+        *,
+        placed: Callable[[object], bool] = has_node,
+        cluster: Callable[[], tuple[list, dict]] = live_nodes,
+        end: Callable[[object], None] = lambda a: ray.kill(a, no_restart=True),
+        clock: Callable[[], float] = time.monotonic,
+        note: Callable[[str], None] = log.warning,
+    ):
+        self.what, self.ready, self.futures, self.demand = what, ready, futures, dict(demand)
+        self.placed, self.cluster, self.end = placed, cluster, end
+        self.clock, self.note = clock, note
+        self._waiting: list[_Replacement] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def ask(self, slot: int, actor) -> None:
+        self._waiting.append(_Replacement(slot, actor, self.ready(actor), self.clock()))
+
+    def vacant(self) -> set[int]:
+        return {r.slot for r in self._waiting}
+
+    def handles(self) -> list[Handle]:
+        return [r.ready for r in self._waiting]
+
+    def take(self, ready: Sequence[Handle]) -> tuple[list[tuple[int, object]], list[tuple]]:
+        """Of the replacements whose start ended among `ready`: those up, as (slot, actor),
+        and those that failed to start, as (slot, one line: their own error and node)."""
+        ready = set(ready)
+        up, failed = [], []
+        for r in [r for r in self._waiting if r.ready in ready]:
+            self._waiting.remove(r)
+            try:
+                self.futures.get([r.ready])
+            except Exception as err:  # its constructor or warm-up raised, or it died
+                self.end(r.actor)
+                failed.append((r.slot, start_failure(f"{self.what} replacement", _text(err))))
+                continue
+            seconds = self.clock() - r.asked_at
+            log.info(
+                "%s %d's replacement is up, %.0fs after it was asked for",
+                self.what,
+                r.slot,
+                seconds,
+            )
+            up.append((r.slot, r.actor))
+        return up, failed
+
+    def census(self) -> tuple[int, int]:
+        """(placed, pending) replacements; one that has waited NOTE_AFTER_S for room on the
+        cluster is said once, with what it asks and what the cluster has."""
+        placed = [self.placed(r.actor) for r in self._waiting]
+        now = self.clock()
+        for r, has in zip(self._waiting, placed, strict=True):
+            if not has and not r.noted and now - r.asked_at >= NOTE_AFTER_S:
+                r.noted = True
+                nodes, free = self.cluster()
+                self.note(
+                    f"{self.what} {r.slot}'s replacement has waited {now - r.asked_at:.0f}s for "
+                    f"room on the cluster: it asks {describe_demand(self.demand)}; the cluster "
+                    f"has {describe_cluster(nodes, free, self.demand)}"
+                )
+        return sum(placed), len(placed) - sum(placed)
+
+    def renumber(self, removed: int) -> None:
+        """The slot `removed` left the pool: the slots above it move down one."""
+        for r in self._waiting:
+            if r.slot > removed:
+                r.slot -= 1
+
+    def shutdown(self) -> None:
+        for r in self._waiting:
+            self.end(r.actor)
+        self._waiting = []
+
+
+def _text(err: BaseException) -> str:
+    """The whole of Ray's report of a failed start (PeerDied keeps it as its cause)."""
+    return str(err.__cause__ or err)
+
+
+class ActorSlots:
+    """A pool's actors (`actors`, a list the pool indexes by slot), the ones starting, the
+    slots retiring, and the slots vacant while their replacement starts."""
+
+    def __init__(
+        self, actors: list, starting: StartingActors, replacements: Replacements | None = None
+    ):
         self.actors = actors  # in place: others (the weight transport) may hold this list
         self.starting = starting
+        self.replacements = replacements
         self.retiring: set[int] = set()  # slots given no new work, removed once drained
         self.target = len(actors)
 
+    def vacant(self) -> set[int]:
+        return set() if self.replacements is None else self.replacements.vacant()
+
+    def idle(self) -> set[int]:
+        """Slots given no work: retiring or vacant."""
+        return self.retiring | self.vacant()
+
     def live(self) -> int:
-        return len(self.actors) - len(self.retiring)
+        return len(self.actors) - len(self.idle())
 
     def scale_to(self, target: int, start: Callable[[], ray.actor.ActorHandle]) -> list:
         """Aim for `target` live actors; returns the actors started for it. Retired slots come
@@ -135,14 +256,24 @@ class ActorSlots:
         self.target = target
         while self.retiring and self.live() < target:
             self.retiring.remove(min(self.retiring))
-        started = [start() for _ in range(target - self.live() - len(self.starting))]
+        # A replacement coming counts toward a larger target; toward a smaller one it does
+        # not (it may never come): it retires as it fills its slot (`fill`).
+        coming = len(self.starting) + len(self.replacements or ())
+        started = [start() for _ in range(target - self.live() - coming)]
         for actor in started:
             self.starting.add(actor)
         excess = self.live() + len(self.starting) - target
         excess -= self.starting.cancel(max(0, excess))
-        active = [slot for slot in range(len(self.actors)) if slot not in self.retiring]
+        active = [slot for slot in range(len(self.actors)) if slot not in self.idle()]
         self.retiring.update(sorted(active, reverse=True)[: max(0, excess)])
         return started
+
+    def fill(self, slot: int, actor) -> None:
+        """A replacement is up: it takes its vacant slot, retiring at once where the pool was
+        scaled down meanwhile."""
+        self.actors[slot] = actor
+        if self.live() > self.target:
+            self.retiring.add(slot)
 
     def admit(self) -> list:
         """Append the actors that are up to `actors` and return them; a failed start is not
@@ -161,15 +292,18 @@ class ActorSlots:
         """Take the actor out of its slot and renumber the retiring slots above it; returns
         the actor (the pool ends it)."""
         self.retiring = {s - 1 if s > slot else s for s in self.retiring if s != slot}
+        if self.replacements is not None:
+            self.replacements.renumber(slot)
         return self.actors.pop(slot)
 
     def state(self, joined: int = 0, left: int = 0) -> PoolState:
         placed = self.starting.placed()
+        replaced, unplaced = (0, 0) if self.replacements is None else self.replacements.census()
         return PoolState(
             live=self.live(),
             target=self.target,
-            starting=placed,
-            pending=len(self.starting) - placed,
+            starting=placed + replaced,
+            pending=len(self.starting) - placed + unplaced,
             retiring=len(self.retiring),
             joined=joined,
             left=left,

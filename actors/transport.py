@@ -54,7 +54,7 @@ class WeightTransport:
         # A load not checked yet -> (the engine, in words; the ranks' checksum shares).
         self._loads: dict[ray.ObjectRef, tuple[str, list[ray.ObjectRef]]] = {}
 
-    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
+    def async_sync(self, version: int, engines: list) -> SyncHandles:
         raise NotImplementedError
 
     def _note(self, engines: list, loads: list[ray.ObjectRef]) -> None:
@@ -84,8 +84,7 @@ class WeightTransport:
 
 
 class ObjectStoreTransport(WeightTransport):
-    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
-        engines = self.engines if engines is None else engines
+    def async_sync(self, version: int, engines: list) -> SyncHandles:
         buckets, sync = self.buckets, uuid.uuid4().hex
         # The buckets are in the object store once the pushes are done: the learner may train
         # on while the engines load them. A rank that fails fails its push's handle, and its
@@ -93,7 +92,7 @@ class ObjectStoreTransport(WeightTransport):
         pushes = self.learner.async_push_weights(buckets, sync, engines)
         loads = [e.load_streamed_weights.remote(buckets, version, sync, pushes) for e in engines]
         self._note(engines, loads)
-        return SyncHandles(pushes, loads)
+        return SyncHandles(pushes, loads, list(engines))
 
 
 class CollectiveTransport(WeightTransport):
@@ -120,8 +119,8 @@ class CollectiveTransport(WeightTransport):
             ]
         )
 
-    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
-        if engines is not None and engines != self.engines:
+    def async_sync(self, version: int, engines: list) -> SyncHandles:
+        if engines != self.engines:
             # Its engines never change (a death ends the job), so none ever awaits alone.
             raise ValueError("the collective transport broadcasts to all of its engines")
         buckets = self.buckets
@@ -129,7 +128,7 @@ class CollectiveTransport(WeightTransport):
         sending = [r.broadcast_weights.remote(buckets) for r in self.learner.ranks]
         loads = [e.receive_weights.remote(buckets, version) for e in self.engines]
         self._note(self.engines, loads)
-        return SyncHandles(sending, loads)
+        return SyncHandles(sending, loads, list(self.engines))
 
 
 def make_transport(

@@ -73,11 +73,12 @@ def time_syncs(
 ) -> list[tuple[float, float]]:
     """(seconds until the learner's side is done, seconds until every engine has loaded)."""
     transport = make_transport(kind, learner, engines, bucket_mb)
-    ray.get(transport.async_sync(1).handles())  # warm-up: opens the weight group, first allocations
+    # warm-up: opens the weight group, first allocations
+    ray.get(transport.async_sync(1, transport.engines).handles())
     seconds = []
     for version in range(2, repeats + 2):
         start = time.perf_counter()
-        handles = transport.async_sync(version)
+        handles = transport.async_sync(version, transport.engines)
         ray.get(handles.learner)
         learner_done = time.perf_counter() - start
         for handle, loaded in zip(handles.engines, ray.get(handles.engines), strict=True):

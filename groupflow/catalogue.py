@@ -500,6 +500,13 @@ LIVE_GAUGES: dict[str, LiveGauge] = {
     "queue_depth": LiveGauge(
         "groupflow_queue_depth", "items waiting in a queue", "Queue depths", "queue"
     ),
+    # read at each scrape, so it moves while the driver waits anywhere (a lost node's
+    # replacement, a learner rebuilt): the series the stalled-step alert can read directly
+    "seconds_since_step": LiveGauge(
+        "groupflow_seconds_since_step",
+        "seconds since the job last wrote a step record (or since it started)",
+        "Seconds since the last step",
+    ),
     # also in summary.json; the uids are the task option skip_prompts of config.resolved.yaml
     "prompts_left_out": LiveGauge(
         "groupflow_prompts_left_out",

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet, greedy_share, sampled_scores
-from groupflow.peers import PeerDied
 from groupflow.pipeline import Pipeline
 from groupflow.records import Prompt, SampledGroup
 
@@ -57,16 +56,15 @@ class HeldOutEvaluation:
         return scores
 
     def _answers(self, prompts: list[Prompt], greedy: bool) -> list[SampledGroup]:
-        """A group per prompt; an engine that dies answering is replaced and asked again."""
+        """A group per prompt; where an engine dies answering, the engines there are then
+        asked again (each death is a restart: the job's budget bounds this)."""
         while True:
-            self.pipeline.heal()  # a replacement gets the weights first
-            try:
-                return self.generators.complete(
-                    prompts, self.cfg.trainer.eval_samples, self.cfg.rollout.sampling, greedy
-                )
-            except PeerDied:
-                if not self.generators.replace_dead():
-                    raise
+            self.pipeline.wait_for_engines()  # new engines get the weights first
+            groups = self.generators.complete(
+                prompts, self.cfg.trainer.eval_samples, self.cfg.rollout.sampling, greedy
+            )
+            if groups is not None:
+                return groups
 
     def _pool(self, groups: list[SampledGroup]) -> list[list[float]]:
         self.pipeline.rewards.submit(groups, EVAL_CHUNK)

@@ -18,11 +18,14 @@ resumed job (`restore`) trains the same prompts in the same order.
 
 Recovery draws on one restart budget (groupflow/recovery.py): a dead engine is replaced by the
 generator pool and healed by the pipeline; a dead learner rank raises LearnerLost, and the
-driver rebuilds the ranks through `recover_learner` with the newest checkpoint.
+driver rebuilds the ranks through `recover_learner` with the newest checkpoint. While a step
+waits, the job publishes its live status every few seconds (`_heartbeat`) and says once what a
+step that has waited long waits for.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,6 +50,12 @@ from groupflow.scaling import Scaler
 from groupflow.sequences import group_advantages, train_sequences
 from groupflow.timing import stage_timer, time_keys
 from groupflow.unscored import UnscoredSteps
+
+log = logging.getLogger(__name__)
+
+# A step that has waited this long (and three times the last step) is said once, with what
+# the pools have: the moment a user wonders whether the job hangs.
+STALL_NOTE_S = 60.0
 
 
 class StepSink(Protocol):
@@ -73,8 +82,10 @@ class TrainingJob:
         sample_log: Callable[[int, list[ScoredGroup], list[list[float]]], None] | None = None,
         held_out_sets: Sequence[HeldOutSet] = (),
         scaler: Scaler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
+        self._clock = clock  # of the heartbeat (a virtual one in the job loop's unit tests)
         self.generators = generators
         self.rewards = rewards
         self.learner = learner
@@ -87,7 +98,9 @@ class TrainingJob:
         self.stream = PromptStream(
             cfg, task, lambda: chunk_size(per_step, self.generators.figures().engines)
         )
-        self.pipeline = Pipeline(self.stream, generators, rewards, transport, futures, restarts)
+        self.pipeline = Pipeline(
+            self.stream, generators, rewards, transport, futures, self._heartbeat, clock
+        )
         self.evaluation = HeldOutEvaluation(
             cfg, task.eval_prompts(cfg.task.eval_size), self.pipeline, held_out_sets
         )
@@ -99,6 +112,10 @@ class TrainingJob:
         self._totals_before = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         self._last_save: float | None = None  # seconds the newest save took
         self._saved_at = time.monotonic()  # when the newest checkpoint was complete
+        self._step_no = 0  # the step under way
+        self._step_started = clock()
+        self._last_step_s = 0.0
+        self._stall_said = False
 
     def train(self, sinks: Sequence[StepSink]) -> None:
         """Run the steps; each step record goes to every sink (metrics.jsonl, progress)."""
@@ -116,6 +133,7 @@ class TrainingJob:
 
     def _step(self, step: int) -> dict:
         started, times = time.monotonic(), {}
+        self._step_no, self._step_started, self._stall_said = step, self._clock(), False
         idle_before = self.generators.figures().idle_engine_s
         taken = self._take_groups(step, times)
         while not self.unscored.trainable(taken.groups):  # never train on nothing
@@ -147,6 +165,7 @@ class TrainingJob:
         if every and step % every == 0 and step < self.cfg.trainer.steps:  # the run ends with one
             record.update(self.evaluate())
         times["step"] = time.monotonic() - started
+        self._last_step_s = self._clock() - self._step_started
         rollout = self.generators.figures()
         times["engines_idle"] = (rollout.idle_engine_s - idle_before) / max(1, rollout.engines)
         record.update(time_keys(times))
@@ -234,6 +253,17 @@ class TrainingJob:
         self.restore(checkpoint, state)
 
     # ----- monitoring ---------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        """While a step waits (every pipeline.HEARTBEAT_S): the live status and series, and
+        one line once the step has waited long, saying what the pools have."""
+        status = None if self.scaler is None else self.scaler.publish(self._step_no - 1)
+        self._export_queues()
+        waited = self._clock() - self._step_started
+        if not self._stall_said and waited >= max(STALL_NOTE_S, 3 * self._last_step_s):
+            self._stall_said = True
+            pools = "" if status is None else ": " + "; ".join(status.lines()[1:])
+            log.warning("step %d has waited %.0fs%s", self._step_no, waited, pools)
+
     def _export_queues(self) -> None:
         if self.exporter is not None:
             rollout = self.generators.figures()

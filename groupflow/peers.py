@@ -54,6 +54,7 @@ class GenerationFigures:
     engines: int  # in the pool, retiring ones included
     idle_engine_s: float  # engine-seconds so far in which an engine held no chunk
     queued_prompts: int  # sent to the engines and not yet taken
+    serving: int  # engines that take work now (loaded, not retiring, not dead)
 
 
 class Generation(Protocol):
@@ -70,11 +71,22 @@ class Generation(Protocol):
     def in_flight(self) -> list[Handle]:
         """Handles of the chunks submitted and not yet taken."""
 
+    def arrivals(self) -> list[Handle]:
+        """Handles of the replacements of dead engines that are starting: the job loop waits
+        on them too, so that `take` admits one the moment it is up."""
+
     def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         """The finished chunks among `ready` (handles of other peers are ignored), with
-        their groups. A chunk whose engine died is not among them: the engine is replaced
-        (a restart charged to the job's budget) and the chunk kept, to be sent again once
-        the replacement holds the current weights."""
+        their groups; replacements among `ready` that are up are admitted. A chunk whose
+        engine died is not among them: the engine is `lost` and the chunk kept, to be sent
+        again to an engine with the current weights."""
+
+    def lost(self, engine: Any, cause: str) -> None:
+        """`engine` died: one restart charged to the job's budget however many of its calls
+        fail; it takes no work and a replacement is asked for."""
+
+    def engines_up(self) -> list:
+        """The engines not known to be dead (what a sync to every engine goes to)."""
 
     def awaiting_weights(self) -> list:
         """The engines that wait for the current weights before they take work (replacements
@@ -82,19 +94,17 @@ class Generation(Protocol):
 
     def weights_sent(self, version: int) -> None:
         """After the load of `version` was sent to the engines (every engine that awaited
-        one): chunks sent from now on are sampled by it, the engines that awaited it take
-        work, and the chunks lost with dead engines are sent again."""
-
-    def replace_dead(self) -> int:
-        """Replace the engines that died; how many."""
+        one): chunks sent from now on are sampled by it, and the engines that awaited it take
+        work."""
 
     def drop_lost(self) -> None:
         """Forget the lost chunks (their rollouts were abandoned)."""
 
     def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
-    ) -> list[SampledGroup]:
-        """A group per prompt, in order (blocking): one greedy answer, or n sampled ones."""
+    ) -> list[SampledGroup] | None:
+        """A group per prompt, in order (blocking): one greedy answer, or n sampled ones;
+        None where no engine takes work or one died answering (it is `lost`: ask again)."""
 
     def shutdown(self) -> None: ...
 
@@ -112,6 +122,9 @@ class Scoring(Protocol):
 
     def in_flight(self) -> list[Handle]:
         """Handles of the batches being scored."""
+
+    def arrivals(self) -> list[Handle]:
+        """Handles of the replacements of dead workers that are starting (as Generation's)."""
 
     def seconds_to_deadline(self) -> float | None:
         """Until the first batch in flight is overdue (a hung or lost worker), so that a wait
@@ -160,6 +173,7 @@ class Learner(Protocol):
 class SyncHandles:
     learner: list[Handle]  # ready when the learner's side is done: it may train again
     engines: list[Handle]  # ready when each engine serves the new version
+    receivers: list  # the engine of each of `engines`
 
     def handles(self) -> list[Handle]:
         return self.learner + self.engines
@@ -168,9 +182,9 @@ class SyncHandles:
 class WeightSync(Protocol):
     """Learner to engines (groupflow.actors.transport)."""
 
-    def async_sync(self, version: int, engines: list | None = None) -> SyncHandles:
-        """Start making every engine (or only `engines`) serve the learner's parameters as
-        `version`; the engines load them after the chunks already queued on them."""
+    def async_sync(self, version: int, engines: list) -> SyncHandles:
+        """Start making `engines` serve the learner's parameters as `version`; they load them
+        after the chunks already queued on them."""
 
     def check_load(self, load: Handle, loaded: Any) -> bool:
         """Check a finished engine load (`load`, one of SyncHandles.engines; `loaded`, its

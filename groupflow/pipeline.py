@@ -11,22 +11,31 @@ once the load is done, and a load stops an engine's running requests only for it
 rollouts) or waits for them (rollout/engine.py). No engine waits for another's load
 (`sync_engines` waits for the learner's side only; the engines' loads are followed here).
 
-An engine that dies is replaced by the generator pool; the replacement is sent the current
-weights as soon as the learner is between steps (`version` is set), and the pool then sends
-the chunks the dead engine held again.
+An engine that dies is lost to the generator pool, which sends the chunks it held to the
+engines still there and asks for a replacement; the loop waits on the replacement's start with
+everything else, and sends it the current weights as soon as it is up and the learner is
+between steps (`version` is set). Nothing here waits on one actor alone: a replacement that
+has no node to go to holds up nothing but the work that needs it.
+
+Every HEARTBEAT_S of waiting, the loop calls `heartbeat` (the job publishes its live status
+and Prometheus series there, and says what a long wait is waiting for), so that a stalled
+step is seen while it stalls.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from groupflow.peers import Chunk, Futures, Generation, Handle, PeerDied, Scoring, WeightSync
 from groupflow.prompt_stream import PromptStream
 from groupflow.records import ScoredGroup
-from groupflow.recovery import LearnerLost, RestartBudget
+from groupflow.recovery import LearnerLost
 from groupflow.timing import stage_timer
+
+HEARTBEAT_S = 5.0
 
 
 class Pipeline:
@@ -37,18 +46,21 @@ class Pipeline:
         rewards: Scoring,
         transport: WeightSync,
         futures: Futures,
-        restarts: RestartBudget,
+        heartbeat: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.stream = stream
         self.generators = generators
         self.rewards = rewards
         self.transport = transport
         self.futures = futures
-        self.restarts = restarts
         # The learner's version while it is between steps, when its parameters are that
         # version and can be sent to an engine; None while it trains or is rebuilt.
         self.version: int | None = 0
-        self._engine_loads: list[Handle] = []  # weight loads the engines have not finished
+        self._engine_loads: dict[Handle, Any] = {}  # loads not finished -> their engine
+        self.heartbeat = heartbeat
+        self._clock = clock
+        self._beat_at = clock()
         self.loads_verified = 0  # engine loads checked against the learner's checksums
         self._scored: dict[int, list[ScoredGroup]] = defaultdict(list)  # by rollout id
 
@@ -73,61 +85,53 @@ class Pipeline:
         return self._scored.pop(chunk_id, [])
 
     def feed(self) -> None:
-        """Send the stream's waiting chunks to the engines with room (replaced engines get
-        the weights and lost chunks are sent again first, if the learner can send them)."""
+        """Send the stream's waiting chunks to the engines with room (new engines get the
+        weights first, if the learner can send them)."""
         if self.version is not None:
             self.heal()
         self.generators.send(self.stream.waiting())
 
     def heal(self) -> None:
-        """Send replaced engines the current weights (the pool then sends the chunks the
-        dead ones held again)."""
+        """Send the engines that came up (replacements, new engines) the current weights."""
         if self.generators.awaiting_weights():
             self.sync_engines(wait_for_engines=True, only_awaiting=True)
+
+    def wait_for_engines(self) -> None:
+        """Until an engine takes work (after every engine was lost: until a replacement is
+        up and holds the current weights)."""
+        self.heal()
+        while not self.generators.figures().serving:
+            self._pump(())
 
     def sync_engines(self, wait_for_engines: bool, only_awaiting: bool = False) -> None:
         """Send every engine (or, `only_awaiting`, those that await the weights) `version`
         and wait for the learner's side; each engine loads it after the chunks it holds, on
-        its own (or waited for too, with `wait_for_engines`). A dead engine met on the way is
-        replaced and the sync sent again."""
-        while True:
-            replaced = self.restarts.engines
-            engines = self.generators.awaiting_weights() if only_awaiting else None
-            handles = self.transport.async_sync(self.version, engines)
-            self.generators.weights_sent(self.version)
-            if wait_for_engines:
-                wait = handles.learner + handles.engines
-            else:  # an engine that dies loading is noticed in `_pump`
-                wait = handles.learner
-                self._engine_loads.extend(handles.engines)
-            try:
-                done = self.wait_for(wait)
-            except PeerDied as err:
-                for load in wait[len(handles.learner) :]:  # sent again below, or never
-                    self.transport.forget(load)
-                self.generators.replace_dead()
-                if self.restarts.engines == replaced:  # no engine died: a rank did
-                    raise LearnerLost(f"a learner rank died in a weight sync: {err}") from err
-                continue
-            learner_side = len(handles.learner)
-            self._check_loads(wait[learner_side:], done[learner_side:])
-            return
+        its own (or waited for too, with `wait_for_engines`). The loads are followed in the
+        one wait: an engine that dies loading is lost to the pool, and its replacement gets
+        the weights when it is up."""
+        gen = self.generators
+        handles = self.transport.async_sync(
+            self.version, gen.awaiting_weights() if only_awaiting else gen.engines_up()
+        )
+        gen.weights_sent(self.version)
+        self._engine_loads.update(zip(handles.engines, handles.receivers, strict=True))
+        try:
+            self.wait_for(handles.learner)
+        except PeerDied as err:
+            raise LearnerLost(f"a learner rank died in a weight sync: {err}") from err
+        while wait_for_engines and any(h in self._engine_loads for h in handles.engines):
+            self._pump(())
 
     def abandon(self) -> None:
         """The learner is lost: draw and send nothing more, let the rollouts in flight finish
         and drop them. No weights are sent until `version` is set again."""
         self.version = None
         self.stream.stop_drawing()
-        while self.generators.in_flight() or self.rewards.in_flight():
+        while self.generators.in_flight() or self.rewards.pending_groups():
             self._pump(())
         self.stream.abandon()
         self._scored.clear()
         self.generators.drop_lost()
-
-    def _check_loads(self, loads: Sequence[Handle], loaded: Sequence) -> None:
-        """Finished weight loads against the learner's checksums (a mismatch ends the job)."""
-        for load, value in zip(loads, loaded, strict=True):
-            self.loads_verified += self.transport.check_load(load, value)
 
     def _stream_until(self, handles: Sequence[Handle]) -> Sequence[Handle]:
         waiting = set(handles)
@@ -136,31 +140,39 @@ class Pipeline:
         return handles
 
     def _pump(self, waiting: set[Handle] | tuple) -> list[Handle]:
-        """The loop's one wait: for any of `waiting`, a chunk, a batch of scores or an
-        engine's weight load. Hands finished chunks to the reward pool, keeps scored groups,
-        sends engines with room their next chunk. Returns the ready ones among `waiting`
-        (raising where such a handle's peer failed)."""
+        """The loop's one wait: for any of `waiting`, a chunk, a batch of scores, an engine's
+        weight load or a replacement's start. Hands finished chunks to the reward pool, keeps
+        scored groups, sends engines with room their next chunk. Returns the ready ones among
+        `waiting` (raising where such a handle's peer failed)."""
         chunks = set(self.generators.in_flight())
         batches = set(self.rewards.in_flight())
         loads = set(self._engine_loads)
-        ready = self.futures.wait_any(
-            list(set(waiting) | chunks | batches | loads), self.rewards.seconds_to_deadline()
-        )
+        arrivals = set(self.generators.arrivals()) | set(self.rewards.arrivals())
+        timeout = HEARTBEAT_S - (self._clock() - self._beat_at)
+        if (deadline := self.rewards.seconds_to_deadline()) is not None:
+            timeout = min(timeout, deadline)
+        handles = list(set(waiting) | chunks | batches | loads | arrivals)
+        if not handles:  # nothing could ever wake it: a bug, said rather than hung on
+            raise RuntimeError("the job loop waits with nothing in flight")
+        ready = self.futures.wait_any(handles, max(0.0, timeout))
         for chunk, groups in self.generators.take(ready):
             self.rewards.submit(groups, chunk.id)
         for chunk_id, groups in self.rewards.take(ready):
             self._scored[chunk_id] += groups
         for load in (h for h in ready if h in loads):
-            self._engine_loads.remove(load)
+            engine = self._engine_loads.pop(load)
             try:
-                loaded = self.futures.get([load])
-            except PeerDied:  # its chunks are sent again once the replacement has the weights
+                (loaded,) = self.futures.get([load])
+            except PeerDied as err:  # its chunks go to the other engines
                 self.transport.forget(load)
-                self.generators.replace_dead()
+                self.generators.lost(engine, str(err))
                 continue
-            self._check_loads([load], loaded)
+            self.loads_verified += self.transport.check_load(load, loaded)
         # A peer that died fails its handle at once; the others may never finish (ranks
         # blocked in a collective with the dead one).
         self.futures.get([h for h in ready if h in waiting and h not in chunks | batches | loads])
+        if self._clock() - self._beat_at >= HEARTBEAT_S:
+            self._beat_at = self._clock()
+            self.heartbeat()
         self.feed()
         return [h for h in ready if h in waiting]

@@ -14,6 +14,7 @@ its own `job` label on scrape, so the scrape config uses `honor_labels: true` to
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -65,6 +66,10 @@ class PrometheusExporter:
             for key, g in LIVE_GAUGES.items()
         }
         self._last_totals: dict[str, float] = {}
+        self._step_at = time.monotonic()
+        self._live["seconds_since_step"].labels(job).set_function(
+            lambda: time.monotonic() - self._step_at
+        )
         # prometheus_client's metrics are thread-safe; this guards the running totals, should
         # step records ever arrive from more than one thread.
         self._lock = threading.Lock()
@@ -93,6 +98,7 @@ class PrometheusExporter:
     def observe_step(self, record: dict) -> None:
         """Export one step record (the object written to metrics.jsonl); keys absent from
         the record leave their series unchanged."""
+        self._step_at = time.monotonic()
         with self._lock:
             for key, series, family in self._series:
                 if key not in record:

@@ -331,7 +331,7 @@ class Scaler:
                 self.log(f"step {step}: {event}")
             self.events = (self.events + [f"step {step}: {e}" for e in events])[-20:]
         out["scale_events"] = len(events)
-        self._publish(step)
+        self.publish(step)
         return out
 
     @staticmethod
@@ -359,7 +359,9 @@ class Scaler:
         if self.inbox is not None:
             self.inbox.close()
 
-    def _publish(self, step: int) -> None:
+    def publish(self, step: int) -> LiveStatus:
+        """Report the live status (to `groupflow status` and the live series); returns it.
+        Between steps, and while a step waits (the job loop's heartbeat)."""
         status = self.status(step)
         if self.inbox is not None:
             self.inbox.report(status)
@@ -368,6 +370,7 @@ class Scaler:
             self.gauges.set_cluster(eng.live, rew.live, self.learner_ranks)
             self.gauges.set_pending("engines", eng.pending)
             self.gauges.set_pending("reward_workers", rew.pending)
+        return status
 
 
 # ----- from the job's config ------------------------------------------------------------------

@@ -50,7 +50,11 @@ def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     os.kill(victim, signal.SIGKILL)
     scored = pool.wait_all()
     first, second = scored[0], scored[1]
+    # the other worker scored the dead one's batch; its replacement fills the slot when up
+    while pool.arrivals():
+        pool.take(ray.wait(pool.arrivals(), timeout=120)[0])
     assert pool.workers[0] is not killed, "the dead worker was replaced"
+    assert pool.state().live == 2
     for scored, chunk in ((first, 0), (second, 1)):
         expected = [g for i in range(0, 16, 4) if i // 4 % 2 == chunk for g in groups[i : i + 4]]
         assert sorted(s.group.prompt.uid for s in scored) == sorted(g.prompt.uid for g in expected)

@@ -39,7 +39,7 @@ def _train(learner, seqs):
 
 def _sync(transport, version: int) -> None:
     """A sync, every engine's load checked against the learner's checksums."""
-    handles = transport.async_sync(version)
+    handles = transport.async_sync(version, transport.engines)
     ray.get(handles.learner, timeout=300)
     loaded = ray.get(handles.engines, timeout=300)
     for handle, value in zip(handles.engines, loaded, strict=True):
@@ -126,8 +126,8 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
     cfg, engines, learner = stack
     corrupting = CorruptingEngine.remote(engines[1])
     transport = ObjectStoreTransport(learner, [engines[0], corrupting])
-    handles = transport.async_sync(version=1)  # the version the engines hold: later tests
-    # count on the engines being at version 1 here
+    # the version the engines hold: later tests count on the engines being at version 1 here
+    handles = transport.async_sync(1, transport.engines)
     ray.get(handles.learner, timeout=300)
     loaded = ray.get(handles.engines, timeout=300)
     assert ray.get(corrupting.has_corrupted.remote())
@@ -364,7 +364,7 @@ def test_a_rank_dead_in_a_sync_fails_the_learners_side_and_the_engines_abandon_i
     of a broken stream above.)"""
     cfg, engines, learner = stack
     ray.kill(learner.ranks[1])
-    handles = ObjectStoreTransport(learner, engines, bucket_bytes=2**20).async_sync(5)
+    handles = ObjectStoreTransport(learner, engines, bucket_bytes=2**20).async_sync(5, engines)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(handles.learner, timeout=120)
     assert ray.get(handles.engines, timeout=120) == [None] * len(engines), "abandoned"

@@ -30,6 +30,7 @@ PANEL_ROWS = {
     "Scaling": "Cluster",
     "Weight sync": "Cluster",
     "Prompts left out": "Cluster",
+    "Seconds since the last step": "Cluster",
 }
 
 

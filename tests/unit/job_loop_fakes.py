@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from groupflow.actors.generator import GeneratorPool
+from groupflow.actors.starting import Replacements
 from groupflow.checkpoint import Checkpointing, CheckpointStore, read_checkpoint
 from groupflow.config import build_config
 from groupflow.job import TrainingJob
@@ -83,8 +84,15 @@ class FakeEngine:
         self.queued_at_load: list[float] = []  # seconds of work ahead of each weight load
         self.sample = Remote(self._sample)
         self.complete = Remote(self._complete)
-        self.__ray_ready__ = Remote(
-            lambda: FakeRef(self.clock.now, DIED if self.dead else 1, "ping")
+        self.placed_at = 0.0  # when the cluster found a node for it
+        self.start_error = ""  # what its constructor raises, if anything
+        # up (its model loaded, sampled once) a second after it was placed
+        self.warm_up = Remote(
+            lambda group_size, sampling: FakeRef(
+                self.placed_at + 1.0,
+                DIED if self.start_error else None,
+                self.start_error or "engine up",
+            )
         )
 
     def _run(self, seconds: float) -> float:
@@ -154,6 +162,9 @@ class FakeRewards:
 
     def in_flight(self):
         return [ref for _, ref in self.batches]
+
+    def arrivals(self):  # its workers never die
+        return []
 
     def seconds_to_deadline(self):
         return None  # no batch is ever overdue
@@ -253,29 +264,26 @@ class FakeTransport:
     def forget(self, load) -> None:
         self.forgotten += 1
 
-    def async_sync(self, version, engines=None):
+    def async_sync(self, version, engines):
         if not self.loads:
-            return SyncHandles([], [])
-        targets = self.engines if engines is None else engines
+            return SyncHandles([], [], [])
+        now = engines[0].clock.now if engines else 0.0
         if version == self.rank_dies_at:
             self.rank_dies_at = None
-            now = self.engines[0].clock.now
             return SyncHandles(
                 [FakeRef(now + 0.2, DIED, "dead rank in a sync")],
-                [FakeRef(now + 0.1, None, "load of a broken stream") for _ in targets],
+                [FakeRef(now + 0.1, None, "load of a broken stream") for _ in engines],
+                list(engines),
             )
         pushes = []
         if self.learner_s:
-            now = self.engines[0].clock.now
             pushes = [FakeRef(now + self.learner_s, None, f"learner side of sync {version}")]
-        return SyncHandles(
-            pushes,
-            [
-                e.load(version)
-                for i, e in enumerate(self.engines)
-                if (i, version) not in self.skip and any(e is t for t in targets)
-            ],
-        )
+        receivers = [
+            e
+            for e in engines
+            if not any(e is o and (i, version) in self.skip for i, o in enumerate(self.engines))
+        ]
+        return SyncHandles(pushes, [e.load(version) for e in receivers], receivers)
 
 
 class CountingTask:
@@ -326,6 +334,8 @@ class Faults:
     corrupt_sync_at: int | None = None  # that version's loads fail their checksum check
     skip_loads: frozenset = frozenset()  # (engine, version) loads that never happen
     loads: bool = True  # False: no engine ever loads a sync
+    replacement_waits_s: float = 0.0  # a replacement waits this long for a node (pending)
+    replacement_start_error: str = ""  # every replacement fails to start with this
 
 
 def run_job(
@@ -375,6 +385,8 @@ def run_job(
 
     def start_engine(slot):
         started.append(engine_type(clock, seconds_per_prompt, next(replacements, 0)))
+        started[-1].placed_at = clock.now + faults.replacement_waits_s
+        started[-1].start_error = faults.replacement_start_error
         return started[-1]
 
     pool = GeneratorPool(
@@ -385,6 +397,16 @@ def run_job(
         restarts,
         start_engine,
         starting,
+        replacements=Replacements(
+            "engine",
+            lambda e: e.warm_up.remote(GROUP_SIZE, cfg.rollout.sampling),
+            futures,
+            {"CPU": 1.0},
+            placed=lambda engine: engine.placed_at <= clock.now,
+            cluster=lambda: ([{"CPU": 1.0}], {"CPU": 0.0}),
+            end=lambda engine: None,
+            clock=lambda: clock.now,
+        ),
         clock=lambda: clock.now,
     )
     rewards = FakeRewards(clock, log, reward, score_s)
@@ -406,6 +428,7 @@ def run_job(
         else Checkpointing(CheckpointStore(run_dir), MODEL_CONFIG, lambda path: None),
         held_out_sets=held_out_sets,
         scaler=None if scaler is None else scaler(pool, rewards),
+        clock=lambda: clock.now,
     )
     if resume:
         newest = CheckpointStore(run_dir).newest()

@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from groupflow.actors.generator import CHUNKS_PER_ENGINE
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import CheckpointStore
 from groupflow.held_out import EVAL_CHUNK
+from groupflow.pipeline import HEARTBEAT_S
+from groupflow.placement import NOTE_AFTER_S
 from groupflow.prompt_stream import MAX_REFILLS
 from groupflow.records import Prompt
+from groupflow.recovery import RestartsExhausted
+from groupflow.scaling import Scaler
 from groupflow.weight_format import WeightSyncMismatch
 from tests.unit.job_loop_fakes import (
     GROUP_SIZE,
@@ -293,6 +299,101 @@ def test_engines_dying_in_a_row_end_the_job_after_max_restarts():
             faults=Faults(engine_dies_at_chunk=(1, 1, 1)),
             overrides=["trainer.max_restarts=1"],
         )
+
+
+class PendingGauges:
+    """The live series as the job sets them (groupflow.scaling.LiveGauges), on its clock."""
+
+    def __init__(self, clock):
+        self.clock, self.pending = clock, []  # (virtual time, pool, count)
+
+    def set_cluster(self, engines, reward_workers, learner_ranks):
+        pass
+
+    def set_pending(self, pool, count):
+        self.pending.append((self.clock(), pool, count))
+
+
+def _lost_engine_job(engines: int, waits_s: float) -> tuple[Run, PendingGauges]:
+    """A job whose engine 0 dies in its second chunk and whose replacement waits `waits_s`
+    (virtual) seconds for a node, with the Scaler and the pending series it sets."""
+    made = []
+
+    def scaler(pool, rewards):
+        made.append(PendingGauges(pool._clock))
+        return Scaler("unit", pool, rewards, 1, gauges=made[-1], log=lambda line: None)
+
+    run = run_job(
+        steps=4,
+        engines=engines,
+        faults=Faults(engine_dies_at_chunk=(2,), replacement_waits_s=waits_s),
+        scaler=scaler,
+    )
+    return run, made[0]
+
+
+def test_an_engine_whose_replacement_waits_for_a_node_leaves_its_work_to_the_others(caplog):
+    """Generation goes on with the engine left, at half the rate; the replacement counts as
+    pending, never as live, and the death is said once and counted once."""
+    caplog.set_level(logging.INFO)
+    run, gauges = _lost_engine_job(engines=2, waits_s=1000.0)
+    straight = run_job(steps=4, engines=2)
+    assert trained_prompts(run) == trained_prompts(straight)
+    assert scored_prompts(run) == scored_prompts(straight)
+    assert [r["engine_restarts"] for r in run.records] == [1, 1, 1, 1]
+    assert [r["num_engines"] for r in run.records] == [1, 1, 1, 1]
+    (replacement,) = run.started
+    assert replacement.prompts_sampled == 0  # never placed within the job
+    assert run.engines[1].prompts_sampled == 4 * PROMPTS_PER_STEP - run.engines[0].prompts_sampled
+    assert run.clock.now < 1000.0  # nothing waited for it
+    lost = [r.message for r in caplog.records if "lost" in r.message]
+    assert lost == [
+        "engine 0 lost (died); a replacement is asked for; generation goes on with 1 engine(s)"
+    ]
+    assert all(count == 1 for _, pool, count in gauges.pending if pool == "engines")
+    status = run.job.scaler.status(4)
+    assert status.engines.live == 1 and status.engines.pending == 1
+
+
+def test_a_job_that_lost_every_engine_waits_for_a_replacement_and_says_what_it_waits_for(
+    caplog,
+):
+    """The one engine dies; its replacement has no node for 200 s. The step waits, its live
+    series move every HEARTBEAT_S, the wait is said once with what the replacement asks and
+    what the cluster has, and the job goes on when the replacement is up: each step once."""
+    caplog.set_level(logging.INFO)
+    run, gauges = _lost_engine_job(engines=1, waits_s=200.0)
+    straight = run_job(steps=4, engines=1)
+    assert trained_prompts(run) == trained_prompts(straight)
+    assert scored_prompts(run) == scored_prompts(straight)
+    assert [r["engine_restarts"] for r in run.records][-1] == 1
+    (replacement,) = run.started
+    assert replacement.prompts_sampled > 0 and replacement.version == 4
+    waiting = [t for t, pool, count in gauges.pending if pool == "engines" and count == 1]
+    assert len(waiting) >= 200 / HEARTBEAT_S - 2  # published through the wait
+    assert max(waiting) - min(waiting) > 190
+    said = [r.message for r in caplog.records]
+    assert sum("no engine is left: generation waits for it" in m for m in said) == 1
+    (room,) = [m for m in said if m.startswith("engine 0's replacement has waited")]
+    assert room.startswith(f"engine 0's replacement has waited {NOTE_AFTER_S:.0f}s for room")
+    assert "it asks {CPU: 1}; the cluster has 1 live node: CPU 0 free of 1" in room
+    (stalled,) = [m for m in said if m.startswith("step ") and "has waited" in m]
+    assert "engines: 0 live, target 1 (1 pending: no room on the cluster)" in stalled
+
+
+def test_a_replacement_that_fails_to_start_is_a_restart_naming_its_own_error():
+    error = "FileNotFoundError: [Errno 2] No such file or directory: '/models/m' (ip=10.0.0.7)"
+    with pytest.raises(RestartsExhausted) as failed:
+        run_job(
+            steps=2,
+            engines=1,
+            faults=Faults(engine_dies_at_chunk=(1,), replacement_start_error=error),
+            overrides=["trainer.max_restarts=2"],
+        )
+    line = str(failed.value)
+    assert "\n" not in line
+    assert "an engine replacement failed to start on node 10.0.0.7: FileNotFoundError" in line
+    assert "3 restarts without a new step" in line
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
