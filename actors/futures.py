@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ class RayFutures:
     def wait_any(
         self, handles: Sequence[ray.ObjectRef], timeout: float | None = None
     ) -> list[ray.ObjectRef]:
+        if not handles:
+            time.sleep(timeout or 0.0)
+            return []
         ready, _ = ray.wait(list(handles), num_returns=1, timeout=timeout)
         return ready
 

@@ -383,11 +383,14 @@ class GeneratorPool:
         if self.start_engine is None:
             raise PeerDied(cause)
         self.restarts.charge("engine", f"engine {slot} died: {cause}")
+        # One only unreachable for now (Ray's ActorUnavailableError) must not come back to hold
+        # resources beside its replacement.
+        self.slots.replacements.end(engine)
         self._unloaded.discard(slot)
         if slot in self.slots.retiring:  # it was leaving: settle removes it
             self._dead_retiring.add(slot)
             return
-        self.slots.replacements.ask(slot, self.start_engine(slot))
+        self.slots.replacements.ask(slot, lambda: self.start_engine(slot))
         serving = len(self._taking_work())
         log.warning(
             "engine %d lost (%s); a replacement is asked for; %s",
@@ -405,7 +408,7 @@ class GeneratorPool:
             self._unloaded.add(slot)
         for slot, why in failed:
             self.restarts.charge("engine", why)
-            self.slots.replacements.ask(slot, self.start_engine(slot))
+            self.slots.replacements.ask(slot, lambda slot=slot: self.start_engine(slot))
 
     def drop_lost(self) -> None:
         """Forget the lost chunks: their rollouts were abandoned."""

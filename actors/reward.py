@@ -161,7 +161,7 @@ class RewardPool:
         ray.kill(batch.actor, no_restart=True)
         if slot in self.slots.retiring:
             return
-        self.slots.replacements.ask(slot, self._actor.remote(*self._args))
+        self.slots.replacements.ask(slot, self._start)
         self._load[slot] = 0
         left = len(self.workers) - len(self.slots.idle())
         log.warning(
@@ -170,6 +170,9 @@ class RewardPool:
             why,
             f"scoring goes on with {left} worker(s)" if left else "batches wait for it",
         )
+
+    def _start(self) -> ray.actor.ActorHandle:
+        return self._actor.remote(*self._args)
 
     def arrivals(self) -> list[Handle]:
         return self.slots.replacements.handles()
@@ -184,7 +187,7 @@ class RewardPool:
             if self._failed_starts >= MAX_FAILED_STARTS:
                 raise StartError(why)
             log.warning("%s; asking for another", why)
-            self.slots.replacements.ask(slot, self._actor.remote(*self._args))
+            self.slots.replacements.ask(slot, self._start)
         if up and self._queued:
             queued, self._queued = self._queued, []
             for chunk_id, groups, attempts in queued:
@@ -273,7 +276,7 @@ class RewardPool:
     def scale_to(self, target: int) -> None:
         if target < 1:
             raise ValueError(f"a pool needs at least one reward worker (got {target})")
-        self.slots.scale_to(target, lambda: self._actor.remote(*self._args))
+        self.slots.scale_to(target, self._start)
 
     def settle(self) -> PoolState:
         joined = len(self.slots.admit())

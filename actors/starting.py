@@ -29,7 +29,7 @@ import ray
 from ray.exceptions import RayError
 
 from groupflow.actors.placement import has_node, live_nodes
-from groupflow.peers import Futures, Handle
+from groupflow.peers import Futures, Handle, PeerDied
 from groupflow.placement import NOTE_AFTER_S, describe_cluster, describe_demand
 from groupflow.scaling import PoolState
 from groupflow.start_errors import StartError, start_failure
@@ -129,10 +129,17 @@ class StartingActors:
 @dataclass
 class _Replacement:
     slot: int
-    actor: object
-    ready: Handle  # resolves when the actor is up
+    start: Callable[[], object]  # a new actor for the slot
     asked_at: float
+    actor: object = None
+    ready: Handle | None = None  # resolves when the actor is up; None: to be asked again
+    again_at: float = 0.0  # when, after it died starting
     noted: bool = False  # its wait for room on the cluster was said
+
+
+# A replacement that died before it was up, not of an error of its own (its node lost too, or
+# the cluster still counting a lost node's room as free), is asked for again after this long.
+ASK_AGAIN_S = 5.0
 
 
 class Replacements:
@@ -161,42 +168,62 @@ class Replacements:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def ask(self, slot: int, actor) -> None:
-        self._waiting.append(_Replacement(slot, actor, self.ready(actor), self.clock()))
+    def ask(self, slot: int, start: Callable[[], object]) -> None:
+        """Start a replacement for `slot` (`start` makes the actor)."""
+        r = _Replacement(slot, start, self.clock())
+        self._launch(r)
+        self._waiting.append(r)
+
+    def _launch(self, r: _Replacement) -> None:
+        r.actor = r.start()
+        r.ready = self.ready(r.actor)
 
     def vacant(self) -> set[int]:
         return {r.slot for r in self._waiting}
 
     def handles(self) -> list[Handle]:
-        return [r.ready for r in self._waiting]
+        return [r.ready for r in self._waiting if r.ready is not None]
 
     def take(self, ready: Sequence[Handle]) -> tuple[list[tuple[int, object]], list[tuple]]:
         """Of the replacements whose start ended among `ready`: those up, as (slot, actor),
-        and those that failed to start, as (slot, one line: their own error and node)."""
-        ready = set(ready)
+        and those that failed of an error of their own, as (slot, one line: that error and
+        the node). One that died starting otherwise is asked for again ASK_AGAIN_S later."""
+        ready, now = set(ready), self.clock()
         up, failed = [], []
-        for r in [r for r in self._waiting if r.ready in ready]:
-            self._waiting.remove(r)
+        for r in [r for r in self._waiting if r.ready is not None and r.ready in ready]:
             try:
                 self.futures.get([r.ready])
             except Exception as err:  # its constructor or warm-up raised, or it died
                 self.end(r.actor)
-                failed.append((r.slot, start_failure(f"{self.what} replacement", _text(err))))
+                line = start_failure(f"{self.what} replacement", _text(err))
+                if _of_its_own(err):
+                    self._waiting.remove(r)
+                    failed.append((r.slot, line))
+                else:
+                    r.ready, r.again_at = None, now + ASK_AGAIN_S
+                    log.warning(
+                        "%s; not an error of its own (its node lost?): asking again in %.0fs",
+                        line,
+                        ASK_AGAIN_S,
+                    )
                 continue
-            seconds = self.clock() - r.asked_at
+            self._waiting.remove(r)
             log.info(
                 "%s %d's replacement is up, %.0fs after it was asked for",
                 self.what,
                 r.slot,
-                seconds,
+                now - r.asked_at,
             )
             up.append((r.slot, r.actor))
+        for r in self._waiting:
+            if r.ready is None and r.again_at <= now:
+                self._launch(r)
         return up, failed
 
     def census(self) -> tuple[int, int]:
         """(placed, pending) replacements; one that has waited NOTE_AFTER_S for room on the
         cluster is said once, with what it asks and what the cluster has."""
-        placed = [self.placed(r.actor) for r in self._waiting]
+        placed = [r.ready is not None and self.placed(r.actor) for r in self._waiting]
         now = self.clock()
         for r, has in zip(self._waiting, placed, strict=True):
             if not has and not r.noted and now - r.asked_at >= NOTE_AFTER_S:
@@ -224,6 +251,12 @@ class Replacements:
 def _text(err: BaseException) -> str:
     """The whole of Ray's report of a failed start (PeerDied keeps it as its cause)."""
     return str(err.__cause__ or err)
+
+
+def _of_its_own(err: BaseException) -> bool:
+    """A start that failed of the actor's own error: its constructor raised (Ray's
+    actor_init_failed) or its ready call did; not a death from outside (its node lost)."""
+    return not isinstance(err, PeerDied) or bool(getattr(err.__cause__, "actor_init_failed", 0))
 
 
 class ActorSlots:

@@ -46,7 +46,7 @@ from groupflow.records import ScoredGroup, TrainSequence
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks.base import Task
 from groupflow.rollout_figures import rollout_record
-from groupflow.scaling import Scaler
+from groupflow.scaling import LiveStatus, Scaler
 from groupflow.sequences import group_advantages, train_sequences
 from groupflow.timing import stage_timer, time_keys
 from groupflow.unscored import UnscoredSteps
@@ -139,7 +139,7 @@ class TrainingJob:
         while not self.unscored.trainable(taken.groups):  # never train on nothing
             taken = self._take_groups(step, times)
         self.pipeline.feed()  # the next steps' chunks generate while this one learns
-        self._export_queues()
+        self._export_live()
         advantages = group_advantages(taken.groups, self.cfg)
         if self.sample_log is not None:
             self.sample_log(step, taken.groups, advantages)
@@ -256,27 +256,31 @@ class TrainingJob:
     def _heartbeat(self) -> None:
         """While a step waits (every pipeline.HEARTBEAT_S): the live status and series, and
         one line once the step has waited long, saying what the pools have."""
-        status = None if self.scaler is None else self.scaler.publish(self._step_no - 1)
-        self._export_queues()
+        status = self._export_live()
         waited = self._clock() - self._step_started
         if not self._stall_said and waited >= max(STALL_NOTE_S, 3 * self._last_step_s):
             self._stall_said = True
             pools = "" if status is None else ": " + "; ".join(status.lines()[1:])
             log.warning("step %d has waited %.0fs%s", self._step_no, waited, pools)
 
-    def _export_queues(self) -> None:
+    def _export_live(self) -> LiveStatus | None:
+        """The queue depths, and the pools' live and pending counts as `groupflow status`
+        shows them (published by the scaler); the status published."""
+        status = None if self.scaler is None else self.scaler.publish(self._step_no - 1)
         if self.exporter is not None:
             rollout = self.generators.figures()
             self.exporter.set_queue_depth("generation", rollout.queued_prompts)
             self.exporter.set_queue_depth("reward", self.rewards.pending_groups())
-            self.exporter.set_cluster(
-                rollout.engines, self.rewards.num_workers, self.learner.num_ranks
-            )
+            if status is None:
+                self.exporter.set_cluster(
+                    rollout.engines, self.rewards.num_workers, self.learner.num_ranks
+                )
+        return status
 
     def _export(self, record: dict) -> None:
         if self.exporter is not None:
             self.exporter.observe_step(record)
-            self._export_queues()
+            self._export_live()
 
     def shutdown(self) -> None:
         """Stop the job's actors (on a shared cluster nothing else would) and scorers."""

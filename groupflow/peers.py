@@ -25,7 +25,7 @@ class PeerDied(RuntimeError):
 class Futures(Protocol):
     def wait_any(self, handles: Sequence[Handle], timeout: float | None = None) -> list[Handle]:
         """Block until at least one of `handles` is ready, or `timeout` seconds passed;
-        returns the ready ones (none at a timeout)."""
+        returns the ready ones (none at a timeout). With no handles, sleeps `timeout`."""
 
     def get(self, handles: Sequence[Handle]) -> list[Any]:
         """The values of `handles` (blocking until ready; a remote error is raised here,

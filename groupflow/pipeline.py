@@ -151,9 +151,8 @@ class Pipeline:
         timeout = HEARTBEAT_S - (self._clock() - self._beat_at)
         if (deadline := self.rewards.seconds_to_deadline()) is not None:
             timeout = min(timeout, deadline)
+        # Nothing in flight (a replacement to be asked for again): the heartbeat's sleep.
         handles = list(set(waiting) | chunks | batches | loads | arrivals)
-        if not handles:  # nothing could ever wake it: a bug, said rather than hung on
-            raise RuntimeError("the job loop waits with nothing in flight")
         ready = self.futures.wait_any(handles, max(0.0, timeout))
         for chunk, groups in self.generators.take(ready):
             self.rewards.submit(groups, chunk.id)

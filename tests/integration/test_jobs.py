@@ -4,49 +4,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
-import shutil
-import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
+from groupflow.pipeline import HEARTBEAT_S
+from tests.integration.prometheus_server import PrometheusServer
+from tests.integration.ray_nodes import FAST_HEALTH_CHECKS, RayNode, free_port
+
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_cluster(temp_dir: Path) -> None:
-    """End only this cluster's processes (`ray stop` would end every cluster on the machine)."""
-    procs = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(temp_dir) in part for part in proc.info["cmdline"] or ()):
-            procs.append(proc)
-    for proc in procs:
-        proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for proc in alive:
-        proc.kill()
+ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "alerts.yml"
 
 
 @pytest.fixture(scope="module")
 def ray_head():
-    # Ray keeps unix sockets under its temp dir: the path must stay short.
-    temp_dir = Path(f"/tmp/gf-head-{os.getpid()}")
-    dashboard = _free_port()
     # As a user with the venv activated: the job's `python` is the one with groupflow.
     # The head runs with Ray's token auth and a token of its own, as a shared cluster should;
     # the client sends it (nothing depends on a token left in ~/.ray by earlier runs).
     venv_bin = str(Path(sys.executable).parent)
-    gcs_port = _free_port()
+    gcs_port, dashboard = free_port(), free_port()
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -56,29 +38,20 @@ def ray_head():
         # machine, so `auto` could not tell which)
         "GROUPFLOW_RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
     }
-    ray = str(Path(venv_bin) / "ray")
-    subprocess.run(
+    head = RayNode(
         [
-            ray,
-            "start",
             "--head",
             f"--port={gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
-            f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={free_port()}",
             "--num-cpus=8",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
         ],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=180,
+        {**env, **FAST_HEALTH_CHECKS},
+        "head",
     )
     yield f"http://127.0.0.1:{dashboard}", env
-    _stop_cluster(temp_dir)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    head.stop()
 
 
 def _groupflow(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -178,3 +151,103 @@ def test_a_bad_key_is_refused_before_submission(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["groupflow: error: learner.lr: unknown key"]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The job's exporter, `name{labels}` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    series = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("groupflow_"))
+    return {name: float(value) for name, value in series}
+
+
+def _alerting(prometheus: PrometheusServer, alert: str, pool: str) -> bool:
+    return any(
+        a["labels"]["alertname"] == alert and a["labels"].get("pool") == pool
+        for a in prometheus.firing()
+    )
+
+
+def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
+    ray_head, quickstart_model, tmp_path
+):
+    """Both engines on a node of their own, which is killed mid-job: the job says which
+    engines it lost and that it waits for them, its live series move while the step waits
+    (engines pending, none live, seconds since the last step rising), and once a node with
+    room joins, the replacements take the current weights and the job ends with every step
+    once and one restart per engine lost. A real Prometheus with deploy/alerts.yml sees the
+    pool below its target."""
+    _, env = ray_head
+    gcs = env["GROUPFLOW_RAY_ADDRESS"]
+    engines_node = [f"--address={gcs}", "--num-cpus=0", '--resources={"gf_engines": 2}']
+    nodes = [RayNode(engines_node, env, "engines")]
+    port = free_port()
+    log_path, run = tmp_path / "driver.log", tmp_path / "lost"
+    overrides = {
+        "trainer.steps": 5,
+        "trainer.run_name": "lost",
+        "trainer.output_dir": tmp_path,
+        "cluster.address": gcs,
+        "task.eval_size": 8,
+        "rollout.num_engines": 2,
+        "rollout.resources.num_cpus": 0,  # the engines node has no CPU: nothing else goes there
+        "rollout.resources.custom": "{gf_engines: 1}",
+        "metrics.prometheus_port": port,
+        "metrics.prometheus_addr": "127.0.0.1",
+    }
+    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    # deploy/alerts.yml as shipped, but firing at once rather than after its `for:` periods
+    rules = tmp_path / "alerts.yml"
+    rules.write_text(re.sub(r"\bfor: \w+", "for: 0s", ALERTS.read_text()))
+    prometheus = PrometheusServer(tmp_path, port, rules)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "groupflow.cli", "train", *args],
+        env=env,
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+    def wait_for(condition, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert driver.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.5)
+
+    def steps() -> list[int]:
+        metrics = run / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+    try:
+        wait_for(lambda: len(steps()) >= 2, 300)
+        nodes[0].kill()
+        wait_for(lambda: "no engine is left: generation waits for it" in log_path.read_text(), 60)
+        before = _scrape(port)
+        time.sleep(HEARTBEAT_S + 2)
+        during = _scrape(port)
+        assert during['groupflow_pending_actors{job="lost",pool="engines"}'] == 2
+        assert during['groupflow_engines{job="lost"}'] == 0
+        since = 'groupflow_seconds_since_step{job="lost"}'
+        assert during[since] >= before[since] + HEARTBEAT_S
+        wait_for(lambda: "replacement has waited" in log_path.read_text(), 60)
+        wait_for(lambda: _alerting(prometheus, "GroupflowPoolBelowTarget", "engines"), 60)
+        nodes.append(RayNode(engines_node, env, "engines2"))
+        assert driver.wait(timeout=300) == 0, log_path.read_text()[-4000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        prometheus.stop()
+        for node in nodes:
+            node.stop()
+    log = log_path.read_text()
+    assert steps() == [1, 2, 3, 4, 5]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["engine_restarts"] == 2, log[-4000:]
+    assert log.count("a replacement is asked for") == 2
+    waited = [line for line in log.splitlines() if "replacement has waited" in line]
+    assert waited and "it asks {gf_engines: 1}" in waited[0]
+    assert "no gf_engines" in waited[0]  # what the cluster has once the node is gone
+    assert "replacement is up" in log
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["final_accuracy"] <= 1.0  # the replacements answered the final eval

@@ -3,66 +3,31 @@
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 
 from groupflow.cli import main
 from tests.conftest import CHAT_SYSTEM_PROMPT
+from tests.integration.prometheus_server import PrometheusServer
+from tests.integration.ray_nodes import free_port
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _query(prom_port: int, expr: str) -> list[dict]:
-    url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        body = json.load(reply)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 @pytest.fixture
 def prometheus(tmp_path):
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is not installed (make test installs Debian's package)"
-    job_port, prom_port = _free_port(), _free_port()
-    (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: groupflow\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{job_port}']}}]\n"
-    )
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    yield job_port, prom_port
-    proc.terminate()
-    proc.wait(timeout=30)
+    job_port = free_port()
+    server = PrometheusServer(tmp_path, job_port)
+    yield job_port, server
+    server.stop()
 
 
 def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat_model, tmp_path):
     """A job of two tasks on a local chat model (prompts rendered through its template, with a
     system turn): Prometheus reads its reward, stage latencies and per-task series."""
-    job_port, prom_port = prometheus
+    job_port, server = prometheus
     codes = []
     job = threading.Thread(
         target=lambda: codes.append(
@@ -107,11 +72,11 @@ def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat
         and not (reward and latency and per_task and left_out)
     ):
         time.sleep(1)
-        reward = _query(prom_port, 'groupflow_reward_mean{job="groupflow"}')
-        latency = _query(prom_port, 'groupflow_stage_latency_seconds_count{stage="generation"} > 0')
-        per_task = _query(prom_port, 'groupflow_task_accuracy{job="groupflow"}')
+        reward = server.query('groupflow_reward_mean{job="groupflow"}')
+        latency = server.query('groupflow_stage_latency_seconds_count{stage="generation"} > 0')
+        per_task = server.query('groupflow_task_accuracy{job="groupflow"}')
         per_task = per_task if len(per_task) == 2 else []
-        left_out = _query(prom_port, 'groupflow_prompts_left_out{job="groupflow"}')
+        left_out = server.query('groupflow_prompts_left_out{job="groupflow"}')
     job.join(timeout=600)
     assert codes == [0]
     assert reward and 0.0 <= float(reward[0]["value"][1]) <= 1.0

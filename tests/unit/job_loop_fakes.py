@@ -47,10 +47,9 @@ class FakeFutures:
 
     def wait_any(self, handles, timeout=None):
         handles = list(handles)
-        assert handles and len(set(map(id, handles))) == len(handles), (
-            "ray.wait needs distinct refs"
-        )
-        until = min(h.ready_at for h in handles)
+        assert len(set(map(id, handles))) == len(handles), "ray.wait needs distinct refs"
+        assert handles or timeout is not None, "a wait on nothing, for ever"
+        until = min((h.ready_at for h in handles), default=float("inf"))
         if timeout is not None:
             until = min(until, self.clock.now + timeout)
         self.clock.now = max(self.clock.now, until)
@@ -62,10 +61,13 @@ class FakeFutures:
             self.log.append(("get", h.label, self.clock.now))
             if h.value is DIED:
                 raise PeerDied(h.label)
+            if h.value is FAILED:
+                raise RuntimeError(h.label)
         return [h.value for h in handles]
 
 
 DIED = object()  # the value of a call on an actor that died
+FAILED = object()  # the value of a call that raised (the actor's own error)
 
 
 class Remote:
@@ -90,7 +92,7 @@ class FakeEngine:
         self.warm_up = Remote(
             lambda group_size, sampling: FakeRef(
                 self.placed_at + 1.0,
-                DIED if self.start_error else None,
+                {"": None, "dies": DIED}.get(self.start_error, FAILED),
                 self.start_error or "engine up",
             )
         )
@@ -335,7 +337,9 @@ class Faults:
     skip_loads: frozenset = frozenset()  # (engine, version) loads that never happen
     loads: bool = True  # False: no engine ever loads a sync
     replacement_waits_s: float = 0.0  # a replacement waits this long for a node (pending)
-    replacement_start_error: str = ""  # every replacement fails to start with this
+    # how each replacement's start fails, in turn ("": it starts): "dies" dies from outside
+    # (its node lost), any other text is its constructor's own error
+    replacement_starts: tuple[str, ...] = ()
 
 
 def run_job(
@@ -380,13 +384,14 @@ def run_job(
     fake_engines[-1].dies_at = faults.engine_dies_at
     learner = FakeLearner(clock, log, learn_s, faults.learner_dies_in_step)
     replacements = iter(dies[engines:])  # when each replacement dies in its turn
+    replacement_starts = iter(faults.replacement_starts)
     started = []
     restarts = RestartBudget(cfg.trainer.max_restarts)
 
     def start_engine(slot):
         started.append(engine_type(clock, seconds_per_prompt, next(replacements, 0)))
         started[-1].placed_at = clock.now + faults.replacement_waits_s
-        started[-1].start_error = faults.replacement_start_error
+        started[-1].start_error = next(replacement_starts, "")
         return started[-1]
 
     pool = GeneratorPool(

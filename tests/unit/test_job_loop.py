@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from groupflow.actors.generator import CHUNKS_PER_ENGINE
+from groupflow.actors.starting import ASK_AGAIN_S
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import CheckpointStore
 from groupflow.held_out import EVAL_CHUNK
@@ -381,13 +382,39 @@ def test_a_job_that_lost_every_engine_waits_for_a_replacement_and_says_what_it_w
     assert "engines: 0 live, target 1 (1 pending: no room on the cluster)" in stalled
 
 
+def test_a_replacement_that_dies_starting_with_its_node_is_asked_again_not_charged(caplog):
+    """The cluster may place a replacement on the node being lost before it counts that node
+    dead: such a start fails from outside, is asked for again ASK_AGAIN_S later, and is no
+    restart; the job goes on as with one death."""
+    caplog.set_level(logging.WARNING)
+    run = run_job(
+        steps=3,
+        engines=1,
+        faults=Faults(engine_dies_at_chunk=(2,), replacement_starts=("dies", "dies")),
+        overrides=["trainer.max_restarts=1"],
+    )
+    straight = run_job(steps=3, engines=1)
+    assert trained_prompts(run) == trained_prompts(straight)
+    assert [r["engine_restarts"] for r in run.records][-1] == 1
+    assert len(run.started) == 3 and run.started[-1].prompts_sampled > 0
+    again = [r.message for r in caplog.records if "asking again" in r.message]
+    assert (
+        again
+        == [
+            "an engine replacement failed to start: dies; not an error of its own (its node "
+            f"lost?): asking again in {ASK_AGAIN_S:.0f}s"
+        ]
+        * 2
+    )
+
+
 def test_a_replacement_that_fails_to_start_is_a_restart_naming_its_own_error():
     error = "FileNotFoundError: [Errno 2] No such file or directory: '/models/m' (ip=10.0.0.7)"
     with pytest.raises(RestartsExhausted) as failed:
         run_job(
             steps=2,
             engines=1,
-            faults=Faults(engine_dies_at_chunk=(1,), replacement_start_error=error),
+            faults=Faults(engine_dies_at_chunk=(1,), replacement_starts=(error,) * 3),
             overrides=["trainer.max_restarts=2"],
         )
     line = str(failed.value)
