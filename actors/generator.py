@@ -343,7 +343,7 @@ class GeneratorPool:
         return [e for e in range(len(self.engines)) if e not in skip]
 
     def in_flight(self) -> list[Handle]:
-        return list(self._chunks)
+        return list(self._chunks) + self.slots.replacements.handles()
 
     def _count_idle(self) -> None:
         """Add the engine-seconds since the last call in which engines held no chunk (call
@@ -352,9 +352,6 @@ class GeneratorPool:
         idle = sum(1 for n in self._chunks_on if n == 0)
         self._idle_engine_s += idle * (now - self._idle_counted_at)
         self._idle_counted_at = now
-
-    def arrivals(self) -> list[Handle]:
-        return self.slots.replacements.handles()
 
     def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         taken = []
@@ -414,10 +411,9 @@ class GeneratorPool:
         """Forget the lost chunks: their rollouts were abandoned."""
         self._lost.clear()
 
-    def awaiting_weights(self) -> list:
-        return [self.engines[slot] for slot in sorted(self._unloaded)]
-
-    def engines_up(self) -> list:
+    def engines_to_sync(self, only_awaiting: bool) -> list:
+        if only_awaiting:
+            return [self.engines[slot] for slot in sorted(self._unloaded)]
         return [e for slot, e in enumerate(self.engines) if slot not in self.slots.vacant()]
 
     def weights_sent(self, version: int) -> None:

@@ -174,9 +174,6 @@ class RewardPool:
     def _start(self) -> ray.actor.ActorHandle:
         return self._actor.remote(*self._args)
 
-    def arrivals(self) -> list[Handle]:
-        return self.slots.replacements.handles()
-
     def _admit_replacements(self, ready: Sequence[Handle]) -> None:
         up, failed = self.slots.replacements.take(ready)
         for slot, worker in up:
@@ -216,7 +213,7 @@ class RewardPool:
         ]
 
     def in_flight(self) -> list[Handle]:
-        return [b.ref for b in self._pending]
+        return [b.ref for b in self._pending] + self.slots.replacements.handles()
 
     def seconds_to_deadline(self) -> float | None:
         if not self._pending:
@@ -263,8 +260,7 @@ class RewardPool:
         For a caller without a job loop (a benchmark, a test of the pool)."""
         done: dict[int, list[ScoredGroup]] = defaultdict(list)
         while self._pending or self._queued:
-            handles = self.in_flight() + self.arrivals()
-            ready = self.futures.wait_any(handles, self.seconds_to_deadline())
+            ready = self.futures.wait_any(self.in_flight(), self.seconds_to_deadline())
             for chunk_id, groups in self.take(ready):
                 done[chunk_id] += groups
         return done

@@ -69,11 +69,9 @@ class Generation(Protocol):
         that a weight load waits behind little work); sets each sent chunk's handle."""
 
     def in_flight(self) -> list[Handle]:
-        """Handles of the chunks submitted and not yet taken."""
-
-    def arrivals(self) -> list[Handle]:
-        """Handles of the replacements of dead engines that are starting: the job loop waits
-        on them too, so that `take` admits one the moment it is up."""
+        """What the job loop waits on for this peer: the chunks submitted and not yet taken,
+        and the starts of dead engines' replacements (so that `take` admits one the moment
+        it is up)."""
 
     def take(self, ready: Sequence[Handle]) -> list[tuple[Chunk, list[SampledGroup]]]:
         """The finished chunks among `ready` (handles of other peers are ignored), with
@@ -85,12 +83,10 @@ class Generation(Protocol):
         """`engine` died: one restart charged to the job's budget however many of its calls
         fail; it takes no work and a replacement is asked for."""
 
-    def engines_up(self) -> list:
-        """The engines not known to be dead (what a sync to every engine goes to)."""
-
-    def awaiting_weights(self) -> list:
-        """The engines that wait for the current weights before they take work (replacements
-        and new engines)."""
+    def engines_to_sync(self, only_awaiting: bool) -> list:
+        """The engines a sync goes to: every engine not known to be dead, or `only_awaiting`
+        those that wait for the current weights before they take work (replacements and new
+        engines)."""
 
     def weights_sent(self, version: int) -> None:
         """After the load of `version` was sent to the engines (every engine that awaited
@@ -121,10 +117,8 @@ class Scoring(Protocol):
         """Start scoring the groups."""
 
     def in_flight(self) -> list[Handle]:
-        """Handles of the batches being scored."""
-
-    def arrivals(self) -> list[Handle]:
-        """Handles of the replacements of dead workers that are starting (as Generation's)."""
+        """Handles of the batches being scored, and of dead workers' replacements starting
+        (as Generation's)."""
 
     def seconds_to_deadline(self) -> float | None:
         """Until the first batch in flight is overdue (a hung or lost worker), so that a wait

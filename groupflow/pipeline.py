@@ -93,7 +93,7 @@ class Pipeline:
 
     def heal(self) -> None:
         """Send the engines that came up (replacements, new engines) the current weights."""
-        if self.generators.awaiting_weights():
+        if self.generators.engines_to_sync(only_awaiting=True):
             self.sync_engines(wait_for_engines=True, only_awaiting=True)
 
     def wait_for_engines(self) -> None:
@@ -110,9 +110,7 @@ class Pipeline:
         one wait: an engine that dies loading is lost to the pool, and its replacement gets
         the weights when it is up."""
         gen = self.generators
-        handles = self.transport.async_sync(
-            self.version, gen.awaiting_weights() if only_awaiting else gen.engines_up()
-        )
+        handles = self.transport.async_sync(self.version, gen.engines_to_sync(only_awaiting))
         gen.weights_sent(self.version)
         self._engine_loads.update(zip(handles.engines, handles.receivers, strict=True))
         try:
@@ -127,7 +125,7 @@ class Pipeline:
         and drop them. No weights are sent until `version` is set again."""
         self.version = None
         self.stream.stop_drawing()
-        while self.generators.in_flight() or self.rewards.pending_groups():
+        while self.generators.figures().queued_prompts or self.rewards.pending_groups():
             self._pump(())
         self.stream.abandon()
         self._scored.clear()
@@ -147,12 +145,11 @@ class Pipeline:
         chunks = set(self.generators.in_flight())
         batches = set(self.rewards.in_flight())
         loads = set(self._engine_loads)
-        arrivals = set(self.generators.arrivals()) | set(self.rewards.arrivals())
         timeout = HEARTBEAT_S - (self._clock() - self._beat_at)
         if (deadline := self.rewards.seconds_to_deadline()) is not None:
             timeout = min(timeout, deadline)
         # Nothing in flight (a replacement to be asked for again): the heartbeat's sleep.
-        handles = list(set(waiting) | chunks | batches | loads | arrivals)
+        handles = list(set(waiting) | chunks | batches | loads)
         ready = self.futures.wait_any(handles, max(0.0, timeout))
         for chunk, groups in self.generators.take(ready):
             self.rewards.submit(groups, chunk.id)

@@ -51,8 +51,8 @@ def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     scored = pool.wait_all()
     first, second = scored[0], scored[1]
     # the other worker scored the dead one's batch; its replacement fills the slot when up
-    while pool.arrivals():
-        pool.take(ray.wait(pool.arrivals(), timeout=120)[0])
+    while pool.in_flight():
+        pool.take(ray.wait(pool.in_flight(), timeout=120)[0])
     assert pool.workers[0] is not killed, "the dead worker was replaced"
     assert pool.state().live == 2
     for scored, chunk in ((first, 0), (second, 1)):

@@ -165,9 +165,6 @@ class FakeRewards:
     def in_flight(self):
         return [ref for _, ref in self.batches]
 
-    def arrivals(self):  # its workers never die
-        return []
-
     def seconds_to_deadline(self):
         return None  # no batch is ever overdue
 
