@@ -18,14 +18,13 @@ resumed job (`restore`) trains the same prompts in the same order.
 
 Recovery draws on one restart budget (groupflow/recovery.py): a dead engine is replaced by the
 generator pool and healed by the pipeline; a dead learner rank raises LearnerLost, and the
-driver rebuilds the ranks through `recover_learner` with the newest checkpoint. While a step
-waits, the job publishes its live status every few seconds (`_heartbeat`) and says once what a
-step that has waited long waits for.
+driver rebuilds the ranks through `recover_learner` with the newest checkpoint. Its live status
+and series are groupflow/live_series.py's, published after each step and at the heartbeats of
+a step that waits.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from groupflow.evaluate import HeldOutSet
 from groupflow.held_out import HeldOutEvaluation
 from groupflow.learner.figures import learner_record
 from groupflow.learner.lr_schedule import lr_at
+from groupflow.live_series import LiveSeries
 from groupflow.peers import Futures, Generation, Learner, PeerDied, Scoring, WeightSync
 from groupflow.pipeline import Pipeline
 from groupflow.prometheus import PrometheusExporter
@@ -46,16 +46,10 @@ from groupflow.records import ScoredGroup, TrainSequence
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks.base import Task
 from groupflow.rollout_figures import rollout_record
-from groupflow.scaling import LiveStatus, Scaler
+from groupflow.scaling import Scaler
 from groupflow.sequences import group_advantages, train_sequences
 from groupflow.timing import stage_timer, time_keys
 from groupflow.unscored import UnscoredSteps
-
-log = logging.getLogger(__name__)
-
-# A step that has waited this long (and three times the last step) is said once, with what
-# the pools have: the moment a user wonders whether the job hangs.
-STALL_NOTE_S = 60.0
 
 
 class StepSink(Protocol):
@@ -85,12 +79,10 @@ class TrainingJob:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
-        self._clock = clock  # of the heartbeat (a virtual one in the job loop's unit tests)
         self.generators = generators
         self.rewards = rewards
         self.learner = learner
         self.restarts = restarts
-        self.exporter = exporter
         self.checkpointing = checkpointing
         self.sample_log = sample_log
         self.scaler = scaler  # resizes the pools between steps (groupflow/scaling.py)
@@ -98,8 +90,9 @@ class TrainingJob:
         self.stream = PromptStream(
             cfg, task, lambda: chunk_size(per_step, self.generators.figures().engines)
         )
+        self.live = LiveSeries(generators, rewards, learner, scaler, exporter, clock)
         self.pipeline = Pipeline(
-            self.stream, generators, rewards, transport, futures, self._heartbeat, clock
+            self.stream, generators, rewards, transport, futures, self.live.heartbeat, clock
         )
         self.evaluation = HeldOutEvaluation(
             cfg, task.eval_prompts(cfg.task.eval_size), self.pipeline, held_out_sets
@@ -112,10 +105,6 @@ class TrainingJob:
         self._totals_before = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         self._last_save: float | None = None  # seconds the newest save took
         self._saved_at = time.monotonic()  # when the newest checkpoint was complete
-        self._step_no = 0  # the step under way
-        self._step_started = clock()
-        self._last_step_s = 0.0
-        self._stall_said = False
 
     def train(self, sinks: Sequence[StepSink]) -> None:
         """Run the steps; each step record goes to every sink (metrics.jsonl, progress)."""
@@ -125,7 +114,7 @@ class TrainingJob:
                 record.update(self.scaler.between_steps(record))
             for sink in sinks:
                 sink.write(record)
-            self._export(record)
+            self.live.step_ended(record)
             self.restarts.step_done(step)
             every = self.cfg.trainer.checkpoint_every
             if self.checkpointing is not None and every > 0 and step % every == 0:
@@ -133,13 +122,13 @@ class TrainingJob:
 
     def _step(self, step: int) -> dict:
         started, times = time.monotonic(), {}
-        self._step_no, self._step_started, self._stall_said = step, self._clock(), False
+        self.live.step_started(step)
         idle_before = self.generators.figures().idle_engine_s
         taken = self._take_groups(step, times)
         while not self.unscored.trainable(taken.groups):  # never train on nothing
             taken = self._take_groups(step, times)
         self.pipeline.feed()  # the next steps' chunks generate while this one learns
-        self._export_live()
+        self.live.publish()
         advantages = group_advantages(taken.groups, self.cfg)
         if self.sample_log is not None:
             self.sample_log(step, taken.groups, advantages)
@@ -165,7 +154,6 @@ class TrainingJob:
         if every and step % every == 0 and step < self.cfg.trainer.steps:  # the run ends with one
             record.update(self.evaluate())
         times["step"] = time.monotonic() - started
-        self._last_step_s = self._clock() - self._step_started
         rollout = self.generators.figures()
         times["engines_idle"] = (rollout.idle_engine_s - idle_before) / max(1, rollout.engines)
         record.update(time_keys(times))
@@ -251,36 +239,6 @@ class TrainingJob:
         self.pipeline.abandon()
         self.learner.restart()
         self.restore(checkpoint, state)
-
-    # ----- monitoring ---------------------------------------------------------------------------
-    def _heartbeat(self) -> None:
-        """While a step waits (every pipeline.HEARTBEAT_S): the live status and series, and
-        one line once the step has waited long, saying what the pools have."""
-        status = self._export_live()
-        waited = self._clock() - self._step_started
-        if not self._stall_said and waited >= max(STALL_NOTE_S, 3 * self._last_step_s):
-            self._stall_said = True
-            pools = "" if status is None else ": " + "; ".join(status.lines()[1:])
-            log.warning("step %d has waited %.0fs%s", self._step_no, waited, pools)
-
-    def _export_live(self) -> LiveStatus | None:
-        """The queue depths, and the pools' live and pending counts as `groupflow status`
-        shows them (published by the scaler); the status published."""
-        status = None if self.scaler is None else self.scaler.publish(self._step_no - 1)
-        if self.exporter is not None:
-            rollout = self.generators.figures()
-            self.exporter.set_queue_depth("generation", rollout.queued_prompts)
-            self.exporter.set_queue_depth("reward", self.rewards.pending_groups())
-            if status is None:
-                self.exporter.set_cluster(
-                    rollout.engines, self.rewards.num_workers, self.learner.num_ranks
-                )
-        return status
-
-    def _export(self, record: dict) -> None:
-        if self.exporter is not None:
-            self.exporter.observe_step(record)
-            self._export_live()
 
     def shutdown(self) -> None:
         """Stop the job's actors (on a shared cluster nothing else would) and scorers."""
