@@ -64,6 +64,32 @@ def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     pool.shutdown()
 
 
+def test_batches_wait_for_a_replacement_when_every_worker_was_lost(ray_cluster):
+    """The pool's one worker dies in its first of two batches: both (retried) and one
+    submitted while no worker is left wait for the replacement and are scored there."""
+    cfg = build_config({}, ["reward.num_workers=1", f"reward.verifier={PLUGINS}:slow_exact"])
+    pool = RewardPool(cfg)
+    victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
+    groups = _groups(12)
+    pool.submit(groups[:4], chunk_id=0)  # about 0.8 s each: the kill lands in the first
+    pool.submit(groups[4:8], chunk_id=0)
+    time.sleep(0.2)
+    os.kill(victim, signal.SIGKILL)
+    ready, _ = ray.wait(pool.in_flight(), num_returns=2, timeout=60)
+    # both lost their worker: nothing scored, to be retried, on no worker yet
+    assert [groups for _, groups in pool.take(ready)] == [[], []]
+    pool.submit(groups[8:], chunk_id=1)
+    assert pool.pending_groups() == 12 and pool.state().live == 0
+    scored = pool.wait_all()
+    for chunk, expected in ((0, groups[:8]), (1, groups[8:])):
+        assert sorted(s.group.prompt.uid for s in scored[chunk]) == sorted(
+            g.prompt.uid for g in expected
+        )
+        assert all(s.rewards == [1.0, 0.0, 1.0, 0.0] for s in scored[chunk])
+    assert pool.state().live == 1 and pool.errors == pool.timeouts == 0
+    pool.shutdown()
+
+
 def test_a_plugin_that_hangs_scores_zero_and_the_step_completes(
     ray_cluster, quickstart_model, tmp_path
 ):
