@@ -34,15 +34,16 @@ class LiveSeries:
     ):
         self.generators, self.rewards, self.learner = generators, rewards, learner
         self.scaler, self.exporter, self.clock = scaler, exporter, clock
-        self._step = 0  # the step under way
+        self._done = 0  # the last step trained, which the status reports
         self._started = clock()
         self._last_step_s = 0.0
         self._stall_said = False
 
     def step_started(self, step: int) -> None:
-        self._step, self._started, self._stall_said = step, self.clock(), False
+        self._done, self._started, self._stall_said = step - 1, self.clock(), False
 
     def step_ended(self, record: dict) -> None:
+        self._done = int(record["step"])
         self._last_step_s = self.clock() - self._started
         if self.exporter is not None:
             self.exporter.observe_step(record)
@@ -56,12 +57,12 @@ class LiveSeries:
         if not self._stall_said and waited >= max(STALL_NOTE_S, 3 * self._last_step_s):
             self._stall_said = True
             pools = "" if status is None else ": " + "; ".join(status.lines()[1:])
-            log.warning("step %d has waited %.0fs%s", self._step, waited, pools)
+            log.warning("step %d has waited %.0fs%s", self._done + 1, waited, pools)
 
     def publish(self) -> LiveStatus | None:
         """The queue depths, and the pools' live and pending counts as `groupflow status`
         shows them (published by the scaler); the status published."""
-        status = None if self.scaler is None else self.scaler.publish(self._step - 1)
+        status = None if self.scaler is None else self.scaler.publish(self._done)
         if self.exporter is not None:
             rollout = self.generators.figures()
             self.exporter.set_queue_depth("generation", rollout.queued_prompts)

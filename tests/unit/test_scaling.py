@@ -285,6 +285,8 @@ def test_engines_added_and_removed_while_the_job_trains(staleness):
     assert new.terminated and pool.figures().engines == 1 and pool.engines == [engines[0]]
     assert pool.restarts.engines == 0 and all(r["engine_restarts"] == 0 for r in run.records)
     assert all(r["staleness_max"] <= staleness for r in run.records)
+    # what `groupflow status` was told last: the last step trained, not the one before
+    assert inbox.reports[-1].step == steps
 
 
 # ----- the command line (no cluster) ------------------------------------------------------------
