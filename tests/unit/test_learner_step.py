@@ -252,9 +252,11 @@ def test_micro_batches_and_ranks_leave_the_update_unchanged(gen, preset, keys, d
     if algo.lopti.enabled:
         assert base.optimizer_updates == 4, "both Lopti passes of both mini-batches must run"
     if diagnostic:
-        assert base.residual.weight > 0
-        # The entropy mask keeps a fifth of the tokens: where every stem a whole group shares
-        # falls outside it, no whole-group node carries a gradient (both sides compare zeros).
+        # The entropy mask keeps a fifth of the tokens: where every token that responses share
+        # falls outside it (1 seed in 60 for the shared nodes, GROUPFLOW_TEST_SEED=14; more
+        # often for the nodes a whole group shares), no such node carries a gradient and both
+        # sides compare zeros.
+        assert base.residual.weight > 0 or algo.entropy_mask.enabled
         assert base.residual_whole_group.weight > 0 or algo.entropy_mask.enabled
 
     for world_size, many in [(1, True), (2, False), (2, True)]:
