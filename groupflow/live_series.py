@@ -47,7 +47,8 @@ class LiveSeries:
         self._last_step_s = self.clock() - self._started
         if self.exporter is not None:
             self.exporter.observe_step(record)
-        self.publish()
+        # The scaler published this step's status between steps (Scaler.between_steps).
+        self.publish(with_status=self.scaler is None)
 
     def heartbeat(self) -> None:
         """While a step waits: publish, and say once that it has waited long, with what the
@@ -59,15 +60,17 @@ class LiveSeries:
             pools = "" if status is None else ": " + "; ".join(status.lines()[1:])
             log.warning("step %d has waited %.0fs%s", self._done + 1, waited, pools)
 
-    def publish(self) -> LiveStatus | None:
+    def publish(self, with_status: bool = True) -> LiveStatus | None:
         """The queue depths, and the pools' live and pending counts as `groupflow status`
         shows them (published by the scaler); the status published."""
-        status = None if self.scaler is None else self.scaler.publish(self._done)
+        status = None
+        if with_status and self.scaler is not None:
+            status = self.scaler.publish(self._done)
         if self.exporter is not None:
             rollout = self.generators.figures()
             self.exporter.set_queue_depth("generation", rollout.queued_prompts)
             self.exporter.set_queue_depth("reward", self.rewards.pending_groups())
-            if status is None:
+            if self.scaler is None:
                 self.exporter.set_cluster(
                     rollout.engines, self.rewards.num_workers, self.learner.num_ranks
                 )
