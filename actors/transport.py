@@ -24,6 +24,7 @@ stops the job.
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import ray
@@ -38,7 +39,10 @@ from groupflow.weight_format import (
     add_checksums,
     bucket_manifest,
     check_loaded,
+    sync_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 
 class WeightTransport:
@@ -51,8 +55,20 @@ class WeightTransport:
         self.engines = engines  # the generator pool's list: a slot may hold a replacement
         manifest = ray.get(learner.ranks[0].weight_manifest.remote())
         self.buckets: list[Manifest] = bucket_manifest(manifest, bucket_bytes)
+        self.bytes_per_sync = sync_bytes(self.buckets, self._partitions)
+        log.info(
+            "a weight sync sends %d tensors, %.1f MiB in %d buckets",
+            len(manifest),
+            self.bytes_per_sync / 2**20,
+            len(self.buckets),
+        )
         # A load not checked yet -> (the engine, in words; the ranks' checksum shares).
         self._loads: dict[ray.ObjectRef, tuple[str, list[ray.ObjectRef]]] = {}
+
+    @property
+    def _partitions(self) -> int:
+        """Flat tensors a bucket travels as."""
+        raise NotImplementedError
 
     def async_sync(self, version: int, engines: list) -> SyncHandles:
         raise NotImplementedError
@@ -84,6 +100,10 @@ class WeightTransport:
 
 
 class ObjectStoreTransport(WeightTransport):
+    @property
+    def _partitions(self) -> int:
+        return self.learner.num_ranks  # each rank sends its own partition
+
     def async_sync(self, version: int, engines: list) -> SyncHandles:
         buckets, sync = self.buckets, uuid.uuid4().hex
         # The buckets are in the object store once the pushes are done: the learner may train
@@ -106,6 +126,10 @@ class CollectiveTransport(WeightTransport):
     ):
         super().__init__(learner, engines, bucket_bytes)
         self._open()
+
+    @property
+    def _partitions(self) -> int:
+        return 1  # rank 0 sends each bucket whole
 
     def _open(self) -> None:
         ranks = self.learner.ranks

@@ -418,6 +418,46 @@ class Zero3Config(Section):
     )
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (Hu et al., LoRA, arXiv 2106.09685) trained with PEFT in place of the
+    full model: W + (alpha / rank) * B A on each targeted linear layer, B starting at zero."""
+
+    rank: int = Field(
+        16,
+        ge=1,
+        le=512,
+        description="r, the adapters' rank (at most 512, the largest vLLM serves); the "
+        "engines' LoRA slot is sized to the next rank vLLM supports (1, 8, 16, 32, 64, 128, "
+        "256, 320, 512)",
+    )
+    alpha: float = Field(
+        32.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)"
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapters' input while training (PEFT's lora_dropout); "
+        "the engines sample without it, so keep it 0 for on-policy log-probs",
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="the linear layers that get adapters: module names or name suffixes "
+        "(q_proj, v_proj, ...), or all-linear (every linear layer of the transformer blocks, "
+        "PEFT's meaning); vLLM serves adapters on the blocks' projections only, so the "
+        "embedding and the output head cannot be targets",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, modules):
+        if isinstance(modules, list) and not modules:
+            raise ValueError("names no module (use all-linear or list module names)")
+        if isinstance(modules, list) and any(not m.strip() for m in modules):
+            raise ValueError("an empty module name")
+        return modules
+
+
 class LearnerConfig(Section):
     num_ranks: int = Field(2, ge=1)
     zero_stage: Literal[3] = 3
@@ -461,6 +501,13 @@ class LearnerConfig(Section):
         "costs that transfer on every pass",
     )
     zero3: Zero3Config = Field(default_factory=Zero3Config)
+    lora: LoraConfig | None = Field(
+        None,
+        description="off (null) by default; {rank, alpha, dropout, target_modules}: train LoRA "
+        "adapters on the frozen model (no gradients or optimizer state for its weights), sync "
+        "only the adapters to the engines, which serve them with vLLM's LoRA; a KL reference "
+        "is the model with the adapters off (docs/lora.md)",
+    )
     resources: LearnerRankResources = Field(default_factory=LearnerRankResources)
 
 
@@ -766,6 +813,12 @@ class TrainerConfig(Section):
         ge=0,
         description="also save the policy in Hugging Face format as step_<N>/hf every N steps "
         "(a multiple of checkpoint_every); 0 = never",
+    )
+    save_merged: bool = Field(
+        False,
+        description="with learner.lora: the final model and each save_hf_every save also hold "
+        "the model with the adapters merged into its weights (merged/), beside the adapter in "
+        "PEFT's format",
     )
     resume: str | None = Field(
         None,

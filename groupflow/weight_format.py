@@ -93,6 +93,16 @@ def partition_sizes(bucket: Manifest, world: int) -> list[int]:
     return [math.ceil(torch.Size(shape).numel() / world) for _, shape, _ in bucket]
 
 
+def sync_bytes(buckets: list[Manifest], world: int) -> int:
+    """Bytes one sync of `buckets` sends: each bucket as `world` partitions (1: whole), each
+    parameter's partitions padded to equal size."""
+    return sum(
+        size * world * _nbytes((), bucket[0][2])
+        for bucket in buckets
+        for size in partition_sizes(bucket, world)
+    )
+
+
 def unpack_bucket(
     shards: Sequence[torch.Tensor], bucket: Manifest
 ) -> Iterator[tuple[str, torch.Tensor]]:

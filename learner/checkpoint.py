@@ -54,12 +54,19 @@ def saving_to(directory: str):
 
 
 def save_rank_checkpoint(
-    zero_model, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
+    zero_model,
+    directory: str,
+    rank: int,
+    threshold: RunningProbabilityThreshold | None = None,
+    adapters_only: bool = False,
 ) -> None:
     """Model and optimizer shards of this rank, its torch RNG state and its running STAPO
-    threshold (with `tau_p: auto`)."""
+    threshold (with `tau_p: auto`). With `adapters_only` (LoRA) the model's frozen weights
+    are left out: a resume loads them from the model path."""
     with saving_to(directory):
-        zero_model.save_checkpoint(directory, tag=TAG, save_latest=False)
+        zero_model.save_checkpoint(
+            directory, tag=TAG, save_latest=False, exclude_frozen_parameters=adapters_only
+        )
         torch.save(torch.get_rng_state(), _rng_file(Path(directory), rank))
         if threshold is not None:
             torch.save(threshold.state_dict(), _threshold_file(Path(directory), rank))
@@ -91,14 +98,23 @@ class _RestrictedReads:
 
 
 def load_rank_checkpoint(
-    zero_model, directory: str, rank: int, threshold: RunningProbabilityThreshold | None = None
+    zero_model,
+    directory: str,
+    rank: int,
+    threshold: RunningProbabilityThreshold | None = None,
+    adapters_only: bool = False,
 ) -> str | None:
     """Restore what save_rank_checkpoint wrote into a ZeRO-3 model built for the same model and
     world size, and into `threshold` (with `tau_p: auto`). A line for the driver's log when
     the checkpoint has no threshold to restore and it starts afresh, else None."""
     with _RestrictedReads(zero_model):
         path, _ = zero_model.load_checkpoint(
-            directory, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            directory,
+            tag=TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            # a LoRA checkpoint holds the adapters only; the frozen weights stay as loaded
+            load_module_strict=not adapters_only,
         )
     if path is None:
         raise FileNotFoundError(f"{directory}/{TAG}: no DeepSpeed checkpoint")

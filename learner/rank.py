@@ -41,6 +41,8 @@ class LearnerRank:
             policy = self.models.policy
             check_packing(policy.model, self._module.config.vocab_size, policy.device)
         self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
+        self.lora = cfg.learner.lora is not None
+        self.save_merged = cfg.trainer.save_merged
 
     @property
     def _module(self) -> torch.nn.Module:
@@ -79,18 +81,27 @@ class LearnerRank:
 
     def save_pretrained(self, path: str) -> None:
         with saving_to(path):
-            save_pretrained(self._module, self._is_source, path)
+            save_pretrained(self._module, self._is_source, path, merged=self.save_merged)
 
     def save_checkpoint(self, directory: str) -> None:
         """The policy's ZeRO-3 model and optimizer shards (the frozen reference is rebuilt
-        from the model path on a resume, so it is not saved), and STAPO's running threshold."""
+        from the model path on a resume, so it is not saved; with LoRA, neither is the frozen
+        base model), and STAPO's running threshold."""
         save_rank_checkpoint(
-            self.models.policy.zero_model, directory, self.setup.rank, self.settings.auto_tau_p
+            self.models.policy.zero_model,
+            directory,
+            self.setup.rank,
+            self.settings.auto_tau_p,
+            adapters_only=self.lora,
         )
 
     def load_checkpoint(self, directory: str) -> str | None:
         """On a resume and on new ranks after a failure; a line for the driver's log when
         STAPO's running threshold starts afresh."""
         return load_rank_checkpoint(
-            self.models.policy.zero_model, directory, self.setup.rank, self.settings.auto_tau_p
+            self.models.policy.zero_model,
+            directory,
+            self.setup.rank,
+            self.settings.auto_tau_p,
+            adapters_only=self.lora,
         )

@@ -18,6 +18,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from groupflow.learner.lora import (
+    adapter_parameters,
+    has_adapters,
+    merged_weights,
+    save_adapter,
+)
 from groupflow.weight_format import (
     DEFAULT_BUCKET_BYTES,
     Broadcaster,
@@ -29,18 +35,29 @@ from groupflow.weight_format import (
 )
 
 
+def synced_parameters(module) -> dict[str, torch.nn.Parameter]:
+    """What a sync sends, by the names it travels under: every parameter, or with LoRA the
+    adapter's matrices only (learner/lora.py)."""
+    if has_adapters(module):
+        return adapter_parameters(module)
+    return dict(module.named_parameters())
+
+
 def weight_manifest(module) -> Manifest:
-    """(name, full shape, dtype) of every parameter, in send order. Local: no gather."""
+    """(name, full shape, dtype) of every parameter a sync sends, in send order. Local."""
+    return _manifest(synced_parameters(module))
+
+
+def _manifest(params: dict[str, torch.nn.Parameter]) -> Manifest:
     return [
         (name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
-        for name, p in module.named_parameters()
+        for name, p in params.items()
     ]
 
 
 def _parameter_buckets(
-    module, buckets: list[Manifest]
+    params: dict[str, torch.nn.Parameter], buckets: list[Manifest]
 ) -> Iterator[tuple[Manifest, list[torch.nn.Parameter]]]:
-    params = dict(module.named_parameters())
     for bucket in buckets:
         yield bucket, [params[name] for name, _, _ in bucket]
 
@@ -54,7 +71,7 @@ def shard_buckets(
     flattened parameter on rank r, with s = ceil(numel / world) and zeros past the end; the
     optimizer step writes the new values there, so it is current between steps even where a
     full copy of the parameter is kept (persistent parameters)."""
-    for bucket, params in _parameter_buckets(module, buckets):
+    for bucket, params in _parameter_buckets(synced_parameters(module), buckets):
         flat = joined([p.ds_tensor.detach() for p in params])
         checksums.update(shard_checksums(flat, bucket, rank, world))
         yield flat
@@ -87,7 +104,7 @@ def flat_buckets(
     bucket is gathered only when the consumer asks for it."""
     import deepspeed
 
-    for bucket, params in _parameter_buckets(module, buckets):
+    for bucket, params in _parameter_buckets(synced_parameters(module), buckets):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             flat = torch.cat([p.detach().reshape(-1) for p in params]) if is_source else None
         yield bucket, flat
@@ -96,13 +113,14 @@ def flat_buckets(
 def weight_buckets(
     module, is_source: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Full parameters in Hugging Face names, one bucket at a time, as CPU copies on the source
+    """Every full parameter, one bucket of whole layers at a time, as CPU copies on the source
     rank; the other ranks yield nothing but must run the generator to the end (the gathers
     are collective). The next bucket is gathered only when the consumer asks for it."""
     import deepspeed
 
-    buckets = bucket_manifest(weight_manifest(module), bucket_bytes)
-    for bucket, params in _parameter_buckets(module, buckets):
+    every = dict(module.named_parameters())
+    buckets = bucket_manifest(_manifest(every), bucket_bytes)
+    for bucket, params in _parameter_buckets(every, buckets):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             copies = [
                 (name, p.detach().to("cpu", copy=True))
@@ -130,9 +148,28 @@ def broadcast_weights(module, group: Broadcaster | None, buckets: list[Manifest]
     return checksums
 
 
-def save_pretrained(module, is_source: bool, path: str) -> None:
+MERGED_DIR = "merged"
+
+
+def save_pretrained(module, is_source: bool, path: str, merged: bool = False) -> None:
     """The current policy in Hugging Face format, written by the source rank, gathered bucket
-    by bucket."""
-    weights = [pair for bucket in weight_buckets(module, is_source) for pair in bucket]
+    by bucket. With LoRA: the adapter in PEFT's format, and with `merged` the model with the
+    adapter merged into its weights in `path`/merged."""
+    if has_adapters(module):
+        save_adapter(module, is_source, path)
+        if merged:
+            _save_model(module, is_source, f"{path}/{MERGED_DIR}")
+    else:
+        _save_model(module, is_source, path)
+
+
+def _save_model(module, is_source: bool, path: str) -> None:
+    buckets = weight_buckets(module, is_source)
+    if has_adapters(module):
+        weights = [pair for bucket in buckets for pair in merged_weights(module, bucket)]
+        base = module.get_base_model()
+    else:
+        weights = [pair for bucket in buckets for pair in bucket]
+        base = module
     if is_source:
-        module.save_pretrained(path, state_dict=dict(weights))
+        base.save_pretrained(path, state_dict=dict(weights))

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from groupflow.config import Config
 from groupflow.device import Device
+from groupflow.learner.lora import AdaptersOff, add_adapters
 from groupflow.learner.model_setup import prepare_model
 from groupflow.learner.zero_config import deepspeed_config, model_parameter_count
 
@@ -59,7 +60,7 @@ class ZeroPolicy:
 @dataclass
 class ZeroModels:
     policy: ZeroPolicy
-    reference: object | None  # the frozen reference model (KL on), else None
+    reference: object | None  # the frozen reference model (KL on), else None; callable
     # transformers finds the ZeRO-3 settings through a weak reference to this: kept alive
     # with the models, as from_pretrained and save_pretrained consult it.
     hf_ds_config: object
@@ -86,14 +87,22 @@ def build_zero_models(setup: RankSetup, cfg: Config) -> ZeroModels:
     # Alive during from_pretrained, this makes transformers load straight into ZeRO-3 shards.
     hf_ds_config = HfDeepSpeedConfig(ds_config)
     model = _load_model(setup.model_path, cfg, trainable=True)
+    if cfg.learner.lora is not None:
+        model = add_adapters(model, cfg.learner.lora)
     opt = cfg.learner.optimizer
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=opt.lr,
+        betas=opt.betas,
+        weight_decay=opt.weight_decay,
     )
     zero_model, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    # The frozen reference policy costs a second sharded copy: only when KL is on.
+    # The frozen reference policy costs a second sharded copy: only when KL is on, and never
+    # with LoRA, whose base model is the policy with its adapters off.
     reference = None
-    if cfg.algorithm.kl.coef > 0:
+    if cfg.algorithm.kl.coef > 0 and cfg.learner.lora is not None:
+        reference = AdaptersOff(zero_model)
+    elif cfg.algorithm.kl.coef > 0:
         reference_model = _load_model(setup.model_path, cfg, trainable=False)
         reference, *_ = deepspeed.initialize(model=reference_model, config=ds_config)
         reference.eval()

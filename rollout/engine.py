@@ -13,10 +13,17 @@ import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
+from groupflow.adapters import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    engine_max_rank,
+    serving_config,
+)
 from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 from groupflow.rollout.weight_intake import broadcast, checksummed
@@ -40,6 +47,16 @@ class EngineSettings:
     enable_prefix_caching: bool | None = None  # None: vLLM's default
     tensor_parallel_size: int = 1
     partial_rollout: bool = True  # a sync loads while requests run (RolloutEngine.load_weights)
+    lora: EngineLora | None = None  # serve a LoRA adapter: syncs carry the adapter only
+
+
+@dataclass
+class EngineLora:
+    """The adapter an engine serves (groupflow/adapters.py): its LoRA slot's rank and the
+    adapter's PEFT config."""
+
+    max_rank: int
+    config: dict
 
 
 def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
@@ -50,6 +67,7 @@ def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
 
 def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
     """The engine part of a job config (groupflow.config.Config)."""
+    lora = cfg.learner.lora
     return EngineSettings(
         model_path=model_path,
         dtype=cfg.model.dtype,
@@ -65,6 +83,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         enable_prefix_caching=cfg.rollout.enable_prefix_caching,
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         partial_rollout=cfg.rollout.partial_rollout,
+        lora=None if lora is None else EngineLora(engine_max_rank(lora.rank), serving_config(lora)),
     )
 
 
@@ -128,7 +147,17 @@ class RolloutEngine:
             # Log-probs after temperature: the same distribution the learner recomputes.
             logprobs_mode="processed_logprobs",
             worker_extension_cls="groupflow.rollout.weight_receiver.WeightReceiver",
+            # One adapter slot: a sync replaces the adapter in place (load_weights).
+            **(
+                {}
+                if settings.lora is None
+                else dict(enable_lora=True, max_loras=1, max_lora_rank=settings.lora.max_rank)
+            ),
         )
+        self.lora = settings.lora
+        # The adapter requests carry once one is loaded; before that the engine serves the
+        # base model, which is the policy's first version (an adapter starts at B = 0).
+        self._lora_request = None
         self.tokenizer = self.llm.get_tokenizer()
         self.renderer = PromptRenderer(self.tokenizer, settings.chat)
         self.max_model_len = settings.max_model_len
@@ -196,7 +225,10 @@ class RolloutEngine:
         self._open[request] = final
         try:
             await self._call(
-                self.llm.llm_engine.add_request, request, {"prompt_token_ids": ids}, params
+                partial(self.llm.llm_engine.add_request, lora_request=self._lora_request),
+                request,
+                {"prompt_token_ids": ids},
+                params,
             )
         except BaseException:
             del self._open[request]
@@ -245,12 +277,17 @@ class RolloutEngine:
         thread that calls into vLLM (`load`), or where no request runs."""
         loaded = LoadedWeights(version)
         pairs = checksummed(named_tensors, loaded.checksums)
-        if self.tensor_parallel_size > 1:
-            # The workers are other processes: the sync reaches them as one message, full
-            # tensors that each worker's weight loaders cut to its own shard, so the engine
-            # holds the model once more while it loads (an iterator does not cross).
-            pairs = list(pairs)
-        self.llm.collective_rpc("load_named_tensors", args=(pairs,))
+        if self.lora is not None:
+            # The adapter is a few MB: handed over whole, and swapped in between two steps.
+            self.llm.collective_rpc("load_adapter", args=(list(pairs), self.lora.config))
+            self._lora_request = _policy_adapter()
+        else:
+            if self.tensor_parallel_size > 1:
+                # The workers are other processes: the sync reaches them as one message, full
+                # tensors that each worker's weight loaders cut to its own shard, so the engine
+                # holds the model once more while it loads (an iterator does not cross).
+                pairs = list(pairs)
+            self.llm.collective_rpc("load_named_tensors", args=(pairs,))
         engine = self.llm.llm_engine
         # Tokens sampled from here on carry the new version (vLLM labels each one), and no
         # key-value cache the old weights computed is used again: running requests compute
@@ -269,6 +306,14 @@ class RolloutEngine:
 
     async def parameters_snapshot(self) -> dict:
         return (await self._call(self.llm.collective_rpc, "named_parameters_snapshot"))[0]
+
+
+def _policy_adapter():
+    from vllm.lora.request import LoRARequest
+
+    # The path is never read: the adapter is registered under this id from memory before any
+    # request names it (rollout/weight_receiver.py `load_adapter`).
+    return LoRARequest(ADAPTER_NAME, ADAPTER_ID, lora_path="groupflow:in-memory")
 
 
 def _response(completion, submitted_at: int) -> Response:

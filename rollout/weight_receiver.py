@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from groupflow.adapters import ADAPTER_ID
 from groupflow.weight_format import layer_of
 
 # With tied embeddings vLLM's output projection shares the input embedding's weight.
@@ -44,6 +45,46 @@ class WeightReceiver:
         finally:
             self._repack_kept_cpu_weights(layers | {TIED_HEAD.get(x, x) for x in layers})
         return len(layers)
+
+    def load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], config: dict) -> int:
+        """Serve the LoRA adapter `named_tensors` (PEFT's names, groupflow/adapters.py) with
+        PEFT config `config` in place of the one served so far, under the one adapter id;
+        running requests take it from their next token. Returns the modules adapted.
+
+        vLLM (0.32) loads adapters from files only; this is its own load with the files'
+        reads replaced by the tensors at hand, into the worker's adapter manager."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager
+        adapters = manager._adapter_manager
+        helper = PEFTHelper.from_dict(
+            {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+        )
+        helper.validate_legal(manager.lora_config)
+        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            lora_model_id=ADAPTER_ID,
+            # vLLM scales lora_B in place while it prepares the adapter: its own copies.
+            tensors={name: tensor.detach().clone() for name, tensor in named_tensors},
+            peft_helper=helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+        )
+        # A module name vLLM does not know would be dropped without a word, and the engine
+        # would serve the base model in its place.
+        known = set(adapters.modules) | {m for ms in adapters.packed_modules.values() for m in ms}
+        unknown = sorted(set(adapter.loras) - known)
+        if unknown:
+            raise ValueError(f"LoRA adapter: modules not in the engine's model: {unknown[:3]}")
+        adapters.remove_adapter(ADAPTER_ID)
+        adapters.add_adapter(adapter)
+        adapters.activate_adapter(ADAPTER_ID)
+        adapters.pin_adapter(ADAPTER_ID)  # never evicted: its path is not a file to reload
+        return len(adapter.loras)
 
     def _repack_kept_cpu_weights(self, layers: set[str]) -> None:
         """On CPU, the output projection keeps its weight *and* a packed copy for the GEMM
