@@ -1,7 +1,7 @@
 """Weight sync time and effective bandwidth, both transports, random-init Qwen2 shapes.
 
     .venv/bin/python bench/weight_sync.py [--shapes 256x4,512x8,1024x8,1024x16] [--repeats 3]
-                                          [--engines 1] [--bucket-mb 64]
+                                          [--engines 1] [--bucket-mb 64] [--lora 8,32,128]
 
 For each shape (hidden size x layers, intermediate = 2 x hidden, the quickstart's tokenizer),
 starts the real stack on a local Ray cluster of its own: `learner.num_ranks` = 2 DeepSpeed
@@ -12,7 +12,10 @@ side alone: until every rank's partitions are in the object store (object store)
 has gathered and sent every bucket (collective); the engines load meanwhile and after. For the
 object store, also the engines' side alone: their load of a sync already in the object store,
 with the learner idle (on CPU, vLLM's own reload sets it). Costs about a minute of start-up per
-shape. Every engine's load is checked against the learner's checksums, as in a job.
+shape. Every engine's load is checked against the learner's checksums, as in a job. With
+`--lora`, each rank also starts a LoRA learner and engine on the same model and times the
+object-store sync of its adapter alone (its bytes as the transport counts them), and how many
+times faster it is than the full model's.
 
     .venv/bin/python bench/weight_sync.py --checksums
 
@@ -101,36 +104,73 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     return time.perf_counter() - start
 
 
-def bench_shape(hidden: int, layers: int, engines: int, repeats: int, bucket_mb: int) -> None:
+def bench_shape(
+    hidden: int, layers: int, engines: int, repeats: int, bucket_mb: int, lora_ranks: list[int]
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         nbytes = random_model(hidden, layers, Path(tmp))
-        cfg = build_config(
-            {},
-            [f"rollout.num_engines={engines}", "learner.num_ranks=2", "rollout.kv_cache_gib=1"],
+        full = bench_full(tmp, nbytes, f"{hidden}x{layers:<3}", engines, repeats, bucket_mb)
+        for rank in lora_ranks:
+            bench_lora(tmp, rank, f"{hidden}x{layers:<3}", engines, repeats, bucket_mb, full)
+
+
+def _stack(model_dir: str, engines: int, lora_rank: int | None = None):
+    overrides = [f"rollout.num_engines={engines}", "learner.num_ranks=2", "rollout.kv_cache_gib=1"]
+    if lora_rank is not None:
+        overrides += [f"learner.lora.rank={lora_rank}", f"learner.lora.alpha={2 * lora_rank}"]
+    cfg = build_config({}, overrides)
+    return start_generator_pool(cfg, model_dir), LearnerGroup(cfg, model_dir)
+
+
+def bench_lora(
+    model_dir: str, rank: int, shape: str, engines: int, repeats: int, bucket_mb: int, full: float
+) -> None:
+    """Object-store syncs of a rank-`rank` adapter on all linear layers (learner.lora)."""
+    pool, learner = _stack(model_dir, engines, rank)
+    try:
+        times = time_syncs("object_store", learner, pool.engines, repeats, bucket_mb)
+        nbytes = make_transport("object_store", learner, pool.engines, bucket_mb).bytes_per_sync
+        seconds = statistics.median(t[1] for t in times)
+        learner_s = statistics.median(t[0] for t in times)
+        print(
+            f"{shape} {nbytes / 1e6:9.2f} MB  lora r={rank:<5d} {seconds:8.3f} s/sync  "
+            f"{full / seconds:6.1f}x faster than the full sync  {learner_s:8.3f} s",
+            flush=True,
         )
-        pool = start_generator_pool(cfg, tmp)
-        learner = LearnerGroup(cfg, tmp)
-        try:
-            for kind in TRANSPORTS:
-                times = time_syncs(kind, learner, pool.engines, repeats, bucket_mb)
-                learner_s = statistics.median(t[0] for t in times)
-                seconds = statistics.median(t[1] for t in times)
-                alone = "        -"
-                if kind == "object_store":
-                    alone_s = statistics.median(
-                        time_engines_alone(learner, pool.engines, bucket_mb * 2**20, 100 + i)
-                        for i in range(repeats)
-                    )
-                    alone = f"{alone_s:8.3f} s"
-                print(
-                    f"{hidden}x{layers:<3} {nbytes / 1e6:9.1f} MB  {kind:12s} "
-                    f"{seconds:8.3f} s/sync  {nbytes / seconds / 1e9:6.2f} GB/s  "
-                    f"{learner_s:8.3f} s  {alone}",
-                    flush=True,
+    finally:
+        learner.shutdown()
+        pool.shutdown()
+
+
+def bench_full(
+    model_dir: str, nbytes: int, shape: str, engines: int, repeats: int, bucket_mb: int
+) -> float:
+    """Both transports on the whole model; the object store's median seconds per sync."""
+    pool, learner = _stack(model_dir, engines)
+    object_store_s = 0.0
+    try:
+        for kind in TRANSPORTS:
+            times = time_syncs(kind, learner, pool.engines, repeats, bucket_mb)
+            learner_s = statistics.median(t[0] for t in times)
+            seconds = statistics.median(t[1] for t in times)
+            alone = "        -"
+            if kind == "object_store":
+                object_store_s = seconds
+                alone_s = statistics.median(
+                    time_engines_alone(learner, pool.engines, bucket_mb * 2**20, 100 + i)
+                    for i in range(repeats)
                 )
-        finally:
-            learner.shutdown()
-            pool.shutdown()
+                alone = f"{alone_s:8.3f} s"
+            print(
+                f"{shape} {nbytes / 1e6:9.1f} MB  {kind:12s} "
+                f"{seconds:8.3f} s/sync  {nbytes / seconds / 1e9:6.2f} GB/s  "
+                f"{learner_s:8.3f} s  {alone}",
+                flush=True,
+            )
+    finally:
+        learner.shutdown()
+        pool.shutdown()
+    return object_store_s
 
 
 def bench_checksums(bucket_mb: int, repeats: int) -> None:
@@ -156,6 +196,12 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=64, help="rollout.weight_bucket_mb")
     parser.add_argument("--checksums", action="store_true", help="the checksums' cost alone")
+    parser.add_argument(
+        "--lora",
+        default="",
+        help="LoRA ranks to time too (e.g. 8,32,128): adapters on every linear layer, synced "
+        "alone (learner.lora), beside the full model's object-store sync",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.checksums:
@@ -170,7 +216,8 @@ def main() -> None:
     try:
         for shape in args.shapes.split(","):
             hidden, layers = (int(x) for x in shape.split("x"))
-            bench_shape(hidden, layers, args.engines, args.repeats, args.bucket_mb)
+            lora = [int(r) for r in args.lora.split(",") if r]
+            bench_shape(hidden, layers, args.engines, args.repeats, args.bucket_mb, lora)
     finally:
         ray.shutdown()
 

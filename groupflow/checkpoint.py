@@ -73,6 +73,9 @@ class DriverState(BaseModel):
     counters: dict[str, float]  # running totals reported in the step records
     model_config_json: dict  # the model's config.json: a checkpoint fits one model only
     num_ranks: int = Field(ge=1)  # ZeRO-3 shards are cut for this many ranks
+    # With LoRA, the adapters' shape (groupflow/adapters.py `adapter_shape`): the checkpoint
+    # holds them, not the model. None: the whole model.
+    adapter: dict | None = None
     # relative path -> size and hash of every other file of the checkpoint
     files: dict[str, FileRecord] = {}
 
@@ -264,9 +267,12 @@ def check_pickles(path: Path, files: dict[str, FileRecord]) -> None:
             restricted_load(path / name, map_location="cpu", mmap=True)
 
 
-def read_checkpoint(path: Path, model_config_json: dict, num_ranks: int) -> DriverState:
-    """The driver state of the checkpoint at `path`, if it can resume a job of this model and
-    rank count; otherwise CheckpointError naming the file or the config key."""
+def read_checkpoint(
+    path: Path, model_config_json: dict, num_ranks: int, adapter: dict | None = None
+) -> DriverState:
+    """The driver state of the checkpoint at `path`, if it can resume a job of this model, rank
+    count and adapter shape (LoRA; None: the whole model is trained); otherwise
+    CheckpointError naming the file or the config key."""
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing (not a complete groupflow checkpoint)")
@@ -287,8 +293,23 @@ def read_checkpoint(path: Path, model_config_json: dict, num_ranks: int) -> Driv
             f"learner.num_ranks: {num_ranks}, but {path} holds ZeRO-3 shards of "
             f"{state.num_ranks} ranks"
         )
+    if state.adapter != adapter:
+        raise CheckpointError(f"learner.lora: {_adapter_words(adapter, path, state.adapter)}")
     check_pickles(path, state.files)
     return state
+
+
+def _adapter_words(now: dict | None, path: Path, saved: dict | None) -> str:
+    if saved is None:
+        return f"{path} trained the whole model, not LoRA adapters"
+    if now is None:
+        return f"unset, but {path} holds LoRA adapters ({_shape(saved)}), not a whole model"
+    changed = _first_difference(saved, now)
+    return f"{path} holds adapters of another shape ({changed})"
+
+
+def _shape(adapter: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in adapter.items())
 
 
 def _first_error(err: ValueError) -> str:

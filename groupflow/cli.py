@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM engine in this process. Prints one JSON line.",
     )
     _add_config_args(evaluate)
-    evaluate.add_argument("--model", help="Hugging Face model directory (default: model.path)")
+    evaluate.add_argument(
+        "--model",
+        help="Hugging Face model directory, or a LoRA adapter in PEFT's format (served on "
+        "the base model its adapter_config.json names); default: model.path",
+    )
     show = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
     _add_config_args(show)
     add_job_commands(sub)
@@ -112,9 +116,12 @@ def _run_command(argv: list[str]) -> int:
     from groupflow.driver import resolve_model_path, run
 
     if args.command == "eval":
+        from groupflow.adapters import is_adapter_dir
         from groupflow.evaluate import evaluate_model
 
-        print(json.dumps(evaluate_model(cfg, resolve_model_path(cfg))))
+        path = cfg.model.path
+        adapter = path is not None and is_adapter_dir(path)
+        print(json.dumps(evaluate_model(cfg, path if adapter else resolve_model_path(cfg))))
         return 0
     summary = run(cfg)
     print(

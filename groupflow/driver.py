@@ -28,6 +28,7 @@ from groupflow.actors.placement import startup_placement
 from groupflow.actors.reward import RewardPool
 from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import make_transport
+from groupflow.adapters import MERGED_DIR, adapter_shape
 from groupflow.checkpoint import (
     CheckpointError,
     Checkpointing,
@@ -40,6 +41,7 @@ from groupflow.checkpoint import (
 from groupflow.config import Config, ray_client_refusal
 from groupflow.evaluate import HeldOutSet
 from groupflow.job import TrainingJob
+from groupflow.learner.lora import check_target_modules
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.model_dir import read_model_config
@@ -125,10 +127,13 @@ def fresh_run_dir(run_dir: Path) -> Path:
 
 
 def copy_tokenizer(model_path: str, model_dir: Path) -> None:
-    """The base model's tokenizer beside a saved policy, so that the directory loads alone."""
-    for name in TOKENIZER_FILES:
-        if (Path(model_path) / name).is_file():
-            shutil.copy(Path(model_path) / name, model_dir / name)
+    """The base model's tokenizer beside a saved policy (and its merged model, with LoRA), so
+    that each directory loads alone."""
+    merged = model_dir / MERGED_DIR
+    for into in [model_dir, merged] if merged.is_dir() else [model_dir]:
+        for name in TOKENIZER_FILES:
+            if (Path(model_path) / name).is_file():
+                shutil.copy(Path(model_path) / name, into / name)
 
 
 @dataclass
@@ -146,7 +151,12 @@ def find_resume(cfg: Config, run_dir: Path, model_path: str) -> Resume | None:
         checkpoint = resume_target(cfg.trainer.resume, run_dir)
         if checkpoint is None:
             return None
-        state = read_checkpoint(checkpoint, read_model_config(model_path), cfg.learner.num_ranks)
+        state = read_checkpoint(
+            checkpoint,
+            read_model_config(model_path),
+            cfg.learner.num_ranks,
+            adapter_shape(cfg.learner.lora),
+        )
     except CheckpointError as err:
         raise RunError(str(err)) from None
     if state.step > cfg.trainer.steps:
@@ -238,6 +248,8 @@ def open_run(cfg: Config) -> OpenRun:
         if refusal is not None:
             raise RunError(f"RAY_ADDRESS: {refusal}")
     model_path = resolve_model_path(cfg)
+    if cfg.learner.lora is not None:
+        check_target_modules(model_path, cfg.learner.lora)
     check_trackers(cfg)
     prompts_left_out = check_prompt_rendering(cfg, model_path)
     output_dir = Path(cfg.trainer.output_dir)
@@ -362,7 +374,10 @@ def train(run: OpenRun, job: TrainingJob) -> None:
                 ) from err
             log.warning("%s; rebuilding the learner from %s", err, checkpoint)
             state = read_checkpoint(
-                checkpoint, read_model_config(run.model_path), run.cfg.learner.num_ranks
+                checkpoint,
+                read_model_config(run.model_path),
+                run.cfg.learner.num_ranks,
+                adapter_shape(run.cfg.learner.lora),
             )
             job.recover_learner(checkpoint, state)
             rewind_metrics(metrics, state.step)

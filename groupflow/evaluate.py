@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from groupflow.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
 from groupflow.config import Config, EvalSetConfig
 from groupflow.model_dir import read_model_config
 
@@ -39,16 +40,25 @@ def greedy_share(rewards: list[list[float]]) -> float:
 
 def evaluate_model(cfg: Config, model_path: str) -> dict:
     """One in-process vLLM engine on the task's held-out prompts; the answers are scored as
-    the reward workers score them, in scorer processes killed at their deadline."""
+    the reward workers score them, in scorer processes killed at their deadline. `model_path`
+    is a model directory or a LoRA adapter saved in PEFT's format (served on its base)."""
     from groupflow.driver import check_prompt_rendering
     from groupflow.reward_workers.scorer import Scorer
     from groupflow.reward_workers.tasks import make_task
-    from groupflow.rollout.engine import RolloutEngine, engine_settings
+    from groupflow.rollout.engine import EngineLora, RolloutEngine, engine_settings
 
-    read_model_config(model_path)
-    check_prompt_rendering(cfg, model_path)  # the template vetted, prompts too long left out
+    adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
+    base = model_path if adapter is None else adapter.base
+    read_model_config(base)
+    check_prompt_rendering(cfg, base)  # the template vetted, prompts too long left out
     prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
-    engine = RolloutEngine(engine_settings(cfg, model_path, seed=cfg.trainer.seed))
+    settings = engine_settings(cfg, base, seed=cfg.trainer.seed)
+    if adapter is not None:
+        tensors = adapter.tensors()  # checked against the base before an engine starts
+        settings.lora = EngineLora(engine_max_rank(adapter.config["r"]), adapter.config)
+    engine = RolloutEngine(settings)
+    if adapter is not None:
+        engine.load_weights(tensors, version=0)
     reward = cfg.reward
     scorer = Scorer(
         cfg.task.name,

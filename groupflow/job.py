@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from groupflow.actors.generator import chunk_size
+from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import HF_DIR, LEARNER_DIR, Checkpointing, DriverState
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet
@@ -214,6 +215,7 @@ class TrainingJob:
             counters=self._running_totals() | self.restarts.state_dict(),
             model_config_json=ckpt.model_config_json,
             num_ranks=self.learner.num_ranks,
+            adapter=adapter_shape(self.cfg.learner.lora),
         )
         ckpt.store.commit(staging, state, self.cfg.dump_yaml(), trainer.keep_checkpoints)
         self._saved_at = time.monotonic()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from groupflow.adapters import wire_name
+from groupflow.adapters import meta_model, wire_name
 from groupflow.config import ConfigError, LoraConfig
 
 _PEFT_PREFIX = "base_model.model."
@@ -118,11 +118,7 @@ def check_target_modules(model_path: str, lora: LoraConfig) -> None:
     Builds the model on the meta device: no weights are read."""
     if lora.target_modules == "all-linear":
         return
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    model = meta_model(model_path)
     outside = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     modules = dict(model.named_modules())
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if _adaptable(m, outside)})

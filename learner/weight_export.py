@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from groupflow.adapters import MERGED_DIR
 from groupflow.learner.lora import (
     adapter_parameters,
     has_adapters,
@@ -146,9 +147,6 @@ def broadcast_weights(module, group: Broadcaster | None, buckets: list[Manifest]
     if in_flight is not None:
         in_flight[1].wait()
     return checksums
-
-
-MERGED_DIR = "merged"
 
 
 def save_pretrained(module, is_source: bool, path: str, merged: bool = False) -> None:

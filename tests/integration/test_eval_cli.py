@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
 
@@ -34,3 +37,60 @@ def test_eval_of_a_missing_model_is_one_line(tmp_path):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert "model.path" in line and "absent" in line
+
+
+def _adapter(model_dir: str, out, base: str, seed: int):
+    """A rank-8 adapter on q_proj and down_proj of the model in `model_dir`, B random, saved in
+    PEFT's format naming `base` as its base model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"])
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    peft_model.peft_config["default"].base_model_name_or_path = base
+    peft_model.save_pretrained(out)
+    return peft_model
+
+
+def test_eval_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
+    peft_model = _adapter(quickstart_model, tmp_path / "adapter", quickstart_model, seed=0)
+    merged = tmp_path / "merged"
+    peft_model.merge_and_unload().save_pretrained(merged)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(quickstart_model) / name, merged / name)
+    scores = []
+    for model in (tmp_path / "adapter", merged, quickstart_model):
+        proc = _eval("--model", str(model), "--set", "task.eval_size=64")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        scores.append(json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"])
+    adapter, merged_score, base = scores
+    assert adapter == merged_score
+    assert adapter != base, "the adapter must change the answers for this test to see it"
+
+
+def test_an_adapter_of_another_model_is_one_line(quickstart_model, tmp_path):
+    from transformers import AutoConfig
+
+    from groupflow.random_model import random_causal_lm
+
+    other = tmp_path / "other"
+    random_causal_lm(
+        AutoConfig.from_pretrained(quickstart_model).vocab_size,
+        seed=0,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(other)
+    _adapter(str(other), tmp_path / "adapter", quickstart_model, seed=1)
+    proc = _eval("--model", str(tmp_path / "adapter"))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "adapter_model.safetensors" in line and "an adapter of another model" in line

@@ -17,6 +17,7 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 
+from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import (
     LEARNER_DIR,
     CheckpointError,
@@ -27,6 +28,7 @@ from groupflow.checkpoint import (
     rewind_metrics,
 )
 from groupflow.cli import main
+from groupflow.config import LoraConfig
 from groupflow.learner.auto_threshold import (
     NUM_BINS,
     RunningProbabilityThreshold,
@@ -121,14 +123,14 @@ def shard_files(rank: int) -> dict[str, object]:
     }
 
 
-def save(store: CheckpointStore, step: int, keep: int = 5) -> Path:
+def save(store: CheckpointStore, step: int, keep: int = 5, **changes) -> Path:
     """What a job's save does: the ranks write into the staging dir, the driver commits."""
     staging = store.staging(step)
     (staging / LEARNER_DIR / "zero").mkdir(parents=True)
     for rank in range(2):
         for name, value in shard_files(rank).items():
             torch.save(value, staging / LEARNER_DIR / name)
-    return store.commit(staging, state(step), "trainer: {}\n", keep)
+    return store.commit(staging, state(step, **changes), "trainer: {}\n", keep)
 
 
 def test_a_commit_makes_the_whole_checkpoint_appear_under_its_step(tmp_path):
@@ -227,6 +229,32 @@ def test_another_model_is_refused_naming_the_key(tmp_path):
     assert message.startswith("model.path:") and "hidden_size" in message
     # where the same model was saved or loaded from does not matter
     assert read_checkpoint(path, MODEL | {"_name_or_path": "/b"}, 2).step == 2
+
+
+def test_adapters_resume_only_adapters_of_their_shape(tmp_path):
+    adapter = adapter_shape(LoraConfig(rank=8, target_modules=["q_proj", "v_proj"]))
+    lora = save(CheckpointStore(tmp_path / "lora"), 2, adapter=adapter)
+    whole = save(CheckpointStore(tmp_path / "whole"), 2)
+    assert read_checkpoint(lora, MODEL, 2, adapter).adapter == adapter
+    assert read_checkpoint(whole, MODEL, 2, None).adapter is None
+    cases = [
+        (
+            lora,
+            None,
+            "holds LoRA adapters (rank 8, alpha 32.0, target_modules ['q_proj', "
+            "'v_proj']), not a whole model",
+        ),
+        (whole, adapter, "trained the whole model, not LoRA adapters"),
+        (
+            lora,
+            adapter | {"rank": 16},
+            "adapters of another shape (rank: 8 in the checkpoint, 16 now)",
+        ),
+        (lora, adapter | {"target_modules": "all-linear"}, "target_modules"),
+    ]
+    for path, now, said in cases:
+        message = one_line_error(lambda path=path, now=now: read_checkpoint(path, MODEL, 2, now))
+        assert message.startswith("learner.lora: ") and said in message, message
 
 
 def test_another_number_of_ranks_is_refused_naming_the_key(tmp_path):

@@ -6,11 +6,12 @@ PEFT's own merge; and the settings a job is refused for."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
-from groupflow.adapters import engine_max_rank, wire_name
+from groupflow.adapters import AdapterError, engine_max_rank, read_adapter_dir, wire_name
 from groupflow.config import ConfigError, LoraConfig, build_config
 from groupflow.learner.lora import (
     AdaptersOff,
@@ -171,3 +172,70 @@ def test_target_modules_vllm_cannot_serve_are_refused_naming_the_entry(model_dir
 def test_bad_lora_settings_name_the_key(lora, key):
     with pytest.raises(ConfigError, match=key):
         build_config({"learner": {"lora": lora}})
+
+
+def _saved_adapter(model_dir: str, out, **config_changes) -> None:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(model, PeftLoraConfig(r=4, target_modules=["q_proj"]))
+    peft_model.save_pretrained(out)
+    config_file = out / "adapter_config.json"
+    config = json.loads(config_file.read_text()) | config_changes
+    config_file.write_text(json.dumps(config))
+
+
+def test_a_saved_adapter_fits_its_base(model_dir, tmp_path):
+    _saved_adapter(model_dir, tmp_path)
+    adapter = read_adapter_dir(tmp_path)
+    assert adapter.base == model_dir and adapter.config["r"] == 4
+    names = [name for name, _ in adapter.tensors()]
+    assert names and all(".q_proj.lora_" in n for n in names)
+
+
+@pytest.mark.parametrize(
+    "changes, said",
+    [
+        ({"base_model_name_or_path": "/nonexistent"}, "base_model_name_or_path: '/nonexistent'"),
+        ({"base_model_name_or_path": None}, "base_model_name_or_path: None"),
+        ({"peft_type": "PREFIX_TUNING"}, "not a LoRA adapter"),
+        ({"r": 0}, "r: 0 is not a rank vLLM serves"),
+        ({"r": "8"}, "r: '8' is not a rank"),
+    ],
+)
+def test_a_bad_adapter_config_is_one_line_naming_the_key(model_dir, tmp_path, changes, said):
+    _saved_adapter(model_dir, tmp_path, **changes)
+    with pytest.raises(AdapterError, match="adapter_config.json: ") as err:
+        read_adapter_dir(tmp_path)
+    assert said in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "tensors, said",
+    [
+        ({"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 17)}, "shape (4, 17)"),
+        ({"model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(5, 4)}, "shape (5, 4)"),
+        ({"model.layers.7.self_attn.q_proj.lora_A.weight": torch.zeros(4, 16)}, "no linear"),
+        ({"model.norm.lora_A.weight": torch.zeros(4, 16)}, "no linear layer"),
+        ({"lm_head.weight": torch.zeros(64, 16)}, "not a LoRA matrix"),
+    ],
+)
+def test_adapter_tensors_that_do_not_fit_the_base_are_named(model_dir, tmp_path, tensors, said):
+    from safetensors.torch import save_file
+
+    _saved_adapter(model_dir, tmp_path)
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=f"adapter_model.safetensors: {next(iter(tensors))}"):
+        read_adapter_dir(tmp_path).tensors()
+    with pytest.raises(AdapterError) as err:
+        read_adapter_dir(tmp_path).tensors()
+    assert said in str(err.value)
+
+
+def test_an_unreadable_adapter_file_is_one_line(model_dir, tmp_path):
+    _saved_adapter(model_dir, tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: unreadable"):
+        read_adapter_dir(tmp_path).tensors()
