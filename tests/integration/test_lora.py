@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import ObjectStoreTransport
+from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
 from groupflow.adapters import MERGED_DIR
 from groupflow.config import SamplingConfig, build_config
 from groupflow.reward_workers.tasks import make_task
@@ -94,6 +94,17 @@ def test_a_sync_sends_the_adapter_only_and_the_engine_serves_the_merged_model(lo
     assert [g.responses[0].token_ids for g in answers] == want
     # and the adapter shows in them: the base model answers otherwise
     assert want != _greedy_hf(Path(learner.model_path), [g.prompt_ids for g in answers], 12)
+
+
+def test_the_collective_transport_syncs_the_adapter_too(lora_stack):
+    """The broadcast from rank 0 (gloo here) carries the adapter whole: one partition."""
+    cfg, engines, learner = lora_stack
+    _train(learner, _sample_sequences(engines, n_prompts=4, group_size=4, seed=7))
+    transport = CollectiveTransport(learner, engines)
+    entries = [e for bucket in transport.buckets for e in bucket]
+    assert entries and all(".lora_" in name for name, _, _ in entries)
+    assert transport.bytes_per_sync == sum(4 * torch.Size(shape).numel() for _, shape, _ in entries)
+    _sync(transport, version=20)  # every adapter tensor's checksum matched
 
 
 def test_a_lora_checkpoint_resumes_to_the_same_adapter_and_optimizer_state(lora_stack, tmp_path):

@@ -231,6 +231,7 @@ class RecordingEngine:
         self.llm = RecordingLLM()
         self.policy_version = 0
         self.tensor_parallel_size = tensor_parallel_size
+        self.lora = None  # the whole model
 
 
 def free_port() -> int:
