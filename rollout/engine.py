@@ -27,7 +27,7 @@ from groupflow.adapters import (
 from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 from groupflow.rollout.weight_intake import broadcast, checksummed
-from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest
+from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest, checksums
 
 if TYPE_CHECKING:
     from groupflow.config import SamplingConfig
@@ -276,12 +276,15 @@ class RolloutEngine:
         the checksum of every tensor loaded (groupflow/weight_format.py). Called from the
         thread that calls into vLLM (`load`), or where no request runs."""
         loaded = LoadedWeights(version)
-        pairs = checksummed(named_tensors, loaded.checksums)
         if self.lora is not None:
-            # The adapter is a few MB: handed over whole, and swapped in between two steps.
-            self.llm.collective_rpc("load_adapter", args=(list(pairs), self.lora.config))
+            # The adapter is a few MB: handed over whole (its many small matrices checksummed
+            # together), and swapped in between two steps.
+            pairs = list(named_tensors)
+            loaded.checksums.update(checksums((name, t, 0) for name, t in pairs))
+            self.llm.collective_rpc("load_adapter", args=(pairs, self.lora.config))
             self._lora_request = _policy_adapter()
         else:
+            pairs = checksummed(named_tensors, loaded.checksums)
             if self.tensor_parallel_size > 1:
                 # The workers are other processes: the sync reaches them as one message, full
                 # tensors that each worker's weight loaders cut to its own shard, so the engine

@@ -331,6 +331,28 @@ def test_checksum_is_the_exact_sums_of_the_words(gen, dtype, row, monkeypatch):
     assert checksum(big, start) == reference_checksum(big, start)
 
 
+@pytest.mark.parametrize("small, batch", [(1 << 17, 1 << 20), (6, 40)], ids=["default", "tiny"])
+def test_many_checksums_at_once_are_each_tensors_own(gen, small, batch, monkeypatch):
+    """`checksums` sums small whole-word tensors a batch at a time: the same numbers as the
+    definition, for tensors on whole words or not, batched or not, split over batches."""
+    monkeypatch.setattr(weight_format, "_SMALL_WORDS", small)
+    monkeypatch.setattr(weight_format, "_BATCH_WORDS", batch)
+    parts = []
+    for i in range(40):
+        dtype = DTYPES[int(torch.randint(0, len(DTYPES), (), generator=gen))]
+        numel = int(torch.randint(1, 120, (), generator=gen))
+        lead = int(torch.randint(0, 3, (), generator=gen))
+        t = random_tensor(gen, dtype, numel + lead)[lead:]
+        start = int(torch.randint(0, 2**40, (), generator=gen)) * int(
+            torch.randint(1, 3, (), generator=gen)
+        )
+        parts.append((f"t{i}", t, start))
+    near_wrap = torch.full((16,), -(2**63) + 5, dtype=torch.int64).view(torch.float64)
+    parts.append(("wrap", near_wrap, 8))
+    got = weight_format.checksums(parts)
+    assert got == {name: reference_checksum(t, start) for name, t, start in parts}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_single_flipped_bit_anywhere_changes_the_checksum(gen, dtype):
     t = random_tensor(gen, dtype, 300)
