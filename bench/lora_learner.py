@@ -15,6 +15,7 @@ of the whole model's. The shape is `bench/weight_sync.py`'s (1024x16: the 605 MB
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -23,7 +24,6 @@ from pathlib import Path
 import psutil
 import ray
 import torch
-from ray.util.state import list_actors
 from weight_sync import random_model
 
 from groupflow.actors.learner import LearnerGroup
@@ -42,9 +42,9 @@ def sequences(groups: int, tokens: int, vocab: int, seed: int) -> list[TrainSequ
     return out
 
 
-def rank_rss() -> list[int]:
-    actors = list_actors(filters=[("class_name", "=", "LearnerRankActor"), ("state", "=", "ALIVE")])
-    return sorted(psutil.Process(a.pid).memory_info().rss for a in actors)
+def rank_rss(learner: LearnerGroup) -> list[int]:
+    pids = ray.get([r.__ray_call__.remote(lambda _self: os.getpid()) for r in learner.ranks])
+    return [psutil.Process(pid).memory_info().rss for pid in pids]
 
 
 def measure(model_dir: str, lora: int | None, args, vocab: int) -> tuple[float, list[int]]:
@@ -59,7 +59,7 @@ def measure(model_dir: str, lora: int | None, args, vocab: int) -> tuple[float, 
             start = time.perf_counter()
             ray.get(learner.async_train_step(seqs))
             seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds[1:]), rank_rss()
+        return statistics.median(seconds[1:]), rank_rss(learner)
     finally:
         learner.shutdown()
 
