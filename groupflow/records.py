@@ -77,17 +77,37 @@ class TrainSequence:
     advantage: float
     group_id: int  # index of its group within the step (cancellation diagnostics use it)
     policy_version: int
-    # (num_response_tokens,) the behaviour policy's log-prob of each response token, as vLLM
-    # sampled it (learner/off_policy.py); [] = unknown, the learner's own stand in for it.
+    # The behaviour policy's log-prob of each model token, as vLLM sampled it
+    # (learner/off_policy.py); [] = unknown, the learner's own stand in for it.
     vllm_logprobs: list[float]
+    # Per response token: 1 where the model sampled it, 0 for an observation inserted between
+    # turns (a tool's result): in the forward as context, out of the loss and of every token
+    # statistic (docs/algorithms.md, 'Observation tokens'). None: every one is the model's.
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.vllm_logprobs and len(self.vllm_logprobs) != self.num_response_tokens:
+        where = f"sequence of group {self.group_id}"
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != self.num_response_tokens:
+                raise ValueError(
+                    f"{where}: a loss mask of {len(self.loss_mask)} for "
+                    f"{self.num_response_tokens} response tokens"
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError(f"{where}: a loss mask holds 0 and 1 only")
+        if self.vllm_logprobs and len(self.vllm_logprobs) != self.num_model_tokens:
             raise ValueError(
-                f"sequence of group {self.group_id}: {len(self.vllm_logprobs)} vLLM log-probs "
-                f"for {self.num_response_tokens} response tokens"
+                f"{where}: {len(self.vllm_logprobs)} vLLM log-probs for "
+                f"{self.num_model_tokens} model tokens"
             )
 
     @property
     def num_response_tokens(self) -> int:
         return len(self.input_ids) - self.prompt_len
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the model sampled (observations left out)."""
+        if self.loss_mask is None:
+            return self.num_response_tokens
+        return sum(self.loss_mask)

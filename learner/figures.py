@@ -18,7 +18,7 @@ from groupflow.device import to_device
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.off_policy import OffPolicyFigures
-from groupflow.learner.token_stats import TokenStats
+from groupflow.learner.token_stats import TokenStats, loss_masks
 from groupflow.records import TrainSequence
 
 
@@ -42,12 +42,15 @@ class ProximalFigures:
         read from the device in one copy."""
         if not seqs:
             return cls()
-        entropy = torch.nn.utils.rnn.pad_sequence([s.entropy for s in stats], batch_first=True)
-        per_seq_entropy = entropy.detach().to(torch.float64).sum(-1)  # padding is 0
-        mismatch = _vllm_mismatch(seqs, stats)
+        masks = loss_masks(seqs, [s.entropy for s in stats])  # observations count nowhere
+        entropy = torch.nn.utils.rnn.pad_sequence(
+            [s.entropy.detach() * m for s, m in zip(stats, masks, strict=True)], batch_first=True
+        )
+        per_seq_entropy = entropy.to(torch.float64).sum(-1)  # padding is 0
+        mismatch = _vllm_mismatch(seqs, stats, masks)
         host = torch.cat([per_seq_entropy, mismatch]).cpu()
         per_seq_entropy, mismatch = host[: len(seqs)], host[len(seqs) :]
-        lengths = torch.tensor([s.num_response_tokens for s in seqs], dtype=torch.float64)
+        lengths = torch.tensor([s.num_model_tokens for s in seqs], dtype=torch.float64)
         advantages = torch.tensor([s.advantage for s in seqs], dtype=torch.float64)
         pos, neg = advantages > 0, advantages < 0
         return cls(
@@ -68,13 +71,15 @@ class ProximalFigures:
         return merged
 
 
-def _vllm_mismatch(seqs: list[TrainSequence], stats: list[TokenStats]) -> torch.Tensor:
-    """|learner logp - vLLM logp| of every token of the sequences that carry vLLM's numbers,
-    float64 on the statistics' device."""
+def _vllm_mismatch(
+    seqs: list[TrainSequence], stats: list[TokenStats], masks: list[torch.Tensor]
+) -> torch.Tensor:
+    """|learner logp - vLLM logp| of every model token of the sequences that carry vLLM's
+    numbers, float64 on the statistics' device."""
     ours, theirs = [], []
-    for seq, seq_stats in zip(seqs, stats, strict=True):
+    for seq, seq_stats, mask in zip(seqs, stats, masks, strict=True):
         if seq.vllm_logprobs:
-            ours.append(seq_stats.logp.detach())
+            ours.append(seq_stats.logp.detach()[mask > 0])
             theirs.extend(seq.vllm_logprobs)
     if not ours:
         return torch.zeros(0, dtype=torch.float64, device=stats[0].logp.device)

@@ -10,7 +10,7 @@ included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
-from groupflow.learner.token_stats import TokenStats
+from groupflow.learner.token_stats import TokenStats, loss_masks
 from groupflow.records import TrainSequence
 
 
@@ -34,6 +34,8 @@ class MicroBatchForward:
     stats: list[TokenStats]  # one per sequence, response tokens only; with the graph under grad
     # Only for a micro-batch without sequences: 0, with a graph through every parameter.
     empty_loss: Tensor | None = None
+    # One per sequence, like stats: 1.0 on model tokens, 0.0 on observations (loss_masks)
+    masks: list[Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -124,7 +126,7 @@ def forward_micro_batch(
     if not seqs:
         return MicroBatchForward([], empty_loss=empty_micro_batch(model, device))
     stats = response_token_stats(model, seqs, temperature, device, entropy_grad, packed)
-    return MicroBatchForward(stats)
+    return MicroBatchForward(stats, masks=loss_masks(seqs, [s.logp for s in stats]))
 
 
 def check_packing(model, vocab_size: int, device: torch.device) -> None:
@@ -172,7 +174,7 @@ def micro_batch_loss(
         return MicroBatchLoss(forward.empty_loss, no_figures, [])
     logp = _pad([s.logp for s in forward.stats])  # (B, T)
     old_logp = _pad([s.logp for s in old])
-    mask = _pad([torch.ones_like(s.logp) for s in forward.stats])
+    mask = _pad(forward.masks)
     width = logp.shape[1]
     out = token_loss(
         logp,

@@ -38,8 +38,12 @@ from groupflow.learner.credit import (
 )
 from groupflow.learner.diagnostics import cancellation_residual
 from groupflow.learner.figures import ProximalFigures, RankFigures, UpdateFigures
-from groupflow.learner.micro_batch import MicroBatchForward, forward_micro_batch, micro_batch_loss
-from groupflow.learner.token_stats import TokenStats
+from groupflow.learner.micro_batch import (
+    MicroBatchForward,
+    forward_micro_batch,
+    micro_batch_loss,
+)
+from groupflow.learner.token_stats import TokenStats, loss_masks
 from groupflow.records import TrainSequence
 
 MicroBatches = list[list[TrainSequence]]  # [micro-batch] -> sequences
@@ -162,7 +166,7 @@ def plan_each_micro_batch(
     while no other micro-batch's graph is alive. The whole mini-batch's plan is made once
     more at the end, for its figures only."""
     algo = settings.algorithm
-    lengths = [s.num_response_tokens for mb in micro_batches for s in mb]
+    lengths = [s.num_model_tokens for mb in micro_batches for s in mb]
     scale = length_scale(algo.aggregation, lengths, settings.reducer)
     refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
     olds, currents, grads = [], [], []
@@ -319,17 +323,18 @@ def mini_batch_tokens(
     current: list[TokenStats],
     device: torch.device,
 ) -> MiniBatchTokens:
-    """The credit planner's view of a mini-batch: one row per sequence, padded.
+    """The credit planner's view of a mini-batch: one row per sequence, padded; observation
+    tokens (TrainSequence.loss_mask) masked as padding is.
 
-    A sequence without vLLM's log-probs takes its behaviour row from `old` (weight 1)."""
+    A sequence without vLLM's log-probs takes its behaviour row from `old` (weight 1); vLLM's
+    log-probs, one per model token, go to the model tokens' places."""
+    masks = loss_masks(seqs, [o.logp for o in old])
     behaviour = [
-        to_device(torch.tensor(s.vllm_logprobs, dtype=o.logp.dtype), o.logp.device)
-        if s.vllm_logprobs
-        else o.logp
-        for s, o in zip(seqs, old, strict=True)
+        _at_model_tokens(s.vllm_logprobs, mask, o.logp) if s.vllm_logprobs else o.logp
+        for s, o, mask in zip(seqs, old, masks, strict=True)
     ]
     return MiniBatchTokens(
-        mask=_pad([torch.ones_like(s.logp) for s in old], device),
+        mask=_pad(masks, device),
         old_logp=_pad([s.logp for s in old], device),
         cur_logp=_pad([s.logp for s in current], device),
         old_entropy=_pad([s.entropy for s in old], device),
@@ -344,3 +349,11 @@ def mini_batch_tokens(
             torch.tensor([bool(s.vllm_logprobs) for s in seqs], dtype=torch.bool), device
         ),
     )
+
+
+def _at_model_tokens(logprobs: list[float], mask: Tensor, stand_in: Tensor) -> Tensor:
+    """`logprobs` (one per model token) in the places of the model tokens of a row like
+    `stand_in`, which keeps the observations' places (masked: never read)."""
+    row = stand_in.detach().clone()
+    row[mask > 0] = to_device(torch.tensor(logprobs, dtype=row.dtype), row.device)
+    return row

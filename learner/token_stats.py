@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+from groupflow.device import to_device
+from groupflow.records import TrainSequence
 
 
 @dataclass
@@ -57,3 +61,15 @@ def token_stats(
         empty = logits.new_zeros(0, dtype=stats_dtype(logits.dtype))
         return TokenStats(empty, empty, empty)
     return TokenStats(torch.cat(logps), torch.cat(entropies), torch.cat(sum_p2s))
+
+
+def loss_masks(seqs: list[TrainSequence], like: list[Tensor]) -> list[Tensor]:
+    """Each sequence's loss mask (TrainSequence.loss_mask) as a tensor like its stats row:
+    1.0 on the model's tokens, 0.0 on observations. The credit plan and the loss read every
+    token through it, so an observation token weighs nothing anywhere, as padding does."""
+    return [
+        torch.ones_like(row)
+        if s.loss_mask is None
+        else to_device(torch.tensor(s.loss_mask, dtype=row.dtype), row.device)
+        for s, row in zip(seqs, like, strict=True)
+    ]
