@@ -52,7 +52,13 @@ def grads_of(model, stats, w_logp, w_entropy):
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("entropy_grad", [False, True])
 @pytest.mark.parametrize(
-    ("dtype", "tol", "grad_tol"), [(torch.float64, 1e-10, 1e-10), (torch.float32, 1e-6, 1e-5)]
+    # float32 gradients: 1e-4 of the parameter's largest gradient. A small parameter's
+    # gradient (a norm weight, a bias) is a sum of terms that largely cancel, so its rounding
+    # error is relative to the terms, not to the result: up to 2.3e-5 of its largest entry was
+    # seen over 600 seeded cases (GROUPFLOW_TEST_SEED=708247270 exceeded 1e-5). A chunk summed
+    # wrong is off by the order of the gradient itself.
+    ("dtype", "tol", "grad_tol"),
+    [(torch.float64, 1e-10, 1e-10), (torch.float32, 1e-6, 1e-4)],
 )
 def test_head_stats_and_gradients_equal_the_full_logits_path(
     gen, tied, entropy_grad, dtype, tol, grad_tol
@@ -81,7 +87,7 @@ def test_head_stats_and_gradients_equal_the_full_logits_path(
     want_grads = grads_of(reference, want, w_logp, w_entropy)
     got_grads = grads_of(model, got, w_logp, w_entropy)
     for name in names:
-        # The chunks sum in another order: float32 gradients agree to a few ulps of their scale.
+        # The chunks sum in another order: the gradients agree to rounding (grad_tol above).
         scale = want_grads[name].abs().max().item()
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=grad_tol * scale)
 
