@@ -98,10 +98,11 @@ def merged_weights(
         if name.endswith(".base_layer.weight"):
             layer = name.removesuffix(".base_layer.weight")
             hf_name = hf_name.replace(".base_layer.weight", ".weight")
-            adapter = module.get_submodule(layer).active_adapters[0]
+            lora_layer = module.get_submodule(layer)
+            adapter = lora_layer.active_adapters[0]
             a = tensors[f"{layer}.lora_A.{adapter}.weight"]
             b = tensors[f"{layer}.lora_B.{adapter}.weight"]
-            scaling = module.get_submodule(layer).scaling[adapter]
+            scaling = lora_layer.scaling[adapter]
             tensor = tensor + (b.double() @ a.double() * scaling).to(tensor.dtype)
         elif name.endswith(".base_layer.bias"):
             hf_name = hf_name.replace(".base_layer.bias", ".bias")
