@@ -37,6 +37,7 @@ import ray
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
+from groupflow.actors.tools import ToolPoolClient, start_tool_pool
 from groupflow.actors.weight_group import open_weight_group
 from groupflow.config import Config, SamplingConfig
 from groupflow.device import Device, device_for
@@ -116,9 +117,12 @@ class Generator:
     checkpoint: the group then carries the version that sampled it, and the prompt stream
     drops it if the learner does not hold that version's successors)."""
 
-    def __init__(self, settings: EngineSettings, device: Device, cores: list[int]):
+    def __init__(
+        self, settings: EngineSettings, device: Device, cores: list[int], tool_workers: list
+    ):
         pin_to_cores(cores)  # before vLLM starts its threads, which inherit it
-        self.engine = RolloutEngine(settings)
+        run_code = ToolPoolClient(tool_workers).run if tool_workers else None
+        self.engine = RolloutEngine(settings, run_code)
         self.device = device
         self.weight_group = None
         self._arriving_buckets: dict[str, ArrivingBuckets] = {}  # by sync
@@ -266,9 +270,12 @@ class GeneratorPool:
         replacements: Replacements | None = None,
         demand: Mapping[str, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tool_workers: Sequence = (),
     ):
         """`starting` and `replacements` stand in for Ray's in the job loop's unit tests;
-        `demand` is one engine's Ray resources (said when a replacement waits for room)."""
+        `demand` is one engine's Ray resources (said when a replacement waits for room);
+        `tool_workers` the tool pool the engines call (actors/tools.py), stopped with them."""
+        self.tool_workers = list(tool_workers)
         self.engines = engines  # the weight transport loads the engines of this same list
         self.futures = futures
         self.group_size = group_size
@@ -501,8 +508,8 @@ class GeneratorPool:
     def shutdown(self) -> None:
         self.slots.starting.shutdown()
         self.slots.replacements.shutdown()
-        for engine in self.engines:
-            ray.kill(engine)
+        for actor in [*self.engines, *self.tool_workers]:
+            ray.kill(actor)
 
 
 def start_generator_pool(
@@ -529,9 +536,11 @@ def start_generator_pool(
         },
     )
 
+    tool_workers = start_tool_pool(cfg)
+
     def start_engine(slot: int):
         settings = engine_settings(cfg, model_path, seed=cfg.trainer.seed + slot)
-        return actor.remote(settings, device, res.cpu_cores)
+        return actor.remote(settings, device, res.cpu_cores, tool_workers)
 
     engines = [start_engine(i) for i in range(cfg.rollout.num_engines)]
     replaceable = cfg.rollout.weight_transport == "object_store"
@@ -543,4 +552,5 @@ def start_generator_pool(
         restarts,
         start_engine if replaceable else None,
         demand=ray_demand(res.num_cpus, res.num_gpus, res.custom),
+        tool_workers=tool_workers,
     )

@@ -70,6 +70,10 @@ _OFF_POLICY = "Off-policy correction"
 _SPEED = "Tokens per second by stage"
 _TIMES = "Mean stage latency and step time"
 _ERRORS = "Reward errors and timeouts"
+_AGENT = "Turns per trajectory"
+_AGENT_SHARES = "Tool use and observation share"
+_TOOLS = "Tool calls, errors and timeouts"
+_END_REASONS = "Trajectory end reasons"
 
 METRICS: tuple[Metric, ...] = (
     # the step
@@ -123,6 +127,64 @@ METRICS: tuple[Metric, ...] = (
         "fraction",
         "Accuracy",
         Series("groupflow_task_accuracy", "gauge", label="task"),
+    ),
+    # multi-turn trajectories (agent.*, docs/agents.md): in the records of such jobs only
+    Metric(
+        "turns_mean",
+        "mean model turns per trajectory",
+        "turns",
+        _AGENT,
+        _gauge("groupflow_turns_mean"),
+    ),
+    Metric(
+        "tool_use_rate",
+        "fraction of the step's trajectories that called a tool",
+        "fraction",
+        _AGENT_SHARES,
+        _gauge("groupflow_tool_use_rate"),
+    ),
+    Metric(
+        "observation_token_share",
+        "fraction of the step's response tokens that observations inserted (not trained)",
+        "fraction",
+        _AGENT_SHARES,
+        _gauge("groupflow_observation_token_share"),
+    ),
+    Metric(
+        "tool_calls",
+        "tool calls per step, per tool ('(malformed)': unreadable, '(unknown)': no such tool)",
+        "calls",
+        _TOOLS,
+        Series("groupflow_tool_calls", "counter", label="tool"),
+    ),
+    Metric(
+        "tool_errors",
+        "tool calls per step that failed (raised, refused, unreadable, unknown), per tool",
+        "calls",
+        _TOOLS,
+        Series("groupflow_tool_errors", "counter", label="tool"),
+    ),
+    Metric(
+        "tool_timeouts",
+        "tool calls per step killed at agent.tool_timeout_s, per tool",
+        "calls",
+        _TOOLS,
+        Series("groupflow_tool_timeouts", "counter", label="tool"),
+    ),
+    Metric(
+        "tool_latency_s",
+        "seconds of each tool call that ran in the step (a list; Prometheus: a histogram)",
+        "seconds",
+        None,
+        Series("groupflow_tool_latency_seconds", "histogram"),
+    ),
+    Metric(
+        "end_reasons",
+        "trajectories per step by why they ended (answer, turn_limit, token_limit, deadline, "
+        "environment_error)",
+        "trajectories",
+        _END_REASONS,
+        Series("groupflow_trajectory_end_reasons", "counter", label="reason"),
     ),
     Metric(
         "eval_accuracy",

@@ -50,6 +50,7 @@ from groupflow.prometheus import PrometheusExporter
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
 from groupflow.reward_workers.tasks.prompt_pool import fit_to_engines, job_prompt_sources
+from groupflow.rollout.agent import Agent
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.sample_log import SampleLog
@@ -232,8 +233,15 @@ def check_prompt_rendering(cfg: Config, model_path: str) -> dict[str, int]:
     """Before any actor starts: the chat settings against the model's tokenizer, the chat
     template vetted on every prompt the job can draw (rollout/prompt_render.py), and the
     prompts too long for the engines left out of their datasets, or the job refused
-    (reward_workers/tasks/prompt_pool.py). How many were left out, by prompt source."""
-    renderer = PromptRenderer(_tokenizer(model_path), engine_settings(cfg, model_path, 0).chat)
+    (reward_workers/tasks/prompt_pool.py). How many were left out, by prompt source. In a
+    multi-turn job also the tools, their parser, and the template's rendering of tool
+    messages (rollout/agent.py)."""
+    settings = engine_settings(cfg, model_path, 0)
+    agent = None if settings.agent is None else Agent(settings.agent, run_code=None)
+    chat = settings.chat if agent is None else agent.chat(settings.chat)
+    renderer = PromptRenderer(_tokenizer(model_path), chat)
+    if agent is not None:
+        agent.start(renderer)
     sources = job_prompt_sources(cfg)
     lengths = renderer.vetted_lengths([p for source in sources for p in source.prompts])
     rollout = cfg.rollout

@@ -103,12 +103,20 @@ class PrometheusExporter:
             for key, series, family in self._series:
                 if key not in record:
                     continue
-                if series.label is not None:  # one gauge per label value
+                if series.label is not None:  # one series per label value
                     for label_value, value in record[key].items():
-                        family.labels(self.job, str(label_value)).set(float(value))
+                        child = family.labels(self.job, str(label_value))
+                        if series.kind == "counter":
+                            child.inc(float(value))
+                        else:
+                            child.set(float(value))
                     continue
                 # A series appears on its first value, not as a 0 before the job has one.
                 child = family.labels(self.job, *([series.stage] if series.stage else []))
+                if series.kind == "histogram" and isinstance(record[key], list):
+                    for value in record[key]:  # one observation each (tool_latency_s)
+                        child.observe(float(value))
+                    continue
                 value = float(record[key])
                 if series.kind == "gauge":
                     child.set(value)

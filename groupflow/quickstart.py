@@ -41,18 +41,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("GROUPFLOW_CACHE", Path.home() / ".cache" / "groupflow"))
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer that vLLM and transformers load like any other."""
+def build_tokenizer(extra_characters: str = "", chat_template: str | None = None):
+    """A character-level fast tokenizer that vLLM and transformers load like any other; a task
+    may add characters of its own and a chat template (tool_arithmetic's tool calls)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    characters = CHARACTERS + [c for c in extra_characters if c not in CHARACTERS]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + characters)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def build_model(tokenizer, seed: int):
@@ -71,19 +75,29 @@ def _sft_batch(task, prompts, tokenizer, batch_size: int):
     """Prompt + demonstration + eos, loss on the demonstration tokens only. A task that
     teaches a worked answer (long_addition's scratchpad) says so with `demonstration`;
     otherwise the demonstration is the bare answer."""
-    demonstrate = getattr(task, "demonstration", lambda p: str(p.answer))
-    texts = [next(prompts) for _ in range(batch_size)]
     ids, labels = [], []
-    for p in texts:
+    for p in (next(prompts) for _ in range(batch_size)):
         prompt_ids = tokenizer.encode(p.text)
-        answer_ids = tokenizer.encode(demonstrate(p)) + [tokenizer.eos_token_id]
-        ids.append(prompt_ids + answer_ids)
-        labels.append([-100] * len(prompt_ids) + answer_ids)
+        ids.append(prompt_ids)
+        labels.append([-100] * len(prompt_ids))
+        for text, trained in _demonstration_turns(task, p):
+            piece = tokenizer.encode(text) if text else [tokenizer.eos_token_id]
+            ids[-1] += piece
+            labels[-1] += piece if trained else [-100] * len(piece)
     width = max(map(len, ids))
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
     label_ids = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
     return input_ids, label_ids, input_ids != pad
+
+
+def _demonstration_turns(task, prompt) -> list[tuple[str, bool]]:
+    """(text, trained) pieces after the prompt, "" for the end-of-text token: a multi-turn
+    task's (tool results untrained), else one worked answer or the bare one."""
+    if hasattr(task, "demonstration_turns"):
+        return task.demonstration_turns(prompt)
+    demonstrate = getattr(task, "demonstration", lambda p: str(p.answer))
+    return [(demonstrate(prompt), True), ("", True)]
 
 
 def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> None:
@@ -136,6 +150,9 @@ def quickstart_model_path(
     # is a new model (tasks that teach the bare answer keep their models' old keys).
     if hasattr(task, "DEMONSTRATION_FORMAT"):
         spec["demonstration"] = task.DEMONSTRATION_FORMAT
+    if hasattr(task, "EXTRA_CHARACTERS"):
+        spec["characters"] += task.EXTRA_CHARACTERS
+        spec["chat_template"] = task.CHAT_TEMPLATE
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     target = cache_root() / f"quickstart-{digest}"
     if (target / "config.json").is_file():
@@ -146,7 +163,9 @@ def quickstart_model_path(
         target,
     )
     random.seed(WARM_START["seed"])
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(
+        getattr(task, "EXTRA_CHARACTERS", ""), getattr(task, "CHAT_TEMPLATE", None)
+    )
     model = build_model(tokenizer, seed=WARM_START["seed"])
     warm_start(model, tokenizer, task, warm_start_steps, progress)
     # Write to a temporary directory and rename, so a cut-off build never looks finished.

@@ -27,15 +27,39 @@ class Prompt:
 
 
 @dataclass
+class ToolUse:
+    """One tool call in a trajectory: the tool the model named ("" where the call could not be
+    read), how it ended and how long it took."""
+
+    tool: str
+    outcome: str  # "ok" | "error" | "timeout" | "malformed" | "unknown" (rollout/tools.py)
+    seconds: float = 0.0
+
+
+@dataclass
 class Response:
+    """One sampled response: a single completion, or a multi-turn trajectory (the model's turns
+    and the observations inserted between them, rollout/trajectory.py)."""
+
     token_ids: list[int]
     text: str
-    logprobs: list[float]  # vLLM's log-probs of the sampled tokens (kept for a mismatch metric)
+    # vLLM's log-probs of the tokens the model sampled, one per model token (observations
+    # have none)
+    logprobs: list[float]
     finish_reason: str = "stop"  # "stop": EOS or a stop string; "length": cut at max_tokens
     # (policy version, index of its first token) for each run of tokens one version sampled,
     # in order: more than one where a weight sync landed while the response was generating
     # (rollout.partial_rollout). [] = all by its group's policy_version.
     versions: list[tuple[int, int]] = field(default_factory=list)
+    # A trajectory's: per response token, 1 where the model sampled it, 0 for an observation
+    # (TrainSequence.loss_mask); None for a single completion.
+    loss_mask: list[int] | None = None
+    turns: int = 1
+    # Why a trajectory ended: "answer", "turn_limit", "token_limit", "deadline" or
+    # "environment_error" (rollout/trajectory.py); None for a single completion.
+    end_reason: str | None = None
+    tool_uses: list[ToolUse] = field(default_factory=list)
+    error: str | None = None  # what the environment raised, when end_reason says it did
 
 
 @dataclass

@@ -7,8 +7,9 @@ described in groupflow/catalogue.py.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
-from groupflow.records import ScoredGroup
+from groupflow.records import Response, ScoredGroup
 from groupflow.timing import time_keys
 
 
@@ -40,8 +41,46 @@ def rollout_record(
     }
     if any(g.group.prompt.task for g in scored):  # several tasks in one job
         record.update(_per_task(scored))
+    responses = [r for g in scored for r in g.group.responses]
+    if any(r.end_reason is not None for r in responses):  # a multi-turn job
+        record.update(agent_figures(responses))
     record.update(time_keys(times))
     return record
+
+
+# Labels of tool calls that name no declared tool: the model's own words must not become
+# series of their own (each would be a Prometheus series forever).
+MALFORMED_CALL, UNKNOWN_TOOL = "(malformed)", "(unknown)"
+
+
+def agent_figures(responses: list[Response]) -> dict:
+    """Turns, tool use, observations and end reasons of a step's trajectories."""
+    calls: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    timeouts: Counter[str] = Counter()
+    latencies = []
+    for r in responses:
+        for use in r.tool_uses:
+            tool = {"malformed": MALFORMED_CALL, "unknown": UNKNOWN_TOOL}.get(use.outcome, use.tool)
+            calls[tool] += 1
+            if use.outcome == "timeout":
+                timeouts[tool] += 1
+            elif use.outcome != "ok":
+                errors[tool] += 1
+            if use.outcome in ("ok", "error", "timeout"):  # the tool ran
+                latencies.append(round(use.seconds, 4))
+    tokens = sum(len(r.token_ids) for r in responses)
+    observed = sum(len(r.loss_mask) - sum(r.loss_mask) for r in responses if r.loss_mask)
+    return {
+        "turns_mean": statistics.fmean(r.turns for r in responses),
+        "tool_use_rate": _ratio(sum(bool(r.tool_uses) for r in responses), len(responses)),
+        "observation_token_share": _ratio(observed, tokens),
+        "tool_calls": dict(calls),
+        "tool_errors": dict(errors),
+        "tool_timeouts": dict(timeouts),
+        "tool_latency_s": latencies,
+        "end_reasons": dict(Counter(r.end_reason or "answer" for r in responses)),
+    }
 
 
 def _per_task(scored: list[ScoredGroup]) -> dict[str, dict[str, float]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from groupflow.config import TrainerConfig
-from groupflow.records import ScoredGroup
+from groupflow.records import Response, ScoredGroup
 
 TABLE_WIDTH = 40  # characters of prompt and response shown per table cell
 
@@ -41,9 +41,29 @@ def sample_rows(
                     "length": len(resp.token_ids),
                     "finish_reason": resp.finish_reason,
                     "policy_version": sg.group.policy_version,
+                    **({} if resp.end_reason is None else _trajectory(resp, decode)),
                 }
             )
     return rows
+
+
+def _trajectory(resp: Response, decode: Callable[[list[int]], str]) -> dict:
+    """A multi-turn response turn by turn: the model's turns and the observations between
+    them, each decoded from its own ids, with how it ended and its tool calls."""
+    pieces, start = [], 0
+    mask = resp.loss_mask or [1] * len(resp.token_ids)
+    for end in range(1, len(mask) + 1):
+        if end == len(mask) or mask[end] != mask[start]:
+            who = "model" if mask[start] else "observation"
+            pieces.append({who: decode(resp.token_ids[start:end])})
+            start = end
+    return {
+        "turns": resp.turns,
+        "end_reason": resp.end_reason,
+        "tool_calls": [f"{u.tool or '?'}: {u.outcome}" for u in resp.tool_uses],
+        "trajectory": pieces,
+        **({"environment_error": resp.error} if resp.error else {}),
+    }
 
 
 def write_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:

@@ -20,6 +20,10 @@ def group_advantages(scored: list[ScoredGroup], cfg: Config) -> list[list[float]
     rewards, groups, counts, limits = [], [], [], []
     for gid, sg in enumerate(scored):
         limit = sg.group.prompt.max_tokens or cfg.rollout.sampling.max_tokens
+        if cfg.multi_turn:  # a trajectory's budget is its total, observations included
+            limit = cfg.agent.max_total_tokens or cfg.rollout.max_model_len - len(
+                sg.group.prompt_ids
+            )
         for reward, resp in zip(sg.rewards, sg.group.responses, strict=True):
             rewards.append(reward)
             groups.append(gid)
@@ -63,6 +67,7 @@ def train_sequences(
                     group_id=gid,
                     policy_version=sg.group.policy_version,
                     vllm_logprobs=resp.logprobs,
+                    loss_mask=resp.loss_mask,
                 )
             )
     return seqs

@@ -34,24 +34,30 @@ class RewardPlugin:
 
 def load_plugin(spec: str) -> RewardPlugin:
     """Import the plugin named by spec; ValueError (one line) if it cannot be loaded."""
+    function = load_object(spec, "reward plugin")
+    if not callable(function):
+        raise ValueError(f"reward plugin {spec!r}: {spec.rpartition(':')[2]!r} is not a function")
+    return RewardPlugin(function, name=spec.rpartition(":")[2])
+
+
+def load_object(spec: str, what: str) -> Any:
+    """The object `module:name` or `path/to/file.py:name` names (a reward plugin, a tool, an
+    environment); ValueError (one line, naming `what`) if it cannot be loaded."""
     target, sep, attribute = spec.rpartition(":")
     if not sep or not target or not attribute:
-        raise ValueError(
-            f"reward plugin {spec!r}: expected 'module:function' or 'file.py:function'"
-        )
+        raise ValueError(f"{what} {spec!r}: expected 'module:name' or 'file.py:name'")
     from_file = target.endswith(".py") or "/" in target
     if from_file and not Path(target).is_file():
-        raise ValueError(f"reward plugin {spec!r}: no such file {target}")
+        raise ValueError(f"{what} {spec!r}: no such file {target}")
     try:
         module = _load_file(Path(target)) if from_file else importlib.import_module(target)
     except BaseException as err:  # import-time errors and exits, whatever they are
         raise ValueError(
-            f"reward plugin {spec!r}: import failed: {type(err).__name__}: {_short(err)}"
+            f"{what} {spec!r}: import failed: {type(err).__name__}: {_short(err)}"
         ) from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ValueError(f"reward plugin {spec!r}: {target} has no function {attribute!r}")
-    return RewardPlugin(function, name=attribute)
+    if not hasattr(module, attribute):
+        raise ValueError(f"{what} {spec!r}: {target} has no {attribute!r}")
+    return getattr(module, attribute)
 
 
 def call_plugin(

@@ -45,7 +45,17 @@ def scored_groups(groups: list[SampledGroup], verdicts: list[Verdict]) -> list[S
     if len(verdicts) != expected:
         raise ValueError(f"{len(verdicts)} verdicts for {expected} responses")
     found = iter(verdicts)
-    return [ScoredGroup(group=g, verdicts=[next(found) for _ in g.responses]) for g in groups]
+    return [
+        ScoredGroup(group=g, verdicts=[_unless_failed(r, next(found)) for r in g.responses])
+        for g in groups
+    ]
+
+
+def _unless_failed(response, verdict: Verdict) -> Verdict:
+    """A trajectory its environment failed scores 0, whatever its text would."""
+    if response.end_reason != "environment_error":
+        return verdict
+    return Verdict(0.0, f"the environment failed: {response.error}", error="environment")
 
 
 class Scorer:

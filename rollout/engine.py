@@ -25,7 +25,9 @@ from groupflow.adapters import (
     serving_config,
 )
 from groupflow.records import Prompt, Response, SampledGroup
+from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
+from groupflow.rollout.tools import RunCode
 from groupflow.rollout.weight_intake import broadcast, checksummed
 from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest, checksums
 
@@ -48,6 +50,7 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     partial_rollout: bool = True  # a sync loads while requests run (RolloutEngine.load_weights)
     lora: EngineLora | None = None  # serve a LoRA adapter: syncs carry the adapter only
+    agent: AgentSettings | None = None  # multi-turn trajectories with tools (rollout/agent.py)
 
 
 @dataclass
@@ -84,6 +87,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         partial_rollout=cfg.rollout.partial_rollout,
         lora=None if lora is None else EngineLora(engine_max_rank(lora.rank), serving_config(lora)),
+        agent=AgentSettings.of(cfg) if cfg.multi_turn else None,
     )
 
 
@@ -116,7 +120,8 @@ class RolloutEngine:
     stepping the engine while requests are open; the async methods are for the caller's event
     loop. A weight load is such a call: the requests stop for it, between two steps."""
 
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, run_code: RunCode | None = None):
+        """run_code: where the python tool runs its sandboxes (actors/tools.py)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
         from vllm import LLM
@@ -159,7 +164,11 @@ class RolloutEngine:
         # base model, which is the policy's first version (an adapter starts at B = 0).
         self._lora_request = None
         self.tokenizer = self.llm.get_tokenizer()
-        self.renderer = PromptRenderer(self.tokenizer, settings.chat)
+        self.agent = None if settings.agent is None else Agent(settings.agent, run_code)
+        chat = settings.chat if self.agent is None else self.agent.chat(settings.chat)
+        self.renderer = PromptRenderer(self.tokenizer, chat)
+        if self.agent is not None:
+            self.agent.start(self.renderer)
         self.max_model_len = settings.max_model_len
         self.partial_rollout = settings.partial_rollout
         self.policy_version = 0
@@ -173,50 +182,91 @@ class RolloutEngine:
     async def sample_group(
         self, prompt: Prompt, group_size: int, sampling: SamplingConfig
     ) -> SampledGroup:
-        """G sampled responses to `prompt`, with their token ids, log-probs and the policy
-        version of each token."""
+        """G sampled responses to `prompt` (G trajectories in a multi-turn job), with their
+        token ids, log-probs and the policy version of each token."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            max_tokens=prompt.max_tokens or sampling.max_tokens,
-            stop=sampling.stop,
-            include_stop_str_in_output=True,
-            ignore_eos=sampling.ignore_eos,
-            seed=request_seed(sampling.seed, prompt.uid, self.policy_version),
-            logprobs=0,
-        )
-        return await self._generate(prompt, params, sampling.max_tokens)
+        def params(n: int, key: str, max_tokens: int) -> SamplingParams:
+            return SamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                max_tokens=max_tokens,
+                stop=sampling.stop,
+                include_stop_str_in_output=True,
+                ignore_eos=sampling.ignore_eos,
+                seed=request_seed(sampling.seed, key, self.policy_version),
+                logprobs=0,
+            )
+
+        max_tokens = prompt.max_tokens or sampling.max_tokens
+        if self.agent is not None:
+            return await self._trajectories(prompt, group_size, params, max_tokens)
+        return await self._generate(prompt, params(group_size, prompt.uid, max_tokens), max_tokens)
 
     async def complete(
         self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
     ) -> list[SampledGroup]:
-        """Held-out evaluation: one greedy answer per prompt, or n sampled ones."""
+        """Held-out evaluation: one greedy answer per prompt (trajectory, in a multi-turn
+        job), or n sampled ones."""
         from vllm import SamplingParams
 
         if not greedy:
             return await asyncio.gather(*(self.sample_group(p, n, sampling) for p in prompts))
 
-        def params(prompt: Prompt) -> SamplingParams:
-            return SamplingParams(
-                n=1, temperature=0.0, max_tokens=prompt.max_tokens or sampling.max_tokens
-            )
+        def params(n: int, key: str, max_tokens: int) -> SamplingParams:
+            return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens)
 
-        return await asyncio.gather(
-            *(self._generate(p, params(p), sampling.max_tokens) for p in prompts)
-        )
+        def one(prompt: Prompt):
+            max_tokens = prompt.max_tokens or sampling.max_tokens
+            if self.agent is not None:
+                return self._trajectories(prompt, 1, params, max_tokens)
+            return self._generate(prompt, params(1, prompt.uid, max_tokens), max_tokens)
 
-    async def _generate(self, prompt: Prompt, params, max_tokens: int) -> SampledGroup:
-        from vllm.sampling_params import RequestOutputKind
+        return await asyncio.gather(*(one(p) for p in prompts))
 
+    def _prompt_ids(self, prompt: Prompt, max_tokens: int) -> list[int]:
         ids = self.renderer.ids(prompt)
         # The driver measured every prompt it could draw before the job started; this guard
         # keeps any other prompt (a caller's own) from reaching vLLM, which would fail on it.
         check_prompt_lengths([prompt], [len(ids)], self.max_model_len, max_tokens)
+        return ids
+
+    async def _generate(self, prompt: Prompt, params, max_tokens: int) -> SampledGroup:
+        ids = self._prompt_ids(prompt, max_tokens)
+        out, submitted_at = await self._request(ids, params)
+        responses = [_response(c, submitted_at) for c in out.outputs]
+        oldest = min(r.versions[0][0] for r in responses)
+        return SampledGroup(prompt, ids, responses, oldest)
+
+    async def _trajectories(self, prompt: Prompt, n: int, params, max_tokens: int):
+        """n trajectories from `prompt`, each turn a request of its own (rollout/agent.py)."""
+        ids = self._prompt_ids(prompt, max_tokens)
+
+        def turn_of(j: int):
+            async def generate(ids_so_far: list[int], turn_tokens: int, turn: int) -> Response:
+                key = f"{prompt.uid}/{j}/{turn}"
+                out, submitted_at = await self._request(ids_so_far, params(1, key, turn_tokens))
+                return _response(out.outputs[0], submitted_at)
+
+            return generate
+
+        responses = await asyncio.gather(
+            *(
+                self.agent.trajectory(prompt, ids, turn_of(j), max_tokens, self.max_model_len)
+                for j in range(n)
+            )
+        )
+        oldest = min(r.versions[0][0] for r in responses)
+        return SampledGroup(prompt, ids, list(responses), oldest)
+
+    async def _request(self, ids: list[int], params):
+        """One vLLM request on `ids`: its final output, and the version the engine held when
+        it was submitted."""
+        from vllm.sampling_params import RequestOutputKind
+
         params.output_kind = RequestOutputKind.FINAL_ONLY  # the G responses at once
         await self._admitting.wait()
         submitted_at = self.policy_version
@@ -235,10 +285,7 @@ class RolloutEngine:
             raise
         if self._stepping is None or self._stepping.done():
             self._stepping = asyncio.create_task(self._step_while_open())
-        out = await final
-        responses = [_response(c, submitted_at) for c in out.outputs]
-        oldest = min(r.versions[0][0] for r in responses)
-        return SampledGroup(prompt, ids, responses, oldest)
+        return await final, submitted_at
 
     async def _step_while_open(self) -> None:
         try:

@@ -44,6 +44,7 @@ class PromptRenderError(ValueError):
 class ChatSettings:
     chat_template: str = "auto"  # "auto" | "none" | a path to a Jinja template file
     system_prompt: str | None = None
+    tools: list[dict] | None = None  # declarations of a multi-turn job's tools (rollout/tools.py)
 
 
 class PromptRenderer:
@@ -52,6 +53,7 @@ class PromptRenderer:
     def __init__(self, tokenizer, settings: ChatSettings):
         self.tokenizer = tokenizer
         self.system_prompt = settings.system_prompt
+        self.tools = settings.tools or None
         self.template = _template(tokenizer, settings.chat_template)
         self.template_name = _template_name(tokenizer, settings.chat_template)
         if self.template is None and settings.system_prompt is not None:
@@ -63,7 +65,11 @@ class PromptRenderer:
     def messages(self, prompt: Prompt) -> list[dict]:
         """The conversation a chat model sees: the system prompt, then the prompt's turns (a
         task's chat wording when it has one, else its text as one user turn)."""
-        turns = prompt.messages or [{"role": "user", "content": prompt.text}]
+        return self.messages_with_system(
+            prompt.messages or [{"role": "user", "content": prompt.text}]
+        )
+
+    def messages_with_system(self, turns: list[dict]) -> list[dict]:
         if self.system_prompt is not None and turns[0].get("role") != "system":
             turns = [{"role": "system", "content": self.system_prompt}, *turns]
         return turns
@@ -85,6 +91,7 @@ class PromptRenderer:
         try:
             return self.tokenizer.apply_chat_template(
                 self.messages(prompt),
+                tools=self.tools,
                 chat_template=self.template,
                 add_generation_prompt=True,
                 tokenize=False,

@@ -20,17 +20,23 @@ TASKS: dict[str, tuple[str, str]] = {
     "knights_and_knaves": ("knights", "KnightsAndKnavesTask"),
     "math": ("math_problems", "MathTask"),
     "code": ("code_problems", "CodeTask"),
+    # long products, answered with the calculator tool in a multi-turn trajectory
+    "tool_arithmetic": ("tool_arithmetic", "ToolArithmeticTask"),
     # several of the above in one job: groupflow/config.py builds it from a list under `task`
     "mixture": ("mixture", "MixtureTask"),
 }
 
 
-def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
+def task_class(name: str) -> type:
     if name not in TASKS:
         raise ValueError(f"task.name: unknown task {name!r}; choose one of {sorted(TASKS)}")
     module, cls = TASKS[name]
-    task_class = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
+    cls = task_class(name)
     try:
-        return task_class(**(options or {}))
+        return cls(**(options or {}))
     except TypeError as err:
         raise ValueError(f"task.options: {err}") from None

@@ -31,6 +31,10 @@ PANEL_ROWS = {
     "Weight sync": "Cluster",
     "Prompts left out": "Cluster",
     "Seconds since the last step": "Cluster",
+    "Turns per trajectory": "Agents",
+    "Tool use and observation share": "Agents",
+    "Tool calls, errors and timeouts": "Agents",
+    "Trajectory end reasons": "Agents",
 }
 
 

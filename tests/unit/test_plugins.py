@@ -167,12 +167,12 @@ def test_an_info_whose_str_raises_still_gives_the_reward(plugin_file, loop):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("no_colon", "expected 'module:function'"),
-        ("module:", "expected 'module:function'"),
+        ("no_colon", "expected 'module:name'"),
+        ("module:", "expected 'module:name'"),
         ("/nowhere/plugin.py:f", "no such file"),
         ("surely_not_a_module_xyz:f", "import failed: ModuleNotFoundError"),
-        ("json:no_such_function", "has no function 'no_such_function'"),
-        ("json:__doc__", "has no function '__doc__'"),
+        ("json:no_such_function", "has no 'no_such_function'"),
+        ("json:__doc__", "'__doc__' is not a function"),
     ],
 )
 def test_load_errors_are_one_line(spec, message):

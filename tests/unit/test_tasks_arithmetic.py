@@ -121,6 +121,7 @@ def test_parse_answer_accepts_integers_only():
 def test_registry_has_every_task():
     assert set(TASKS) == {
         "arithmetic",
+        "tool_arithmetic",
         "long_addition",
         "countdown",
         "knights_and_knaves",

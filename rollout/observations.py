@@ -1,0 +1,76 @@
+"""Observations (tool results, an environment's feedback) -> the token ids appended to a
+trajectory after a model turn: rendered once, appended, never re-rendered.
+
+Re-rendering the whole conversation each turn, or re-tokenising the model's text, changes ids
+the engine already saw (templates that drop earlier reasoning, merges across a turn's border),
+and the learner then trains tokens nobody sampled. Here a trajectory's ids are the prompt's,
+then each turn exactly as the engine generated it, then each observation rendered on its own:
+the template renders a fixed conversation (a user turn, an assistant turn) followed by the new
+messages and a generation prompt, and the observation is everything after the assistant
+turn's content. That takes in the template's closing of the assistant turn, less what the
+model wrote of it itself (ChatML's `<|im_end|>` is the model's last token; the newline after
+it is the observation's), and nothing of how the template renders earlier turns.
+"""
+
+from __future__ import annotations
+
+from groupflow.rollout.prompt_render import PromptRenderer, PromptRenderError, _one_line
+
+# The fixed conversation every observation is cut from.
+_USER, _ASSISTANT = "groupflow-user-turn", "groupflow-assistant-turn"
+_PROBE = "groupflow-tool-result"
+
+
+class ObservationRenderer:
+    """`ids(messages, last_token)`: the ids and text of observation messages after a model
+    turn whose last token was `last_token`."""
+
+    def __init__(self, renderer: PromptRenderer, tools: list[dict] | None):
+        if renderer.template is None:
+            raise PromptRenderError(
+                "agent: a multi-turn job needs a chat template to render tool messages "
+                "(task.chat_template is 'none' or the tokenizer has none)"
+            )
+        self.renderer = renderer
+        self.tools = tools or None
+        self._base = renderer.messages_with_system(
+            [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+        )
+        self.check()
+
+    def check(self) -> None:
+        """PromptRenderError, one line, unless the template renders a tool message after an
+        assistant turn."""
+        _, text = self.ids([{"role": "tool", "content": _PROBE}], None)
+        if _PROBE not in text:
+            raise PromptRenderError(
+                f"{self.renderer.template_name}: drops tool messages (a tool result would never "
+                "reach the model)"
+            )
+
+    def ids(self, messages: list[dict], last_token: int | None) -> tuple[list[int], str]:
+        rendered = self._render(self._base + messages)
+        at = rendered.find(_ASSISTANT)
+        if at < 0:
+            raise PromptRenderError(
+                f"{self.renderer.template_name}: does not render an assistant turn's content"
+            )
+        text = rendered[at + len(_ASSISTANT) :]
+        written = "" if last_token is None else self.renderer.tokenizer.decode([last_token])
+        if written and text.startswith(written):
+            text = text[len(written) :]
+        return self.renderer.tokenizer.encode(text, add_special_tokens=False), text
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.renderer.tokenizer.apply_chat_template(
+                messages,
+                tools=self.tools,
+                chat_template=self.renderer.template,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except Exception as err:  # a template is foreign code: it may raise anything
+            raise PromptRenderError(
+                f"{self.renderer.template_name}: cannot render tool messages ({_one_line(err)})"
+            ) from None

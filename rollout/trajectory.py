@@ -1,0 +1,202 @@
+"""A multi-turn trajectory, token in and token out: the model's turn, then the environment's
+observation (tool results), then the next turn, until the environment ends it or a limit does.
+
+Each turn is one engine request on the trajectory's ids so far, so a group's trajectories go
+at their own pace and a slow tool holds one trajectory, not a batch. A trajectory's ids are
+the prompt's, then every turn's exactly as the engine generated them, then every observation
+rendered once (rollout/observations.py): nothing is re-tokenised or re-rendered, and the loss
+mask marks the observation tokens, which the learner reads but never trains
+(docs/algorithms.md, 'Observation tokens'). No Ray and no vLLM in here: the engine hands in
+its request (`Generate`).
+
+An environment (`agent.environment`, or the built-in `ToolEnvironment` that runs the calls of
+`agent.tools`) is made per trajectory and told each model turn; it answers with the messages
+to insert, or None to end the trajectory. One that raises ends its trajectory with
+`end_reason` "environment_error" (reward 0, counted), never the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from groupflow.records import Prompt, Response, ToolUse
+from groupflow.rollout.observations import ObservationRenderer
+from groupflow.rollout.tools import ToolBox, ToolCallParser
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    turn_tokens: int  # one turn's response limit
+    total_tokens: int  # the whole trajectory's, observations included
+    deadline_s: float  # wall-clock, from the first turn's submission
+
+
+@dataclass
+class Observation:
+    """An environment's answer to a turn: messages to insert (`{"role", "content"}`), and the
+    tool calls it made for them."""
+
+    messages: list[dict]
+    tool_uses: list[ToolUse] = field(default_factory=list)
+
+
+class Environment(Protocol):
+    def step(self, turn: str) -> Observation | list[dict] | None | Awaitable: ...
+
+
+# What the engine gives a trajectory: sample one turn of at most `max_tokens` tokens after
+# `ids`, as the `turn`-th turn (which seeds it), returned as a one-response Response.
+Generate = Callable[[list[int], int, int], Awaitable[Response]]
+
+
+class ToolEnvironment:
+    """The built-in environment: the model's tool calls are run and their results inserted as
+    tool messages; a turn without a call is the answer. A call that cannot be read, or names
+    no declared tool, becomes an error message the model reads."""
+
+    def __init__(self, prompt: Prompt, tools: ToolBox, parser: ToolCallParser):
+        self.tools = tools
+        self.parser = parser
+
+    async def step(self, turn: str) -> Observation | None:
+        parsed = self.parser.parse(turn)
+        if parsed.malformed is not None:
+            return Observation(
+                [{"role": "tool", "content": f"error: {parsed.malformed}"}],
+                [ToolUse("", "malformed")],
+            )
+        if not parsed.calls:
+            return None
+        replies = await asyncio.gather(*(self.tools.call(c) for c in parsed.calls))
+        return Observation(
+            [{"role": "tool", "content": r.content} for r in replies], [r.use for r in replies]
+        )
+
+
+EnvironmentFactory = Callable[[Prompt], Environment]
+
+
+async def run_trajectory(
+    prompt: Prompt,
+    prompt_ids: list[int],
+    generate: Generate,
+    environment: EnvironmentFactory,
+    observations: ObservationRenderer,
+    limits: TurnLimits,
+    max_model_len: int,
+    clock: Callable[[], float] = time.monotonic,
+) -> Response:
+    """One trajectory from `prompt` to its end (END_REASONS), as one Response whose
+    `loss_mask` marks the model's tokens."""
+    trajectory = _Trajectory()
+    deadline = clock() + limits.deadline_s
+    env = None  # made after the first turn, so that every trajectory holds one
+    for turn in range(limits.max_turns):
+        room = min(
+            limits.turn_tokens,
+            limits.total_tokens - trajectory.length,
+            max_model_len - len(prompt_ids) - trajectory.length,
+        )
+        if room <= 0:
+            return trajectory.end("token_limit")
+        sampled = await generate(prompt_ids + trajectory.ids, room, turn)
+        trajectory.add_turn(sampled)
+        if sampled.finish_reason == "length":
+            return trajectory.end("token_limit", finish_reason="length")
+        left = deadline - clock()
+        if left <= 0:
+            return trajectory.end("deadline")
+        try:
+            env = env or environment(prompt)
+            reply = await asyncio.wait_for(_step(env, sampled.text), left)
+        except TimeoutError:
+            return trajectory.end("deadline")
+        except Exception as err:  # a user's environment: whatever it raises ends this trajectory
+            return trajectory.end("environment_error", error=_error(err))
+        if reply is None:
+            return trajectory.end("answer")
+        trajectory.tool_uses += reply.tool_uses
+        if turn + 1 == limits.max_turns:
+            return trajectory.end("turn_limit")
+        try:
+            last = sampled.token_ids[-1] if sampled.token_ids else None
+            ids, text = observations.ids(reply.messages, last)
+        except Exception as err:  # messages the template cannot render: the environment's
+            return trajectory.end("environment_error", error=_error(err))
+        total = trajectory.length + len(ids)
+        if total >= min(limits.total_tokens, max_model_len - len(prompt_ids)):
+            return trajectory.end("token_limit")
+        trajectory.add_observation(ids, text)
+    return trajectory.end("turn_limit")
+
+
+async def _step(env: Environment, turn: str) -> Observation | None:
+    reply = env.step(turn)
+    if inspect.isawaitable(reply):
+        reply = await reply
+    if reply is None or isinstance(reply, Observation):
+        return reply
+    if isinstance(reply, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in reply
+    ):
+        return Observation(reply) if reply else None
+    raise TypeError(
+        f"step returned {type(reply).__name__}: expected a list of {{'role', 'content'}} "
+        "messages or None"
+    )
+
+
+def _error(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
+class _Trajectory:
+    def __init__(self):
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[tuple[int, int]] = []
+        self.texts: list[str] = []
+        self.turns = 0
+        self.tool_uses: list[ToolUse] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def add_turn(self, sampled: Response) -> None:
+        for version, start in sampled.versions:
+            if not self.versions or self.versions[-1][0] != version:
+                self.versions.append((version, self.length + start))
+        self.ids += sampled.token_ids
+        self.mask += [1] * len(sampled.token_ids)
+        self.logprobs += sampled.logprobs
+        self.texts.append(sampled.text)
+        self.turns += 1
+
+    def add_observation(self, ids: list[int], text: str) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.texts.append(text)
+
+    def end(self, reason: str, finish_reason: str = "stop", error: str | None = None) -> Response:
+        return Response(
+            token_ids=self.ids,
+            text="".join(self.texts),
+            logprobs=self.logprobs,
+            finish_reason=finish_reason,
+            versions=self.versions,
+            loss_mask=self.mask,
+            turns=self.turns,
+            end_reason=reason,
+            tool_uses=self.tool_uses,
+            error=error,
+        )

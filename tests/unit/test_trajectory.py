@@ -1,0 +1,372 @@
+"""Multi-turn trajectories without an engine: token in, token out, limits, end reasons, tools
+and their failures (rollout/trajectory.py, rollout/tools.py, rollout/observations.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from groupflow.config import build_config
+from groupflow.quickstart import build_tokenizer
+from groupflow.records import Prompt, Response, SampledGroup, ToolUse, Verdict
+from groupflow.reward_workers.scorer import scored_groups
+from groupflow.reward_workers.tasks.tool_arithmetic import (
+    CHAT_TEMPLATE,
+    ToolArithmeticTask,
+    tool_call_text,
+)
+from groupflow.rollout.observations import ObservationRenderer
+from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, PromptRenderError
+from groupflow.rollout.tools import Calculator, ToolBox, ToolCall, ToolCallParser, ToolError
+from groupflow.rollout.trajectory import ToolEnvironment, TurnLimits, run_trajectory
+from groupflow.rollout_figures import agent_figures
+from groupflow.sample_log import sample_rows
+from groupflow.sequences import group_advantages, train_sequences
+
+TASK = ToolArithmeticTask()
+EXTRA = TASK.EXTRA_CHARACTERS
+# Templates in the built-in tokenizer's alphabet. The second closes an assistant turn with a
+# tag the model does not write; the third drops the reasoning of earlier assistant turns (as
+# reasoning models' templates do), so a re-render of the whole conversation changes the ids
+# of earlier turns: the append-only trap.
+TAGGED = (
+    "{%- for m in messages -%}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<assistant>{%- endif -%}"
+)
+FORGETFUL = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and not loop.last -%}<a>{{ m.content.split('</think>')[-1] }}</a>"
+    "{%- else -%}<{{ m.role[0] }}>{{ m.content }}</{{ m.role[0] }}>{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<a>{%- endif -%}"
+)
+TEMPLATES = {"tool_arithmetic": CHAT_TEMPLATE, "tagged": TAGGED, "forgetful": FORGETFUL}
+
+
+def renderer_for(template: str) -> PromptRenderer:
+    tokenizer = build_tokenizer(EXTRA, template)
+    return PromptRenderer(tokenizer, ChatSettings(tools=ToolBox([Calculator()], 5, 100).schemas))
+
+
+class ScriptedEngine:
+    """Turns from a script, tokenised here as the engine would sample them, ending with the
+    end-of-text token; every request's ids are kept."""
+
+    def __init__(self, tokenizer, turns: list[str], version_of_turn=lambda turn: 0):
+        self.tokenizer, self.turns, self.version_of_turn = tokenizer, turns, version_of_turn
+        self.requests: list[list[int]] = []
+        self.generated: list[list[int]] = []
+
+    async def __call__(self, ids: list[int], max_tokens: int, turn: int) -> Response:
+        self.requests.append(list(ids))
+        ids_out = self.tokenizer.encode(self.turns[turn]) + [self.tokenizer.eos_token_id]
+        finish = "stop"
+        if len(ids_out) > max_tokens:
+            ids_out, finish = ids_out[:max_tokens], "length"
+        self.generated.append(ids_out)
+        logprobs = [-random.random() for _ in ids_out]
+        text = self.tokenizer.decode(ids_out, skip_special_tokens=True)
+        return Response(ids_out, text, logprobs, finish, [(self.version_of_turn(turn), 0)])
+
+
+def run(
+    renderer,
+    engine,
+    environment=None,
+    limits=None,
+    prompt=None,
+    context=256,
+):
+    prompt = prompt or next(TASK.train_prompts(seed=random.randrange(10**6)))
+    limits = limits or TurnLimits(4, 128, 240, 30.0)
+    box = ToolBox([Calculator()], 5.0, 200)
+    parser = ToolCallParser("hermes", renderer.tokenizer, box.schemas)
+    observations = ObservationRenderer(renderer, box.schemas)
+    environment = environment or (lambda p: ToolEnvironment(p, box, parser))
+    prompt_ids = renderer.ids(prompt)
+    coro = run_trajectory(prompt, prompt_ids, engine, environment, observations, limits, context)
+    return prompt, prompt_ids, asyncio.run(coro)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_trained_ids_are_the_generated_and_inserted_ids_exactly(name):
+    renderer = renderer_for(TEMPLATES[name])
+    tokenizer = renderer.tokenizer
+    prompt = next(TASK.train_prompts(seed=random.randrange(10**6)))
+    call = "<think>a long product</think>" + tool_call_text(prompt.uid)
+    engine = ScriptedEngine(tokenizer, [call, str(prompt.answer)])
+    _, prompt_ids, response = run(renderer, engine, prompt=prompt)
+    assert (response.end_reason, response.turns) == ("answer", 2)
+    first, second = engine.generated
+    inserted = response.token_ids[len(first) : len(response.token_ids) - len(second)]
+    assert response.token_ids == first + inserted + second
+    assert response.loss_mask == [1] * len(first) + [0] * len(inserted) + [1] * len(second)
+    assert str(prompt.answer) in tokenizer.decode(inserted)  # the calculator's result
+    # each turn was sampled on exactly the ids trained before it
+    assert engine.requests == [prompt_ids, prompt_ids + first + inserted]
+    assert len(response.logprobs) == sum(response.loss_mask)
+    if name == "tool_arithmetic":  # the task reads its own template's tool responses
+        assert TASK.verify(prompt, response.text).reward == 1.0
+    # the trap: rendering the whole conversation again gives other ids for the forgetful one
+    conversation = renderer.messages(prompt) + [
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": str(prompt.answer)},
+    ]
+    again = tokenizer.apply_chat_template(
+        conversation, chat_template=renderer.template, add_generation_prompt=True, tokenize=False
+    )
+    rerendered = tokenizer.encode(again, add_special_tokens=False)
+    assert (rerendered == engine.requests[1]) == (name == "tool_arithmetic")
+
+
+def test_versions_of_turns_are_placed_where_each_turn_starts():
+    renderer = renderer_for(CHAT_TEMPLATE)
+    prompt = next(TASK.train_prompts(seed=3))
+    engine = ScriptedEngine(
+        renderer.tokenizer, [tool_call_text(prompt.uid), str(prompt.answer)], lambda t: 5 + t
+    )
+    _, _, response = run(renderer, engine, prompt=prompt)
+    second_start = len(response.token_ids) - len(engine.generated[1])
+    assert response.versions == [(5, 0), (6, second_start)]
+
+
+@pytest.mark.parametrize(
+    ("turns", "limits", "reason"),
+    [
+        (["<tool_call>{bad json</tool_call>", "12"], TurnLimits(4, 96, 240, 30), "answer"),
+        ([tool_call_text("1*2")] * 5, TurnLimits(2, 96, 240, 30), "turn_limit"),
+        (["9" * 50], TurnLimits(3, 20, 240, 30), "token_limit"),
+        ([tool_call_text("1*2")] * 5, TurnLimits(9, 96, 120, 30), "token_limit"),
+    ],
+)
+def test_each_limit_ends_the_trajectory_and_says_so(turns, limits, reason):
+    renderer = renderer_for(CHAT_TEMPLATE)
+    _, prompt_ids, response = run(renderer, ScriptedEngine(renderer.tokenizer, turns), None, limits)
+    assert response.end_reason == reason
+    assert response.turns <= limits.max_turns
+    assert len(response.token_ids) <= limits.total_tokens
+    assert len(response.token_ids) == len(response.loss_mask)
+    if reason == "token_limit" and limits.turn_tokens == 20:
+        assert response.finish_reason == "length"
+
+
+def test_a_malformed_call_and_an_unknown_tool_are_errors_the_model_reads():
+    renderer = renderer_for(CHAT_TEMPLATE)
+    unknown = '<tool_call>{"name":"oracle","arguments":{}}</tool_call>'
+    turns = ["<tool_call>{not json</tool_call>", unknown, "7"]
+    limits = TurnLimits(4, 128, 1000, 30.0)
+    _, _, response = run(
+        renderer, ScriptedEngine(renderer.tokenizer, turns), None, limits, context=1024
+    )
+    assert [u.outcome for u in response.tool_uses] == ["malformed", "unknown"]
+    assert "not valid JSON" in response.text and "no tool 'oracle'" in response.text
+    assert response.end_reason == "answer" and response.turns == 3
+
+
+class Raising:
+    def __init__(self, prompt):
+        pass
+
+    def step(self, turn):
+        raise RuntimeError("the environment broke")
+
+
+class Slow:
+    def __init__(self, prompt):
+        pass
+
+    async def step(self, turn):
+        await asyncio.sleep(10)
+
+
+class Wrong:
+    def __init__(self, prompt):
+        pass
+
+    def step(self, turn):
+        return {"role": "tool"}
+
+
+@pytest.mark.parametrize(
+    ("environment", "reason", "error"),
+    [
+        (Raising, "environment_error", "the environment broke"),
+        (Wrong, "environment_error", "step returned dict"),
+        (Slow, "deadline", None),
+    ],
+)
+def test_a_failing_or_slow_environment_ends_its_trajectory_only(environment, reason, error):
+    renderer = renderer_for(CHAT_TEMPLATE)
+    engine = ScriptedEngine(renderer.tokenizer, ["1"])
+    _, _, response = run(renderer, engine, environment, TurnLimits(4, 96, 240, 0.2))
+    assert response.end_reason == reason
+    assert (error is None and response.error is None) or error in response.error
+    assert response.turns == 1 and response.token_ids  # the turn it took is kept
+
+
+def test_a_failed_environment_scores_zero_whatever_the_verifier_says():
+    failed = Response([1], "42", [0.0], end_reason="environment_error", error="boom")
+    fine = Response([1], "42", [0.0], end_reason="answer")
+    group = SampledGroup(Prompt("u", "", 42), [0], [failed, fine], 0)
+    (scored,) = scored_groups([group], [Verdict(1.0, "right"), Verdict(1.0, "right")])
+    assert scored.rewards == [0.0, 1.0]
+    assert scored.verdicts[0].error == "environment"
+
+
+def test_a_user_environment_that_returns_messages_continues():
+    class Echo:
+        def __init__(self, prompt):
+            self.n = 0
+
+        def step(self, turn):
+            self.n += 1
+            return [{"role": "tool", "content": f"seen {self.n}"}] if self.n < 3 else None
+
+    renderer = renderer_for(TAGGED)
+    _, _, response = run(renderer, ScriptedEngine(renderer.tokenizer, ["a", "b", "c"]), Echo)
+    assert (response.end_reason, response.turns) == ("answer", 3)
+    assert "seen 1" in response.text and "seen 2" in response.text
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{{ raise_exception('no tools here') }}", "cannot render tool messages"),
+        (
+            "{%- for m in messages if m.role != 'tool' -%}{{ m.content }}{%- endfor -%}",
+            "drops tool messages",
+        ),
+    ],
+)
+def test_a_template_that_cannot_render_tool_messages_is_refused_in_one_line(template, message):
+    tokenizer = build_tokenizer(EXTRA, template)
+    renderer = PromptRenderer(tokenizer, ChatSettings())
+    with pytest.raises(PromptRenderError, match=message) as err:
+        ObservationRenderer(renderer, None)
+    assert "\n" not in str(err.value)
+
+
+def test_no_template_no_multi_turn():
+    renderer = PromptRenderer(build_tokenizer(), ChatSettings(chat_template="none"))
+    with pytest.raises(PromptRenderError, match="needs a chat template"):
+        ObservationRenderer(renderer, None)
+
+
+# --- tools -----------------------------------------------------------------------------------
+
+
+def test_the_calculator_computes_exactly():
+    rng = random.Random()
+    calc = Calculator()
+    for _ in range(200):
+        a, b, c = (rng.randint(-(10**12), 10**12) for _ in range(3))
+        assert calc({"expression": f"{a}*{b}-({c})"}) == str(a * b - c)
+    assert calc({"expression": "7/2"}) == "3.5"
+    assert calc({"expression": "2**10 % 1000 // 3"}) == str(2**10 % 1000 // 3)
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "9**9**9",
+        "10**5000",
+        "1/0",
+        "__import__('os').system('true')",
+        "(1).__class__",
+        "x+1",
+        "(" * 500 + "1" + ")" * 500,
+        "1" * 2000,
+        "2.0**100000",
+    ],
+)
+def test_the_calculator_refuses_what_it_does_not_bound(expression):
+    with pytest.raises(ToolError):
+        Calculator()({"expression": expression})
+
+
+def test_the_tool_box_bounds_every_call():
+    class Sleepy:
+        name, description, parameters = "sleepy", "sleeps", {"type": "object"}
+
+        async def __call__(self, arguments):
+            await asyncio.sleep(5)
+
+    class Broken:
+        name, description, parameters = "broken", "raises", {"type": "object"}
+
+        def __call__(self, arguments):
+            raise KeyError("inside")
+
+    class Loud:
+        name, description, parameters = "loud", "prints a lot", {"type": "object"}
+
+        def __call__(self, arguments):
+            return "x" * 10_000
+
+    box = ToolBox([Sleepy(), Broken(), Loud(), Calculator()], timeout_s=0.1, output_chars=50)
+
+    def call(name, **arguments):
+        return asyncio.run(box.call(ToolCall(name, arguments)))
+
+    assert call("sleepy").use.outcome == "timeout"
+    assert call("broken").use.outcome == "error" and "KeyError" in call("broken").content
+    assert len(call("loud").content) < 70
+    assert call("calculator", expression="6*7").content == "42"
+    assert call("calculator", expression=[]).use.outcome == "error"
+    assert call("nothing").use.outcome == "unknown"
+
+
+def test_the_hermes_parser_reads_calls_and_names_the_broken_ones():
+    parser = ToolCallParser("hermes", build_tokenizer(EXTRA), [])
+    two = tool_call_text("1*2") + tool_call_text("3*4")
+    assert [c.arguments["expression"] for c in parser.parse(two).calls] == ["1*2", "3*4"]
+    assert parser.parse("42").calls == [] and parser.parse("42").malformed is None
+    assert parser.parse("<tool_call>{no</tool_call>").malformed
+    assert parser.parse('<tool_call>{"name":"f","arguments":[1]}</tool_call>').malformed
+    with pytest.raises(ValueError, match="agent.tool_parser"):
+        ToolCallParser("no_such_parser", build_tokenizer(EXTRA), [])
+
+
+# --- what the driver makes of trajectories ------------------------------------------------------
+
+
+def test_figures_sequences_and_sample_rows_of_trajectories():
+    renderer = renderer_for(CHAT_TEMPLATE)
+    prompt = next(TASK.train_prompts(seed=11))
+    good = ScriptedEngine(renderer.tokenizer, [tool_call_text(prompt.uid), str(prompt.answer)])
+    guess = ScriptedEngine(renderer.tokenizer, ["123"])
+    responses = [run(renderer, e, prompt=prompt)[2] for e in (good, guess)]
+    responses[1].tool_uses = [ToolUse("", "malformed"), ToolUse("python", "timeout", 2.0)]
+    group = SampledGroup(prompt, renderer.ids(prompt), responses, 0)
+    (scored,) = scored_groups([group], [Verdict(1.0, "ok"), Verdict(0.0, "no")])
+    figures = agent_figures(responses)
+    assert figures["tool_calls"] == {"calculator": 1, "(malformed)": 1, "python": 1}
+    assert figures["tool_errors"] == {"(malformed)": 1}
+    assert figures["tool_timeouts"] == {"python": 1}
+    assert figures["tool_use_rate"] == 1.0 and figures["turns_mean"] == 1.5
+    assert figures["end_reasons"] == {"answer": 2}
+    observed = responses[0].loss_mask.count(0)
+    total = sum(len(r.token_ids) for r in responses)
+    assert figures["observation_token_share"] == pytest.approx(observed / total)
+    cfg = build_config({"task": {"name": "tool_arithmetic"}})
+    (first, _) = train_sequences([scored], group_advantages([scored], cfg), cfg.algorithm)
+    assert first.loss_mask == responses[0].loss_mask
+    assert first.num_model_tokens == len(first.vllm_logprobs)
+    rows = sample_rows(1, [scored], [[0.5, -0.5]], renderer.tokenizer.decode)
+    pieces = rows[0]["trajectory"]
+    assert [next(iter(p)) for p in pieces] == ["model", "observation", "model"]
+    assert "".join(next(iter(p.values())) for p in pieces) == renderer.tokenizer.decode(
+        responses[0].token_ids
+    )
+
+
+def test_a_tool_task_brings_its_tools_and_settings_can_change_them():
+    assert build_config({"task": {"name": "tool_arithmetic"}}).agent_tools() == ["calculator"]
+    assert build_config({"task": {"name": "tool_arithmetic"}}).multi_turn
+    assert not build_config({}).multi_turn
+    cfg = build_config({"agent": {"tools": ["calculator", "python"]}})
+    assert cfg.multi_turn and cfg.agent_tools() == ["calculator", "python"]
+    assert not build_config(
+        {"task": {"name": "tool_arithmetic"}, "agent": {"tools": []}}
+    ).multi_turn
