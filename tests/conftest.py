@@ -33,6 +33,19 @@ def quickstart_model() -> str:
     )
 
 
+# Warm-start steps of the tool task's built-in model in the tests: enough to write tool calls
+# now and then, far from the 300 of a real run (each step costs about a second here).
+TOOL_MODEL_WARM_START = 30
+
+
+@pytest.fixture(scope="session")
+def tool_model() -> str:
+    """The built-in model of the tool_arithmetic task, briefly warm-started."""
+    from groupflow.quickstart import quickstart_model_path
+
+    return str(quickstart_model_path("tool_arithmetic", {}, TOOL_MODEL_WARM_START, progress=False))
+
+
 # A chat template in the quickstart tokenizer's alphabet: "S(...) U(...) A(" with a generation
 # prompt, so the quickstart model becomes a local chat model (no download).
 CHAT_TEMPLATE = (

@@ -219,3 +219,17 @@ def test_per_task_figures_are_one_labelled_series_each(exporter):
     assert sample(samples, "groupflow_task_reward_mean", task="math") == 0.75
     assert sample(samples, "groupflow_task_reward_mean", task="code") == 0.5
     assert sample(samples, "groupflow_task_accuracy", task="math") == pytest.approx(0.1)
+
+
+def test_tool_series_count_per_tool_and_observe_each_call(exporter):
+    agent = {"tool_calls": {"python": 3, "(malformed)": 1}, "tool_latency_s": [0.002, 0.3, 7.0]}
+    exporter.observe_step({**STEP_1, **agent})
+    exporter.observe_step({**STEP_2, **agent, "end_reasons": {"answer": 5, "turn_limit": 2}})
+    samples = scrape(exporter.port)
+    assert sample(samples, "groupflow_tool_calls_total", tool="python") == 6
+    assert sample(samples, "groupflow_tool_calls_total", tool="(malformed)") == 2
+    assert sample(samples, "groupflow_trajectory_end_reasons_total", reason="turn_limit") == 2
+    bucket = "groupflow_tool_latency_seconds_bucket"
+    assert sample(samples, "groupflow_tool_latency_seconds_count") == 6
+    assert sample(samples, bucket, le="0.005") == 2
+    assert sample(samples, bucket, le="5.0") == 4

@@ -1,0 +1,148 @@
+"""Multi-turn trajectories on the real stack: token identity on a real vLLM engine under
+several chat templates, and a job of the tool task whose python tool runs hostile code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from groupflow.actors.generator import start_generator_pool
+from groupflow.catalogue import BY_KEY
+from groupflow.cli import main
+from groupflow.config import SamplingConfig, build_config
+from groupflow.reward_workers.tasks import make_task
+from tests.integration.plugins.environments import HOSTILE_PROGRAMS, MARKER
+from tests.unit.test_trajectory import FORGETFUL, TAGGED
+
+pytestmark = pytest.mark.integration
+
+PLUGINS = Path(__file__).parent / "plugins" / "environments.py"
+GROUP = 3
+
+
+def _record_requests(generator) -> None:
+    """Inside the actor: keep every vLLM request's prompt ids and the ids it generated."""
+    engine = generator.engine
+    engine.recorded = []
+    request = engine._request
+
+    async def recording(ids, params):
+        out, version = await request(ids, params)
+        engine.recorded.append((tuple(ids), tuple(out.outputs[0].token_ids)))
+        return out, version
+
+    engine._request = recording
+
+
+def _use_template(generator, path: str | None) -> None:
+    """Inside the actor: render prompts and observations with another chat template."""
+    from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
+
+    engine = generator.engine
+    chat = engine.agent.chat(ChatSettings(chat_template=path or "auto"))
+    engine.renderer = PromptRenderer(engine.tokenizer, chat)
+    engine.agent.start(engine.renderer)
+    engine.recorded.clear()
+
+
+def _recorded(generator) -> set:
+    return set(generator.engine.recorded)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, tool_model):
+    env = f"{PLUGINS}:EchoTwice"
+    cfg = build_config({"task": {"name": "tool_arithmetic"}, "agent": {"environment": env}})
+    pool = start_generator_pool(cfg, tool_model)
+    ray.get(pool.engines[0].__ray_call__.remote(_record_requests))
+    yield pool.engines[0]
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("template", ["own", "tagged", "forgetful"])
+def test_trained_ids_are_what_the_engine_generated_and_was_given(engine, template, tmp_path):
+    path = None
+    if template != "own":
+        path = tmp_path / f"{template}.jinja"
+        path.write_text({"tagged": TAGGED, "forgetful": FORGETFUL}[template])
+    ray.get(engine.__ray_call__.remote(_use_template, None if path is None else str(path)))
+    prompts = make_task("tool_arithmetic").eval_prompts(3)
+    sampling = SamplingConfig(max_tokens=24, seed=5)
+    groups = ray.get(engine.sample.remote(prompts, GROUP, sampling))
+    recorded = ray.get(engine.__ray_call__.remote(_recorded))
+    checked, turns = 0, []
+    for group in groups:
+        for response in group.responses:
+            # three turns, or fewer where a turn ran to its limit (the echo answers any text)
+            assert response.end_reason in ("answer", "token_limit")
+            assert response.end_reason == "token_limit" or response.turns == 3
+            turns.append(response.turns)
+            mask = response.loss_mask
+            assert len(mask) == len(response.token_ids) and sum(mask) > 0
+            assert len(response.logprobs) == sum(mask)
+            # every run of model tokens is one request: sampled on exactly the ids before it
+            starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+            for start in starts:
+                end = start
+                while end < len(mask) and mask[end]:
+                    end += 1
+                given = tuple(group.prompt_ids + response.token_ids[:start])
+                assert (given, tuple(response.token_ids[start:end])) in recorded
+                checked += 1
+    assert checked == sum(turns) and turns.count(3) >= len(turns) // 2
+
+
+def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tmp_path):
+    escaped = Path("/tmp/groupflow-escaped-sandbox")
+    escaped.unlink(missing_ok=True)
+    settings = {
+        "model.path": tool_model,
+        "task.name": "tool_arithmetic",
+        "task.eval_size": 8,
+        "agent.tools": "[calculator, python]",
+        "agent.environment": f"{PLUGINS}:HostilePython",
+        "agent.tool_timeout_s": 1.0,
+        "rollout.group_size": 4,
+        "rollout.prompts_per_step": 4,
+        "reward.num_workers": 1,
+        "trainer.steps": 2,
+        "trainer.log_samples_every": 1,
+        "trainer.output_dir": str(tmp_path),
+        "trainer.run_name": "agent",
+    }
+    args = ["train"] + [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    assert main(args) == 0
+    run = tmp_path / "agent"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
+        assert r["turns_mean"] >= 1.0 and 0 < r["observation_token_share"] < 1
+        assert r["tool_calls"]["python"] == 16  # one per trajectory
+        assert sum(r["end_reasons"].values()) == 16
+        assert len(r["tool_latency_s"]) >= r["tool_calls"]["python"] - r["tool_errors"].get(
+            "(malformed)", 0
+        )
+    runs = sum(r["tool_calls"]["python"] for r in records)
+    cycles = runs // len(HOSTILE_PROGRAMS)
+    assert sum(r["tool_timeouts"].get("python", 0) for r in records) >= cycles  # the hang
+    # the fork bomb, the read outside and the memory bomb fail; the write outside lands in
+    # the sandbox's own /tmp, gone with it
+    assert sum(r["tool_errors"].get("python", 0) for r in records) >= 3 * cycles
+    samples = [
+        json.loads(line)
+        for path in sorted(run.glob("samples/step_*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    assert len(samples) == 32
+    observations = [
+        text for row in samples for piece in row["trajectory"] for text in piece.values()
+    ]
+    assert not any(MARKER in text for text in observations)  # nothing read outside
+    assert any("42" in text for text in observations)  # the benign program ran
+    assert not escaped.exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
