@@ -14,7 +14,7 @@ from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
 from groupflow.config import SamplingConfig, build_config
 from groupflow.reward_workers.tasks import make_task
-from tests.integration.plugins.environments import HOSTILE_PROGRAMS, MARKER
+from tests.integration.plugins.environments import MARKER
 from tests.unit.test_trajectory import FORGETFUL, TAGGED
 
 pytestmark = pytest.mark.integration
@@ -126,12 +126,14 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
         assert len(r["tool_latency_s"]) >= r["tool_calls"]["python"] - r["tool_errors"].get(
             "(malformed)", 0
         )
-    runs = sum(r["tool_calls"]["python"] for r in records)
-    cycles = runs // len(HOSTILE_PROGRAMS)
-    assert sum(r["tool_timeouts"].get("python", 0) for r in records) >= cycles  # the hang
-    # the fork bomb, the read outside and the memory bomb fail; the write outside lands in
-    # the sandbox's own /tmp, gone with it
-    assert sum(r["tool_errors"].get("python", 0) for r in records) >= 3 * cycles
+    # A step's 16 calls take 16 programs in a row of the plugin's cycle of 6: each program
+    # at least twice. The hang times out; the fork bomb, the read outside and the memory bomb
+    # fail (or time out, on a loaded machine); the write outside lands in the sandbox's own
+    # /tmp, gone with it.
+    each = 2 * len(records)
+    timeouts = sum(r["tool_timeouts"].get("python", 0) for r in records)
+    errors = sum(r["tool_errors"].get("python", 0) for r in records)
+    assert timeouts >= each and errors + timeouts >= 4 * each
     samples = [
         json.loads(line)
         for path in sorted(run.glob("samples/step_*.jsonl"))
