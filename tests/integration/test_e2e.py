@@ -125,6 +125,15 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
         (["--set", "trainer.eval_pass_k=4"], "eval_pass_k"),
         (["--set", "task=[{name: arithmetic, weight: -1}]"], "task: arithmetic: weight"),
         (["--set", "task.eval_sets=[{name: x, task: nope}]"], "task.eval_sets.0"),
+        (["--set", "agent.tools=[calculater]"], "agent.tools"),
+        (["--set", "agent.tools=[calculator]"], "needs a chat template"),
+        (
+            # the tests' tool model (tests/conftest.py TOOL_MODEL_WARM_START)
+            ["--set", "task.name=tool_arithmetic", "--set", "model.warm_start_steps=30"]
+            + ["--set", "agent.tool_parser=nope"],
+            "agent.tool_parser",
+        ),
+        (["--set", "agent.tools=[no_such_module:tool]"], "agent.tools"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(args, culprit, tmp_path, capsys):
