@@ -62,7 +62,7 @@ async def measure(engine, prompts: list[Prompt], turns: int, tokens: int, tool_s
     from vllm import SamplingParams
 
     per_turn = tokens // turns
-    observations = ObservationRenderer(engine.renderer, None)
+    observations = ObservationRenderer(engine.renderer)
     limits = TurnLimits(turns, per_turn, 10_000, 3600.0)
     rng = random.Random(0)
 

@@ -68,7 +68,7 @@ class Agent:
         self.parser = ToolCallParser(
             self.settings.tool_parser, renderer.tokenizer, self.tools.schemas
         )
-        self.observations = ObservationRenderer(renderer, self.tools.schemas)
+        self.observations = ObservationRenderer(renderer)
 
     def _tool_environment(self, prompt: Prompt) -> ToolEnvironment:
         return ToolEnvironment(prompt, self.tools, self.parser)

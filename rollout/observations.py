@@ -14,7 +14,7 @@ it is the observation's), and nothing of how the template renders earlier turns.
 
 from __future__ import annotations
 
-from groupflow.rollout.prompt_render import PromptRenderer, PromptRenderError, _one_line
+from groupflow.rollout.prompt_render import PromptRenderer, PromptRenderError
 
 # The fixed conversation every observation is cut from.
 _USER, _ASSISTANT = "groupflow-user-turn", "groupflow-assistant-turn"
@@ -25,14 +25,13 @@ class ObservationRenderer:
     """`ids(messages, last_token)`: the ids and text of observation messages after a model
     turn whose last token was `last_token`."""
 
-    def __init__(self, renderer: PromptRenderer, tools: list[dict] | None):
+    def __init__(self, renderer: PromptRenderer):
         if renderer.template is None:
             raise PromptRenderError(
                 "agent: a multi-turn job needs a chat template to render tool messages "
                 "(task.chat_template is 'none' or the tokenizer has none)"
             )
         self.renderer = renderer
-        self.tools = tools or None
         self._base = renderer.messages_with_system(
             [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
         )
@@ -49,7 +48,7 @@ class ObservationRenderer:
             )
 
     def ids(self, messages: list[dict], last_token: int | None) -> tuple[list[int], str]:
-        rendered = self._render(self._base + messages)
+        rendered = self.renderer.render(self._base + messages, "cannot render tool messages")
         at = rendered.find(_ASSISTANT)
         if at < 0:
             raise PromptRenderError(
@@ -60,17 +59,3 @@ class ObservationRenderer:
         if written and text.startswith(written):
             text = text[len(written) :]
         return self.renderer.tokenizer.encode(text, add_special_tokens=False), text
-
-    def _render(self, messages: list[dict]) -> str:
-        try:
-            return self.renderer.tokenizer.apply_chat_template(
-                messages,
-                tools=self.tools,
-                chat_template=self.renderer.template,
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except Exception as err:  # a template is foreign code: it may raise anything
-            raise PromptRenderError(
-                f"{self.renderer.template_name}: cannot render tool messages ({_one_line(err)})"
-            ) from None

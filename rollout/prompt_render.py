@@ -86,20 +86,22 @@ class PromptRenderer:
         return self.tokenizer.encode(self.chat_text(prompt), add_special_tokens=False)
 
     def chat_text(self, prompt: Prompt) -> str:
-        """The prompt through the chat template; whatever the template raises is its fault,
-        one line naming it."""
+        """The prompt through the chat template."""
+        return self.render(self.messages(prompt), f"fails on prompt {prompt.uid!r}")
+
+    def render(self, messages: list[dict], failure: str) -> str:
+        """Messages through the chat template, with a generation prompt and the job's tools;
+        whatever the template raises is its fault, one line naming it and `failure`."""
         try:
             return self.tokenizer.apply_chat_template(
-                self.messages(prompt),
+                messages,
                 tools=self.tools,
                 chat_template=self.template,
                 add_generation_prompt=True,
                 tokenize=False,
             )
         except Exception as err:  # a template is foreign code: it may raise anything
-            raise PromptRenderError(
-                f"{self.template_name}: fails on prompt {prompt.uid!r} ({_one_line(err)})"
-            ) from None
+            raise PromptRenderError(f"{self.template_name}: {failure} ({_one_line(err)})") from None
 
     def vetted_lengths(self, prompts: Sequence[Prompt], stall_s: float = STALL_S) -> list[int]:
         """The token count of each prompt, rendered in a forked child (see the module's doc);

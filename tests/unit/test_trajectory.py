@@ -82,7 +82,7 @@ def run(
     limits = limits or TurnLimits(4, 128, 240, 30.0)
     box = ToolBox([Calculator()], 5.0, 200)
     parser = ToolCallParser("hermes", renderer.tokenizer, box.schemas)
-    observations = ObservationRenderer(renderer, box.schemas)
+    observations = ObservationRenderer(renderer)
     environment = environment or (lambda p: ToolEnvironment(p, box, parser))
     prompt_ids = renderer.ids(prompt)
     coro = run_trajectory(prompt, prompt_ids, engine, environment, observations, limits, context)
@@ -243,14 +243,14 @@ def test_a_template_that_cannot_render_tool_messages_is_refused_in_one_line(temp
     tokenizer = build_tokenizer(EXTRA, template)
     renderer = PromptRenderer(tokenizer, ChatSettings())
     with pytest.raises(PromptRenderError, match=message) as err:
-        ObservationRenderer(renderer, None)
+        ObservationRenderer(renderer)
     assert "\n" not in str(err.value)
 
 
 def test_no_template_no_multi_turn():
     renderer = PromptRenderer(build_tokenizer(), ChatSettings(chat_template="none"))
     with pytest.raises(PromptRenderError, match="needs a chat template"):
-        ObservationRenderer(renderer, None)
+        ObservationRenderer(renderer)
 
 
 # --- tools -----------------------------------------------------------------------------------
