@@ -37,7 +37,7 @@ from tests.unit.threaded_ranks import RankReducer, ThreadedRanks
 
 F64 = torch.float64
 VOCAB, GROUP_SIZE, TEMPERATURE = 48, 4, 0.8
-LR = 0.05
+LR = 0.02
 
 
 @pytest.fixture(autouse=True)
