@@ -18,9 +18,10 @@ def group_advantages(scored: list[ScoredGroup], cfg: Config) -> list[list[float]
     """`advantages[g][j]`: response j of group g's advantage, from the verifier's reward plus
     DAPO's overlong penalty when `reward.overlong_penalty` is set."""
     rewards, groups, counts, limits = [], [], [], []
+    multi_turn = cfg.multi_turn
     for gid, sg in enumerate(scored):
         limit = sg.group.prompt.max_tokens or cfg.rollout.sampling.max_tokens
-        if cfg.multi_turn:  # a trajectory's budget is its total, observations included
+        if multi_turn:  # a trajectory's budget is its total, observations included
             limit = cfg.agent.max_total_tokens or cfg.rollout.max_model_len - len(
                 sg.group.prompt_ids
             )

@@ -237,9 +237,7 @@ class RolloutEngine:
     async def _generate(self, prompt: Prompt, params, max_tokens: int) -> SampledGroup:
         ids = self._prompt_ids(prompt, max_tokens)
         out, submitted_at = await self._request(ids, params)
-        responses = [_response(c, submitted_at) for c in out.outputs]
-        oldest = min(r.versions[0][0] for r in responses)
-        return SampledGroup(prompt, ids, responses, oldest)
+        return _group(prompt, ids, [_response(c, submitted_at) for c in out.outputs])
 
     async def _trajectories(self, prompt: Prompt, n: int, params, max_tokens: int):
         """n trajectories from `prompt`, each turn a request of its own (rollout/agent.py)."""
@@ -259,8 +257,7 @@ class RolloutEngine:
                 for j in range(n)
             )
         )
-        oldest = min(r.versions[0][0] for r in responses)
-        return SampledGroup(prompt, ids, list(responses), oldest)
+        return _group(prompt, ids, list(responses))
 
     async def _request(self, ids: list[int], params):
         """One vLLM request on `ids`: its final output, and the version the engine held when
@@ -356,6 +353,11 @@ class RolloutEngine:
 
     async def parameters_snapshot(self) -> dict:
         return (await self._call(self.llm.collective_rpc, "named_parameters_snapshot"))[0]
+
+
+def _group(prompt: Prompt, ids: list[int], responses: list[Response]) -> SampledGroup:
+    """The group of `responses`, labelled with the version of its oldest token."""
+    return SampledGroup(prompt, ids, responses, min(r.versions[0][0] for r in responses))
 
 
 def _policy_adapter():

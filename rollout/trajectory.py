@@ -92,8 +92,8 @@ async def run_trajectory(
     max_model_len: int,
     clock: Callable[[], float] = time.monotonic,
 ) -> Response:
-    """One trajectory from `prompt` to its end (END_REASONS), as one Response whose
-    `loss_mask` marks the model's tokens."""
+    """One trajectory from `prompt` to its end (its `end_reason`, groupflow/records.py), as
+    one Response whose `loss_mask` marks the model's tokens."""
     trajectory = _Trajectory()
     deadline = clock() + limits.deadline_s
     env = None  # made after the first turn, so that every trajectory holds one
@@ -113,7 +113,8 @@ async def run_trajectory(
         if left <= 0:
             return trajectory.end("deadline")
         try:
-            env = env or environment(prompt)
+            if env is None:  # not `env or ...`: an environment may well be falsy
+                env = environment(prompt)
             reply = await asyncio.wait_for(_step(env, sampled.text), left)
         except TimeoutError:
             return trajectory.end("deadline")
