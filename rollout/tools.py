@@ -13,14 +13,14 @@ Built-in tools (`BUILTIN_TOOLS`):
   tool worker of the tool pool (actors/tools.py), and returns what it printed.
 A user tool is `module:name` naming an object with `name`, `description`, `parameters` (a
 JSON schema) and a call taking the arguments dict and returning text (sync or async); it runs
-in the engine's process, like a reward plugin in a scorer's.
+in the engine's process, like a reward plugin in a scorer's: an async one on the engine's event
+loop, a sync one in a thread (rollout/user_code.py), so that it cannot hold the loop.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
-import inspect
 import json
 import logging
 import operator
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from groupflow.records import ToolUse
+from groupflow.rollout.user_code import USER_CODE
 
 
 class ToolError(Exception):
@@ -143,9 +144,7 @@ class ToolBox:
             )
         start = time.monotonic()
         try:
-            result = tool(call.arguments)
-            if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, self.timeout_s)
+            result = await asyncio.wait_for(USER_CODE.call(tool, call.arguments), self.timeout_s)
             return self._reply(call.name, "ok", str(result), start)
         except TimeoutError:
             return self._reply(

@@ -18,7 +18,6 @@ to insert, or None to end the trajectory. One that raises ends its trajectory wi
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Protocol
 from groupflow.records import Prompt, Response, ToolUse
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.tools import ToolBox, ToolCallParser
+from groupflow.rollout.user_code import USER_CODE
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,12 @@ async def run_trajectory(
             return trajectory.end("deadline")
         try:
             if env is None:  # not `env or ...`: an environment may well be falsy
-                env = environment(prompt)
-            reply = await asyncio.wait_for(_step(env, sampled.text), left)
+                env = await asyncio.wait_for(_user(environment, prompt), left)
+            reply = await asyncio.wait_for(_step(env, sampled.text), deadline - clock())
         except TimeoutError:
             return trajectory.end("deadline")
+        except _OwnTimeout as err:
+            return trajectory.end("environment_error", error=_error(err.__cause__))
         except Exception as err:  # a user's environment: whatever it raises ends this trajectory
             return trajectory.end("environment_error", error=_error(err))
         if reply is None:
@@ -137,10 +139,19 @@ async def run_trajectory(
     return trajectory.end("turn_limit")
 
 
+class _OwnTimeout(Exception):
+    """A TimeoutError the environment raised itself: its error, not the deadline."""
+
+
+async def _user(fn: Callable, *args):
+    try:
+        return await USER_CODE.call(fn, *args)
+    except TimeoutError as err:  # the deadline cancels instead: this one is the user's
+        raise _OwnTimeout from err
+
+
 async def _step(env: Environment, turn: str) -> Observation | None:
-    reply = env.step(turn)
-    if inspect.isawaitable(reply):
-        reply = await reply
+    reply = await _user(env.step, turn)
     if reply is None or isinstance(reply, Observation):
         return reply
     if isinstance(reply, list) and all(

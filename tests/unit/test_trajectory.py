@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -180,6 +181,22 @@ class Slow:
         await asyncio.sleep(10)
 
 
+class Blocking:  # sync and slow: runs in a thread, so the deadline can still end it
+    def __init__(self, prompt):
+        pass
+
+    def step(self, turn):
+        time.sleep(1.0)
+
+
+class TimingOut:  # a TimeoutError of its own is its error, not the deadline
+    def __init__(self, prompt):
+        pass
+
+    async def step(self, turn):
+        raise TimeoutError("the simulator did not answer")
+
+
 class Wrong:
     def __init__(self, prompt):
         pass
@@ -194,12 +211,16 @@ class Wrong:
         (Raising, "environment_error", "the environment broke"),
         (Wrong, "environment_error", "step returned dict"),
         (Slow, "deadline", None),
+        (Blocking, "deadline", None),
+        (TimingOut, "environment_error", "TimeoutError: the simulator did not answer"),
     ],
 )
 def test_a_failing_or_slow_environment_ends_its_trajectory_only(environment, reason, error):
     renderer = renderer_for(CHAT_TEMPLATE)
     engine = ScriptedEngine(renderer.tokenizer, ["1"])
+    start = time.monotonic()
     _, _, response = run(renderer, engine, environment, TurnLimits(4, 96, 240, 0.2))
+    assert time.monotonic() - start < 0.9  # the blocking step still sleeps in its thread
     assert response.end_reason == reason
     assert (error is None and response.error is None) or error in response.error
     assert response.turns == 1 and response.token_ids  # the turn it took is kept
@@ -315,6 +336,43 @@ def test_the_tool_box_bounds_every_call():
     assert call("calculator", expression="6*7").content == "42"
     assert call("calculator", expression=[]).use.outcome == "error"
     assert call("nothing").use.outcome == "unknown"
+
+
+def test_a_sync_tool_runs_off_the_event_loop_and_is_bounded_like_an_async_one():
+    """A sync tool that blocks holds neither the loop (the engine's generation and the other
+    trajectories) nor its caller past the timeout."""
+
+    class Blocking:
+        name, description, parameters = "blocking", "sleeps in a thread", {"type": "object"}
+
+        def __call__(self, arguments):
+            time.sleep(arguments["s"])
+            return "woke"
+
+    box = ToolBox([Blocking()], timeout_s=0.3, output_chars=50)
+
+    async def call_while_ticking(seconds):
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        start = time.monotonic()
+        reply = await box.call(ToolCall("blocking", {"s": seconds}))
+        elapsed = time.monotonic() - start
+        ticker.cancel()
+        return reply, ticks, elapsed
+
+    reply, ticks, elapsed = asyncio.run(call_while_ticking(0.15))
+    assert reply.content == "woke" and reply.use.outcome == "ok"
+    assert ticks >= 5, ticks  # the loop ran on while the tool slept (15 ticks' worth)
+    reply, ticks, elapsed = asyncio.run(call_while_ticking(0.6))
+    assert reply.use.outcome == "timeout" and elapsed < 0.55, (reply, elapsed)
+    assert ticks >= 10, ticks
 
 
 def test_the_hermes_parser_reads_calls_and_names_the_broken_ones():
