@@ -41,10 +41,12 @@ def startup_placement(
     cfg: Config,
     engines: Sequence[ray.actor.ActorHandle],
     reward_workers: Sequence[ray.actor.ActorHandle],
+    tool_workers: Sequence[ray.actor.ActorHandle],
     learner: PlacementGroup,
 ) -> None:
-    """Wait until the job's first engines, reward workers and learner ranks (their placement
-    group) have nodes, or raise PlacementError at cluster.placement_timeout_s."""
+    """Wait until the job's first engines, reward workers, tool workers and learner ranks
+    (their placement group) have nodes, or raise PlacementError at
+    cluster.placement_timeout_s."""
     ranks = cfg.learner.num_ranks
     Placement(
         [
@@ -57,6 +59,10 @@ def startup_placement(
                     "reward workers", "reward.resources", cfg.reward.resources, len(reward_workers)
                 ),
                 _placed(reward_workers),
+            ),
+            (  # placed like reward workers (actors/tools.py)
+                _ask("tool workers", "reward.resources", cfg.reward.resources, len(tool_workers)),
+                _placed(tool_workers),
             ),
             (
                 _ask("learner ranks", "learner.resources", cfg.learner.resources, ranks),

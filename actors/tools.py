@@ -4,39 +4,29 @@ verifier (reward_workers/sandbox.py, docs/sandbox.md), sized apart from the engi
 runs in an engine's process.
 
 Each engine gets the pool's handles and sends each call to the worker with the fewest calls in
-flight from it (`ToolPoolClient`). A worker that dies fails its calls as tool errors, which
-the model reads and the figures count; the engines stop sending it work.
+flight from it (`ToolPoolClient`). A worker holds no state, so one that dies is restarted by
+Ray under the same handle (`max_restarts`, on another node if its own is gone): the calls it
+was running fail as tool errors, which the model reads and the figures count, and calls sent
+while it restarts wait for it within their `agent.tool_timeout_s`.
 """
 
 from __future__ import annotations
 
-import math
-
 import ray
 
 from groupflow.config import Config
-from groupflow.reward_workers.sandbox import Limits, default_platform, require_strong, run_python
-from groupflow.rollout.tools import ToolError
+from groupflow.rollout.tools import ToolError, require_sandbox, run_in_sandbox
 
 CALLS_PER_WORKER = 4  # sandboxes one worker runs at once (each is a process of its own)
-MEMORY_MB = 512
-OUTPUT_BYTES = 64 << 10
 
 
 class ToolWorker:
     def __init__(self, allow_weak: bool):
-        require_strong(default_platform(), allow_weak, "agent.tools python")
+        require_sandbox(allow_weak)
 
     def run(self, code: str, timeout_s: float) -> tuple[int, str, str, bool]:
         """(exit status, stdout, stderr, timed out) of `code` run as a program."""
-        limits = Limits(
-            wall_s=timeout_s,
-            cpu_s=max(1, math.ceil(timeout_s)),
-            memory_mb=MEMORY_MB,
-            output_bytes=OUTPUT_BYTES,
-        )
-        result = run_python(code, limits)
-        return result.returncode, result.stdout, result.stderr, result.timed_out
+        return run_in_sandbox(code, timeout_s)
 
 
 def start_tool_pool(cfg: Config) -> list:
@@ -45,7 +35,11 @@ def start_tool_pool(cfg: Config) -> list:
         return []
     res = cfg.reward.resources  # a tool worker costs what a reward worker does
     actor = ray.remote(ToolWorker).options(
-        num_cpus=res.num_cpus, resources=res.custom, max_concurrency=CALLS_PER_WORKER
+        num_cpus=res.num_cpus,
+        resources=res.custom,
+        max_concurrency=CALLS_PER_WORKER,
+        max_restarts=-1,  # stateless: a restart costs a process start, never a result
+        max_task_retries=0,  # the program that was running may be what killed it
     )
     return [actor.remote(cfg.agent.allow_weak_sandbox) for _ in range(cfg.agent.tool_workers)]
 
@@ -56,18 +50,14 @@ class ToolPoolClient:
     def __init__(self, workers: list):
         self.workers = list(workers)
         self.in_flight = [0] * len(self.workers)
-        self.dead: set[int] = set()
 
     async def run(self, code: str, timeout_s: float) -> tuple[int, str, str, bool]:
-        live = [i for i in range(len(self.workers)) if i not in self.dead]
-        if not live:
-            raise ToolError("no tool worker is left")
-        i = min(live, key=lambda k: self.in_flight[k])
+        # a restarting worker's calls wait and pile up here, so new ones go elsewhere
+        i = min(range(len(self.workers)), key=lambda k: self.in_flight[k])
         self.in_flight[i] += 1
         try:
             return await self.workers[i].run.remote(code, timeout_s)
         except ray.exceptions.RayActorError:
-            self.dead.add(i)
-            raise ToolError("the tool worker died") from None
+            raise ToolError("the tool worker died while it ran this; it is restarted") from None
         finally:
             self.in_flight[i] -= 1

@@ -304,11 +304,14 @@ def start_job(run: OpenRun) -> TrainingJob:
         rewards = RewardPool(cfg)
         undo.callback(rewards.shutdown)
         # Every pool placed within cluster.placement_timeout_s, or one line naming it.
-        placed = partial(startup_placement, cfg, generators.engines, rewards.workers)
+        placed = partial(
+            startup_placement, cfg, generators.engines, rewards.workers, generators.tool_workers
+        )
         learner = LearnerGroup(cfg, run.model_path, placed)
         undo.callback(learner.shutdown)
         wait_started("engine", [e.__ray_ready__.remote() for e in generators.engines])
         wait_started("reward worker", [w.__ray_ready__.remote() for w in rewards.workers])
+        wait_started("tool worker", [w.__ray_ready__.remote() for w in generators.tool_workers])
         control = start_control(cfg.trainer.run_name, limits_for(cfg))
         inbox = None if control is None else ActorInbox(control)
         if inbox is not None:

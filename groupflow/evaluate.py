@@ -46,6 +46,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     from groupflow.reward_workers.scorer import Scorer
     from groupflow.reward_workers.tasks import make_task
     from groupflow.rollout.engine import EngineLora, RolloutEngine, engine_settings
+    from groupflow.rollout.tools import in_process_run_code
 
     adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
     base = model_path if adapter is None else adapter.base
@@ -56,7 +57,10 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     if adapter is not None:
         tensors = adapter.tensors()  # checked against the base before an engine starts
         settings.lora = EngineLora(engine_max_rank(adapter.config["r"]), adapter.config)
-    engine = RolloutEngine(settings)
+    # no tool pool here: the python tool's sandboxes start from this process
+    python = "python" in cfg.agent_tools()
+    run_code = in_process_run_code(cfg.agent.allow_weak_sandbox) if python else None
+    engine = RolloutEngine(settings, run_code)
     if adapter is not None:
         engine.load_weights(tensors, version=0)
     reward = cfg.reward

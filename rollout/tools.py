@@ -23,6 +23,7 @@ import ast
 import asyncio
 import json
 import logging
+import math
 import operator
 import time
 from collections.abc import Awaitable, Callable
@@ -242,6 +243,41 @@ def _bounded(value):
 # What the python tool needs from the actor layer: run code in a sandbox within a deadline
 # and return (exit status, stdout, stderr, timed out). actors/tools.py gives the tool pool's.
 RunCode = Callable[[str, float], Awaitable[tuple[int, str, str, bool]]]
+SANDBOX_MEMORY_MB = 512
+SANDBOX_OUTPUT_BYTES = 64 << 10
+
+
+def run_in_sandbox(code: str, timeout_s: float) -> tuple[int, str, str, bool]:
+    """`code` run as a program in the code verifier's sandbox (docs/sandbox.md): what a tool
+    worker does with each call."""
+    from groupflow.reward_workers.sandbox import Limits, run_python
+
+    limits = Limits(
+        wall_s=timeout_s,
+        cpu_s=max(1, math.ceil(timeout_s)),
+        memory_mb=SANDBOX_MEMORY_MB,
+        output_bytes=SANDBOX_OUTPUT_BYTES,
+    )
+    result = run_python(code, limits)
+    return result.returncode, result.stdout, result.stderr, result.timed_out
+
+
+def require_sandbox(allow_weak: bool) -> None:
+    """Refuse, in one line, a platform whose sandbox lacks its kernel layers unless allowed."""
+    from groupflow.reward_workers.sandbox import default_platform, require_strong
+
+    require_strong(default_platform(), allow_weak, "agent.tools python")
+
+
+def in_process_run_code(allow_weak: bool) -> RunCode:
+    """The python tool's programs started from this process, in its user-code threads: for
+    `groupflow eval`, which has no tool pool."""
+    require_sandbox(allow_weak)
+
+    async def run(code: str, timeout_s: float) -> tuple[int, str, str, bool]:
+        return await USER_CODE.call(run_in_sandbox, code, timeout_s)
+
+    return run
 
 
 class PythonTool:

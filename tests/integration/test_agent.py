@@ -3,17 +3,22 @@ several chat templates, and a job of the tool task whose python tool runs hostil
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import ray
 
 from groupflow.actors.generator import start_generator_pool
+from groupflow.actors.tools import ToolPoolClient, start_tool_pool
 from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
 from groupflow.config import SamplingConfig, build_config
 from groupflow.reward_workers.tasks import make_task
+from groupflow.rollout.tools import ToolError
 from tests.integration.plugins.environments import MARKER
 from tests.unit.test_trajectory import FORGETFUL, TAGGED
 
@@ -148,3 +153,33 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
     assert not escaped.exists()
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["final_accuracy"] <= 1.0
+
+
+def test_a_dead_tool_worker_is_restarted_under_the_same_handle(ray_cluster):
+    """The call a tool worker was running when it died is a tool error; the next call waits for
+    Ray's restart of the worker and runs."""
+    cfg = build_config(
+        {"agent": {"tools": ["python"], "tool_workers": 1, "allow_weak_sandbox": True}}
+    )
+    (worker,) = start_tool_pool(cfg)
+    client = ToolPoolClient([worker])
+
+    def pid_of(w):
+        return ray.get(w.__ray_call__.remote(lambda self: os.getpid()))
+
+    async def die_while_running():
+        first = pid_of(worker)
+        running = asyncio.ensure_future(client.run("import time; time.sleep(30)", 60))
+        await asyncio.sleep(1.0)  # the program is running in the worker
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(ToolError, match="died"):
+            await asyncio.wait_for(running, 30)
+        status, stdout, _, timed_out = await asyncio.wait_for(client.run("print(6*7)", 30), 120)
+        return first, (status, stdout.strip(), timed_out)
+
+    try:
+        first, answer = asyncio.run(die_while_running())
+        assert answer == (0, "42", False)
+        assert pid_of(worker) != first
+    finally:
+        ray.kill(worker)

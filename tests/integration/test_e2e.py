@@ -12,6 +12,7 @@ from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
 from groupflow.config import load_config
 from groupflow.learner.lr_schedule import lr_at
+from tests.integration.test_presets import DIAGNOSTICS
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +65,19 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
             "trainer.eval_every=2",
             "--set",
             "task.eval_sets=[{name: long, task: arithmetic, options: {terms: 4}, size: 8}]",
+            # the grpo preset's riders (tests/integration/test_presets.py): sampled evaluation,
+            # and kl.coef > 0, which loads the frozen reference on every rank, and the entropy
+            # bonus, which backpropagates
+            "--set",
+            "trainer.eval_samples=2",
+            "--set",
+            "trainer.eval_pass_k=2",
+            "--set",
+            "algorithm.kl.coef=0.05",
+            "--set",
+            "algorithm.kl.estimator=k3",
+            "--set",
+            "algorithm.entropy_coef=0.01",
         ]
     )
     assert code == 0
@@ -75,6 +89,11 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
         assert STEP_KEYS <= r.keys(), STEP_KEYS - r.keys()
         # every key the job writes is documented in the metric catalogue
         assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
+        assert DIAGNOSTICS <= r.keys(), DIAGNOSTICS - r.keys()
+        assert r["optimizer_updates"] == 1
+    # one update a step: step 1 trains at the reference, later steps away from it
+    assert records[0]["kl_ref"] == 0.0 and all(r["kl_ref"] > 0.0 for r in records[1:])
+    assert 0.0 <= records[1]["eval_mean_at_n"] <= records[1]["eval_pass_at_k"] <= 1.0  # k = n
     # every engine load that finished was checked against the learner's checksums (the
     # engine's load of version 1 ran before it sampled step 3's groups)
     assert sum(r["weight_sync_verified"] for r in records) >= 1

@@ -23,15 +23,6 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_eval_prints_the_accuracy_of_a_model(quickstart_model):
-    proc = _eval("--model", quickstart_model, "--set", "task.eval_size=64")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["prompts"] == 64 and result["task"] == "arithmetic"
-    # the warm-started model answers some, not all, held-out problems
-    assert 0.0 < result["accuracy"] < 1.0
-
-
 def test_eval_of_a_missing_model_is_one_line(tmp_path):
     proc = _eval("--model", str(tmp_path / "absent"))
     assert proc.returncode == 2
@@ -58,20 +49,25 @@ def _adapter(model_dir: str, out, base: str, seed: int):
     return peft_model
 
 
-def test_eval_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
+def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
     peft_model = _adapter(quickstart_model, tmp_path / "adapter", quickstart_model, seed=0)
     merged = tmp_path / "merged"
     peft_model.merge_and_unload().save_pretrained(merged)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(quickstart_model) / name, merged / name)
-    scores = []
+    results = []
     for model in (tmp_path / "adapter", merged, quickstart_model):
         proc = _eval("--model", str(model), "--set", "task.eval_size=64")
         assert proc.returncode == 0, proc.stderr[-2000:]
-        scores.append(json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"])
-    adapter, merged_score, base = scores
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    adapter, merged_score, base = (r["accuracy"] for r in results)
     assert adapter == merged_score
     assert adapter != base, "the adapter must change the answers for this test to see it"
+    # the plain model directory: one JSON line of its own
+    assert results[2]["prompts"] == 64 and results[2]["task"] == "arithmetic"
+    assert results[2]["model"] == quickstart_model
+    # the warm-started model answers some, not all, held-out problems
+    assert 0.0 < base < 1.0
 
 
 def test_an_adapter_of_another_model_is_one_line(quickstart_model, tmp_path):

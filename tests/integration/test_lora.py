@@ -133,8 +133,8 @@ def test_a_lora_checkpoint_resumes_to_the_same_adapter_and_optimizer_state(lora_
 
 
 def test_the_quickstart_learns_with_lora_and_saves_the_adapter(ray_cluster, tmp_path):
-    """The quickstart job trained with rank-16 adapters (lr 1e-3, ten times the whole model's:
-    +30 points in 60 steps when measured, docs/lora.md)."""
+    """The quickstart job trained with rank-16 adapters for 20 steps (lr 1e-3, ten times the
+    whole model's: 0.330 to 0.602 when measured, docs/lora.md)."""
     from groupflow.cli import main
 
     code = main(
@@ -149,9 +149,11 @@ def test_the_quickstart_learns_with_lora_and_saves_the_adapter(ray_cluster, tmp_
             "--set",
             "learner.optimizer.lr=1e-3",
             "--set",
-            "trainer.checkpoint_every=30",
+            "trainer.steps=20",
             "--set",
-            "trainer.save_hf_every=60",
+            "trainer.checkpoint_every=10",
+            "--set",
+            "trainer.save_hf_every=20",
             "--set",
             "trainer.save_merged=true",
         ]
@@ -160,7 +162,7 @@ def test_the_quickstart_learns_with_lora_and_saves_the_adapter(ray_cluster, tmp_
     run = tmp_path / "lora"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_accuracy"] >= summary["warm_start_accuracy"] + 0.10, summary
-    for saved in (run / "model", run / "checkpoints" / "step_60" / "hf"):
+    for saved in (run / "model", run / "checkpoints" / "step_20" / "hf"):
         assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
             p.name for p in saved.iterdir()
         }, saved
@@ -169,7 +171,7 @@ def test_the_quickstart_learns_with_lora_and_saves_the_adapter(ray_cluster, tmp_
             p.name for p in merged.iterdir()
         }, merged
     # the checkpoint holds the adapters, not the model
-    learner = run / "checkpoints" / "step_60" / "learner"
+    learner = run / "checkpoints" / "step_20" / "learner"
     ckpt_bytes = sum(f.stat().st_size for f in learner.rglob("*") if f.is_file())
     merged_bytes = (run / "model" / MERGED_DIR / "model.safetensors").stat().st_size
     assert ckpt_bytes < merged_bytes / 2, (ckpt_bytes, merged_bytes)

@@ -20,7 +20,15 @@ from groupflow.reward_workers.tasks.tool_arithmetic import (
 )
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, PromptRenderError
-from groupflow.rollout.tools import Calculator, ToolBox, ToolCall, ToolCallParser, ToolError
+from groupflow.rollout.tools import (
+    Calculator,
+    PythonTool,
+    ToolBox,
+    ToolCall,
+    ToolCallParser,
+    ToolError,
+    in_process_run_code,
+)
 from groupflow.rollout.trajectory import ToolEnvironment, TurnLimits, run_trajectory
 from groupflow.rollout_figures import agent_figures
 from groupflow.sample_log import sample_rows
@@ -373,6 +381,19 @@ def test_a_sync_tool_runs_off_the_event_loop_and_is_bounded_like_an_async_one():
     reply, ticks, elapsed = asyncio.run(call_while_ticking(0.6))
     assert reply.use.outcome == "timeout" and elapsed < 0.55, (reply, elapsed)
     assert ticks >= 10, ticks
+
+
+def test_the_python_tool_runs_from_the_process_where_there_is_no_tool_pool():
+    """`groupflow eval` has no tool pool: the python tool's sandboxes start from its process."""
+    box = ToolBox([PythonTool(in_process_run_code(allow_weak=True), 5.0)], 10.0, 200)
+
+    def call(code):
+        return asyncio.run(box.call(ToolCall("python", {"code": code})))
+
+    a, b = random.randrange(10**6), random.randrange(10**6)
+    assert call(f"print({a}*{b})").content.strip() == str(a * b)
+    failed = call("import sys; sys.exit(3)")
+    assert failed.use.outcome == "error" and "exit status 3" in failed.content
 
 
 def test_the_hermes_parser_reads_calls_and_names_the_broken_ones():
