@@ -18,8 +18,9 @@ from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
 from groupflow.config import SamplingConfig, build_config
 from groupflow.reward_workers.tasks import make_task
-from groupflow.rollout.tools import ToolError
 from tests.integration.plugins.environments import MARKER
+from tests.integration.prometheus_server import PrometheusServer
+from tests.integration.ray_nodes import free_port
 from tests.unit.test_trajectory import FORGETFUL, TAGGED
 
 pytestmark = pytest.mark.integration
@@ -101,8 +102,10 @@ def test_trained_ids_are_what_the_engine_generated_and_was_given(engine, templat
 
 
 def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tmp_path):
+    """Also: a real Prometheus server reads the job's tool and trajectory series."""
     escaped = Path("/tmp/groupflow-escaped-sandbox")
     escaped.unlink(missing_ok=True)
+    job_port = free_port()
     settings = {
         "model.path": tool_model,
         "task.name": "tool_arithmetic",
@@ -117,11 +120,21 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
         "trainer.log_samples_every": 1,
         "trainer.output_dir": str(tmp_path),
         "trainer.run_name": "agent",
+        "metrics.prometheus_port": job_port,
+        "metrics.prometheus_addr": "127.0.0.1",
     }
     args = ["train"] + [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
-    assert main(args) == 0
+    server = PrometheusServer(tmp_path, job_port)
+    try:
+        assert main(args) == 0
+        scraped = _agent_series(server)
+    finally:
+        server.stop()
     run = tmp_path / "agent"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Prometheus read, at its last scrape, the running totals of the first one or two steps
+    totals = [_agent_totals(records[:j]) for j in (1, 2)]
+    assert scraped in totals, (scraped, totals)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
@@ -155,9 +168,9 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
     assert 0.0 <= summary["final_accuracy"] <= 1.0
 
 
-def test_a_dead_tool_worker_is_restarted_under_the_same_handle(ray_cluster):
-    """The call a tool worker was running when it died is a tool error; the next call waits for
-    Ray's restart of the worker and runs."""
+def test_a_dead_tool_worker_is_restarted_and_its_calls_run_again(ray_cluster):
+    """A program running in a tool worker when it dies, and one sent while it restarts, run in
+    the restarted worker (the only one): same handle, a new process."""
     cfg = build_config(
         {"agent": {"tools": ["python"], "tool_workers": 1, "allow_weak_sandbox": True}}
     )
@@ -169,17 +182,53 @@ def test_a_dead_tool_worker_is_restarted_under_the_same_handle(ray_cluster):
 
     async def die_while_running():
         first = pid_of(worker)
-        running = asyncio.ensure_future(client.run("import time; time.sleep(30)", 60))
+        running = asyncio.ensure_future(client.run("import time; time.sleep(2); print(6*7)", 60))
         await asyncio.sleep(1.0)  # the program is running in the worker
         os.kill(first, signal.SIGKILL)
-        with pytest.raises(ToolError, match="died"):
-            await asyncio.wait_for(running, 30)
-        status, stdout, _, timed_out = await asyncio.wait_for(client.run("print(6*7)", 30), 120)
-        return first, (status, stdout.strip(), timed_out)
+        sent = await asyncio.wait_for(client.run("print(7*8)", 60), 120)
+        return first, await asyncio.wait_for(running, 120), sent
 
     try:
-        first, answer = asyncio.run(die_while_running())
-        assert answer == (0, "42", False)
+        first, ran, sent = asyncio.run(die_while_running())
+        assert ran == (0, "42\n", "", False) and sent == (0, "56\n", "", False)
         assert pid_of(worker) != first
     finally:
         ray.kill(worker)
+
+
+def _agent_totals(records: list[dict]) -> dict:
+    """The series' values after these step records: the counters add up, one latency
+    observation per call."""
+
+    def added(key: str) -> dict:
+        totals: dict[str, float] = {}
+        for r in records:
+            for label, n in r[key].items():
+                totals[label] = totals.get(label, 0.0) + n
+        return totals
+
+    return {
+        "calls": added("tool_calls"),
+        "timeouts": added("tool_timeouts"),
+        "end_reasons": added("end_reasons"),
+        "latency_count": float(sum(len(r["tool_latency_s"]) for r in records)),
+    }
+
+
+def _agent_series(server: PrometheusServer) -> dict:
+    """The agent series' newest values in the last 5 minutes, by label (the job's exporter is
+    gone once it ends, so an instant query would find them stale)."""
+
+    def by(label: str, metric: str) -> dict:
+        rows = server.query(f'last_over_time({metric}{{job="groupflow"}}[5m])')
+        return {row["metric"][label]: float(row["value"][1]) for row in rows}
+
+    count = server.query(
+        'last_over_time(groupflow_tool_latency_seconds_count{job="groupflow"}[5m])'
+    )
+    return {
+        "calls": by("tool", "groupflow_tool_calls_total"),
+        "timeouts": by("tool", "groupflow_tool_timeouts_total"),
+        "end_reasons": by("reason", "groupflow_trajectory_end_reasons_total"),
+        "latency_count": float(count[0]["value"][1]) if count else 0.0,
+    }
