@@ -246,7 +246,9 @@ class RolloutEngine:
         def turn_of(j: int):
             async def generate(ids_so_far: list[int], turn_tokens: int, turn: int) -> Response:
                 key = f"{prompt.uid}/{j}/{turn}"
-                out, submitted_at = await self._request(ids_so_far, params(1, key, turn_tokens))
+                turn_params = params(1, key, turn_tokens)
+                turn_params.skip_special_tokens = self.agent.parser.skip_special_tokens
+                out, submitted_at = await self._request(ids_so_far, turn_params)
                 return _response(out.outputs[0], submitted_at)
 
             return generate

@@ -89,6 +89,15 @@ class ToolCallParser:
         self._request = ChatCompletionRequest(
             messages=[{"role": "user", "content": ""}], model="groupflow", tools=schemas or None
         )
+        # Some models mark their call markers special (Hermes 2 Pro's <tool_call>), and a turn
+        # decoded without special tokens would then never show a call: the parser says how
+        # turns must be decoded, as vLLM's server asks it (adjust_request), tools or not.
+        probe = ChatCompletionRequest(
+            messages=[{"role": "user", "content": ""}],
+            model="groupflow",
+            tools=[{"type": "function", "function": {"name": "probe", "parameters": {}}}],
+        )
+        self.skip_special_tokens = self._parser.adjust_request(probe).skip_special_tokens
         # Where the parser's own start marker is in a turn it could not read, the model tried a
         # call: that is a malformed call, which the model is told about, not an answer.
         self._marker = getattr(parser_class, "tool_call_start_token", None)

@@ -37,7 +37,8 @@ def _record_requests(generator) -> None:
 
     async def recording(ids, params):
         out, version = await request(ids, params)
-        engine.recorded.append((tuple(ids), tuple(out.outputs[0].token_ids)))
+        if not params.skip_special_tokens:  # as the hermes parser asks: else not recorded
+            engine.recorded.append((tuple(ids), tuple(out.outputs[0].token_ids)))
         return out, version
 
     engine._request = recording

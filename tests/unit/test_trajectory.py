@@ -396,8 +396,23 @@ def test_the_python_tool_runs_from_the_process_where_there_is_no_tool_pool():
     assert failed.use.outcome == "error" and "exit status 3" in failed.content
 
 
+def test_a_call_whose_markers_are_special_tokens_is_still_read():
+    """Hermes 2 Pro's <tool_call> is a special token: decoded as the parser asks (special
+    tokens kept), the turn shows the call; decoded as vLLM does by default, it hides it."""
+    tokenizer = build_tokenizer(EXTRA)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    parser = ToolCallParser("hermes", tokenizer, [])
+    ids = tokenizer.encode(tool_call_text("12*34"), add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("<tool_call>") in ids
+    kept = tokenizer.decode(ids, skip_special_tokens=parser.skip_special_tokens)
+    assert [c.arguments for c in parser.parse(kept).calls] == [{"expression": "12*34"}]
+    assert parser.parse(tokenizer.decode(ids, skip_special_tokens=True)).calls == []
+
+
 def test_the_hermes_parser_reads_calls_and_names_the_broken_ones():
     parser = ToolCallParser("hermes", build_tokenizer(EXTRA), [])
+    # Hermes 2 Pro marks <tool_call> special: turns are decoded with special tokens kept
+    assert parser.skip_special_tokens is False
     two = tool_call_text("1*2") + tool_call_text("3*4")
     assert [c.arguments["expression"] for c in parser.parse(two).calls] == ["1*2", "3*4"]
     assert parser.parse("42").calls == [] and parser.parse("42").malformed is None
