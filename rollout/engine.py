@@ -217,7 +217,14 @@ class RolloutEngine:
             return await asyncio.gather(*(self.sample_group(p, n, sampling) for p in prompts))
 
         def params(n: int, key: str, max_tokens: int) -> SamplingParams:
-            return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens)
+            # the training responses' ends (stop strings), not their randomness
+            return SamplingParams(
+                n=n,
+                temperature=0.0,
+                max_tokens=max_tokens,
+                stop=sampling.stop,
+                include_stop_str_in_output=True,
+            )
 
         def one(prompt: Prompt):
             max_tokens = prompt.max_tokens or sampling.max_tokens

@@ -74,10 +74,22 @@ def test_stop_strings_and_the_length_limit_set_the_finish_reason(engine, prompts
             if r.finish_reason == "stop" and r.text.endswith("1"):
                 continue
             assert r.finish_reason in {"stop", "length"} and "1" not in r.text
-    cut = [r for g in _sample(engine, prompts, max_tokens=1) for r in g.responses]
-    assert all(len(r.token_ids) == 1 for r in cut)
+
+    # greedy evaluation ends its answers where training does: at the stop string, kept
+    def greedy(**sampling):
+        groups = engine.complete.remote(prompts, 1, SamplingConfig(max_tokens=12, **sampling), True)
+        return [g.responses[0].text for g in ray.get(groups)]
+
+    full = greedy()
+    longest = max(full, key=len)
+    stop = longest[len(longest) // 2]  # a character the greedy answers do write
+    assert len(longest) >= 2, full
+    cut = [t[: t.index(stop) + 1] if stop in t else t for t in full]
+    assert greedy(stop=[stop]) == cut and cut != full
+    one = [r for g in _sample(engine, prompts, max_tokens=1) for r in g.responses]
+    assert all(len(r.token_ids) == 1 for r in one)
     # a one-token answer that is not EOS was cut at the limit
-    assert {r.finish_reason for r in cut if r.text} == {"length"}
+    assert {r.finish_reason for r in one if r.text} == {"length"}
 
 
 def test_a_prompt_of_a_task_with_its_own_limit_stops_there(engine, prompts):
