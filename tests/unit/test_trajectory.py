@@ -129,6 +129,89 @@ def test_trained_ids_are_the_generated_and_inserted_ids_exactly(name):
     assert (rerendered == engine.requests[1]) == (name == "tool_arithmetic")
 
 
+# A ChatML template of the Qwen kind (written here): tool results go back as a user turn in
+# <tool_response> tags, and the tools are declared in a system turn.
+CHATML = (
+    "{%- if tools -%}<|im_start|>system{{ '\\n' }}"
+    "{%- for t in tools -%}{{ t | tojson }}{{ '\\n' }}{%- endfor -%}<|im_end|>{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}<|im_start|>user{{ '\\n' }}<tool_response>{{ '\\n' }}"
+    "{{ m.content }}{{ '\\n' }}</tool_response><|im_end|>{{ '\\n' }}"
+    "{%- else -%}<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|im_end|>{{ '\\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}{%- endif -%}"
+)
+
+
+def bpe_tokenizer():
+    """A byte-level BPE tokenizer trained here on text like the task's: merges across
+    characters, ChatML's special tokens, the call markers as plain added tokens (as Qwen's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [
+        f"{rng.randrange(10**4)}*{rng.randrange(10**4)}={rng.randrange(10**8)} "
+        + tool_call_text(f"{rng.randrange(10**4)}*{rng.randrange(10**4)}")
+        + " the product of the numbers is"
+        for _ in range(2000)
+    ]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=800,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def test_a_merging_tokenizer_under_chatml_keeps_the_ids_exact():
+    """The rollout side with a byte-level BPE tokenizer and a ChatML template: tokens merge,
+    the model's turn ends with <|im_end|>, and the observation starts after it."""
+    tokenizer = bpe_tokenizer()
+    renderer = PromptRenderer(
+        tokenizer, ChatSettings(tools=ToolBox([Calculator()], 5, 100).schemas)
+    )
+    prompt = next(TASK.train_prompts(seed=random.randrange(10**6)))
+    call = "Let me multiply. " + tool_call_text(prompt.uid)
+    engine = ScriptedEngine(tokenizer, [call, f"The product is {prompt.answer}."])
+    _, prompt_ids, response = run(renderer, engine, prompt=prompt, context=4096)
+    assert (response.end_reason, response.turns) == ("answer", 2)
+    first, second = engine.generated
+    assert len(tokenizer.encode(call)) < len(call) / 2  # BPE merges: far fewer ids than chars
+    inserted = response.token_ids[len(first) : len(response.token_ids) - len(second)]
+    assert response.token_ids == first + inserted + second
+    assert response.loss_mask == [1] * len(first) + [0] * len(inserted) + [1] * len(second)
+    assert engine.requests == [prompt_ids, prompt_ids + first + inserted]
+    # the observation closes nothing the model closed itself and opens the next assistant turn
+    assert first[-1] == tokenizer.eos_token_id
+    observation = f"\n<|im_start|>user\n<tool_response>\n{prompt.answer}\n</tool_response>"
+    assert tokenizer.decode(inserted) == observation + "<|im_end|>\n<|im_start|>assistant\n"
+    # the whole trajectory reads as the conversation rendered in one piece, less the newline
+    # after the last <|im_end|>, which a next observation would carry
+    whole = tokenizer.decode(prompt_ids + response.token_ids) + "\n"
+    conversation = renderer.messages(prompt) + [
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": str(prompt.answer)},
+        {"role": "assistant", "content": f"The product is {prompt.answer}."},
+    ]
+    assert whole == tokenizer.apply_chat_template(
+        conversation, chat_template=renderer.template, tools=renderer.tools, tokenize=False
+    )
+
+
 def test_versions_of_turns_are_placed_where_each_turn_starts():
     renderer = renderer_for(CHAT_TEMPLATE)
     prompt = next(TASK.train_prompts(seed=3))
