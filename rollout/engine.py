@@ -253,10 +253,11 @@ class RolloutEngine:
         def turn_of(j: int):
             async def generate(ids_so_far: list[int], turn_tokens: int, turn: int) -> Response:
                 key = f"{prompt.uid}/{j}/{turn}"
-                turn_params = params(1, key, turn_tokens)
-                turn_params.skip_special_tokens = self.agent.parser.skip_special_tokens
-                out, submitted_at = await self._request(ids_so_far, turn_params)
-                return _response(out.outputs[0], submitted_at)
+                out, submitted_at = await self._request(ids_so_far, params(1, key, turn_tokens))
+                response = _response(out.outputs[0], submitted_at)
+                if not self.agent.parser.skip_special_tokens:
+                    response.text = self._text_with_special_tokens(out.outputs[0])
+                return response
 
             return generate
 
@@ -267,6 +268,15 @@ class RolloutEngine:
             )
         )
         return _group(prompt, ids, list(responses))
+
+    def _text_with_special_tokens(self, completion) -> str:
+        """A turn's text as a tool parser that asks for special tokens reads it (some models'
+        call markers are special tokens): all of them but the end-of-text token that ended
+        the turn, which is no part of what the model said."""
+        ids = list(completion.token_ids)
+        if ids and completion.finish_reason == "stop" and completion.stop_reason is None:
+            ids = ids[:-1]  # vLLM's stop_reason: None for an end-of-text token
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def _request(self, ids: list[int], params):
         """One vLLM request on `ids`: its final output, and the version the engine held when

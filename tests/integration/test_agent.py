@@ -37,8 +37,7 @@ def _record_requests(generator) -> None:
 
     async def recording(ids, params):
         out, version = await request(ids, params)
-        if not params.skip_special_tokens:  # as the hermes parser asks: else not recorded
-            engine.recorded.append((tuple(ids), tuple(out.outputs[0].token_ids)))
+        engine.recorded.append((tuple(ids), tuple(out.outputs[0].token_ids)))
         return out, version
 
     engine._request = recording
@@ -89,6 +88,9 @@ def test_trained_ids_are_what_the_engine_generated_and_was_given(engine, templat
             turns.append(response.turns)
             mask = response.loss_mask
             assert len(mask) == len(response.token_ids) and sum(mask) > 0
+            # a turn's end-of-text token is no part of the text the verifier scores (the
+            # hermes parser has turns decoded with special tokens: all others are kept)
+            assert "<eos>" not in response.text
             assert len(response.logprobs) == sum(mask)
             # every run of model tokens is one request: sampled on exactly the ids before it
             starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
