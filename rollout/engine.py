@@ -253,10 +253,12 @@ class RolloutEngine:
         def turn_of(j: int):
             async def generate(ids_so_far: list[int], turn_tokens: int, turn: int) -> Response:
                 key = f"{prompt.uid}/{j}/{turn}"
-                out, submitted_at = await self._request(ids_so_far, params(1, key, turn_tokens))
+                turn_params = params(1, key, turn_tokens)
+                # some models' call markers are special tokens: decoded as the parser asks
+                turn_params.skip_special_tokens = self.agent.parser.skip_special_tokens
+                out, submitted_at = await self._request(ids_so_far, turn_params)
                 response = _response(out.outputs[0], submitted_at)
-                if not self.agent.parser.skip_special_tokens:
-                    response.text = self._text_with_special_tokens(out.outputs[0])
+                response.text = self._without_end_of_text(out.outputs[0])
                 return response
 
             return generate
@@ -269,14 +271,16 @@ class RolloutEngine:
         )
         return _group(prompt, ids, list(responses))
 
-    def _text_with_special_tokens(self, completion) -> str:
-        """A turn's text as a tool parser that asks for special tokens reads it (some models'
-        call markers are special tokens): all of them but the end-of-text token that ended
-        the turn, which is no part of what the model said."""
-        ids = list(completion.token_ids)
-        if ids and completion.finish_reason == "stop" and completion.stop_reason is None:
-            ids = ids[:-1]  # vLLM's stop_reason: None for an end-of-text token
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def _without_end_of_text(self, completion) -> str:
+        """A turn's text less the end-of-text token that ended it, which vLLM keeps in the text
+        when special tokens are kept (include_stop_str_in_output): no part of what the model
+        said."""
+        text = completion.text
+        if completion.finish_reason == "stop" and completion.stop_reason is None:
+            end = self.tokenizer.decode(completion.token_ids[-1:])  # vLLM: None for an EOS
+            if end and text.endswith(end):
+                return text[: -len(end)]
+        return text
 
     async def _request(self, ids: list[int], params):
         """One vLLM request on `ids`: its final output, and the version the engine held when
