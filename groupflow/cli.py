@@ -191,7 +191,7 @@ class VersionAction(argparse.Action):
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser, *_):  # (namespace, values, option_string): none needed
         print(version_line())
         parser.exit()
 
