@@ -198,3 +198,38 @@ def test_version_prints_groupflow_and_its_stack_on_one_line(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     assert re.match(r"groupflow \S+ \(Python 3\.\d+\.\d+; ray \S+, vllm \S+, deepspeed", out), out
+
+
+# ----- defaults past a model's positions ----------------------------------------------------------
+def test_a_context_past_the_models_positions_is_refused_in_one_line_before_any_engine(tmp_path):
+    from groupflow.driver import resolve_model_path
+    from groupflow.model_dir import ModelDirError
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 1024}')
+    with pytest.raises(ModelDirError, match=r"rollout.max_model_len \(2048\) is past the 1024"):
+        resolve_model_path(build_config({}, [f"model.path={tmp_path}"]))
+    fits = build_config(
+        {},
+        [f"model.path={tmp_path}", "rollout.max_model_len=1024", "rollout.sampling.max_tokens=512"],
+    )
+    assert resolve_model_path(fits) == str(tmp_path)
+    # the built-in model (256 positions), refused before it is built
+    with pytest.raises(ModelDirError, match="the built-in model .* --quickstart"):
+        resolve_model_path(build_config({}))
+
+
+@pytest.mark.parametrize(
+    "config, context",
+    [
+        ({"max_position_embeddings": 32768}, 32768),
+        ({"n_positions": 1024}, 1024),
+        ({"max_position_embeddings": 4096, "seq_length": 2048}, 2048),
+        ({"max_position_embeddings": 8192, "rope_scaling": {"type": "yarn", "factor": 4}}, None),
+        ({"hidden_size": 64}, None),
+        ({"max_position_embeddings": "many"}, None),
+    ],
+)
+def test_a_models_context_is_read_from_its_config(config, context):
+    from groupflow.model_dir import model_context
+
+    assert model_context(config) == context
