@@ -87,12 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser(
         "config",
         help="print a config resolved (defaults + file + overrides), or every key's reference",
-        description="Print the resolved config: with no file, the defaults a config file of "
-        "your own starts from (docs/config.md).",
+        description="Print the resolved config: with no file, the defaults a config file of\n"
+        "your own starts from (every key: docs/config.md).",
         epilog=CONFIG_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_config_args(show, default="none: the defaults of a job's config file")
+    _add_config_args(show, default="none, to print the defaults a config file starts from")
     shown = show.add_mutually_exclusive_group()
     shown.add_argument(
         "--quickstart",
