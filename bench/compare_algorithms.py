@@ -28,7 +28,7 @@ from pathlib import Path
 import mpmath
 import ray
 
-from groupflow.config import build_config
+from groupflow.config import small_model_config
 from groupflow.driver import run
 from groupflow.presets import PRESETS
 
@@ -78,7 +78,7 @@ def train_once(args: argparse.Namespace, staleness: int, preset: str, seed: int)
                 "settings as that run"
             )
         return result
-    summary = run(build_config({}, overrides))
+    summary = run(small_model_config({}, overrides))
     records = [json.loads(x) for x in (args.out / name / "metrics.jsonl").read_text().splitlines()]
     result = {"overrides": overrides, "summary": summary, "records": records}
     kept.write_text(json.dumps(result))

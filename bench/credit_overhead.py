@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from groupflow.config import build_config
+from groupflow.config import small_model_config
 from groupflow.driver import run
 
 SETTINGS = {
@@ -36,7 +36,7 @@ SETTINGS["lopti"] = [*SETTINGS["credit"], "algorithm.lopti.enabled=true"]
 
 
 def measure(name: str, steps: int, out: Path) -> dict:
-    cfg = build_config(
+    cfg = small_model_config(
         {},
         [
             f"trainer.steps={steps}",

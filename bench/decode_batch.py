@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from groupflow.config import build_config
+from groupflow.config import small_model_config
 from groupflow.quickstart import quickstart_model_path
 from groupflow.rollout.engine import RolloutEngine, engine_settings
 
@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     from vllm import SamplingParams
 
-    cfg = build_config({}, [])
+    cfg = small_model_config()
     model = quickstart_model_path(
         cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, progress=False
     )

@@ -32,7 +32,7 @@ from pathlib import Path
 import ray
 
 from groupflow.actors.reward import RewardPool
-from groupflow.config import build_config
+from groupflow.config import build_config, small_model_config
 from groupflow.driver import run
 from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer, response_items
@@ -124,7 +124,7 @@ def throughput(task_name: str, workers: int, responses: int) -> float:
 
 def reward_wait(steps: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = build_config(
+        cfg = small_model_config(
             {},
             [
                 f"trainer.steps={steps}",
@@ -134,7 +134,7 @@ def reward_wait(steps: int) -> tuple[float, float]:
             ],
         )
         run(cfg)
-        lines = (Path(tmp) / "quickstart" / "metrics.jsonl").read_text().splitlines()
+        lines = (Path(tmp) / cfg.trainer.run_name / "metrics.jsonl").read_text().splitlines()
     steady = [json.loads(x) for x in lines][1:]
     return (
         statistics.fmean(r["time_gen_s"] for r in steady),

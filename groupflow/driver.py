@@ -44,7 +44,7 @@ from groupflow.job import TrainingJob
 from groupflow.learner.lora import check_target_modules
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
-from groupflow.model_dir import read_model_config
+from groupflow.model_dir import check_context, model_context, read_model_config
 from groupflow.plots import write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.recovery import LearnerLost, RestartBudget
@@ -68,8 +68,15 @@ class RunError(RuntimeError):
 
 def resolve_model_path(cfg: Config) -> str:
     if cfg.model.path is None:
-        from groupflow.quickstart import quickstart_model_path
+        from groupflow.quickstart import ARCHITECTURE, quickstart_model_path
 
+        # A config file's defaults fit a real model: say so before the built-in one is built.
+        check_context(
+            cfg.rollout.max_model_len,
+            ARCHITECTURE["max_position_embeddings"],
+            "the built-in model (model.path unset; `groupflow config --quickstart` shows the "
+            "sizes that fit it)",
+        )
         return str(
             quickstart_model_path(
                 cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, cfg.metrics.progress
@@ -78,7 +85,7 @@ def resolve_model_path(cfg: Config) -> str:
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
         raise RunError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
-    read_model_config(path)
+    check_context(cfg.rollout.max_model_len, model_context(read_model_config(path)), str(path))
     return str(path)
 
 

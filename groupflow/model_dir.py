@@ -30,3 +30,26 @@ def read_model_config(model_path: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ModelDirError(f"{path}: not a model config (expected a JSON object)")
     return config
+
+
+# config.json keys that bound a model's positions, as vLLM reads them (the smallest counts).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def model_context(model_config: dict) -> int | None:
+    """The positions a model takes, from its config.json; None where its config does not
+    bound them, or stretches them (rope_scaling), which vLLM then works out itself."""
+    if model_config.get("rope_scaling"):
+        return None
+    bounds = [v for k in CONTEXT_KEYS if type(v := model_config.get(k)) is int and v > 0]
+    return min(bounds, default=None)
+
+
+def check_context(max_model_len: int, context: int | None, model: str) -> None:
+    """rollout.max_model_len within the model's positions, refused before any engine starts
+    (vLLM would refuse it only then, at length)."""
+    if context is not None and max_model_len > context:
+        raise ModelDirError(
+            f"rollout.max_model_len ({max_model_len}) is past the {context} positions of "
+            f"{model}: set it to at most {context} (and rollout.sampling.max_tokens below it)"
+        )

@@ -16,7 +16,7 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.tools import ToolPoolClient, start_tool_pool
 from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
-from groupflow.config import SamplingConfig, build_config
+from groupflow.config import SamplingConfig, build_config, small_model_config
 from groupflow.reward_workers.tasks import make_task
 from tests.integration.plugins.environments import MARKER
 from tests.integration.prometheus_server import PrometheusServer
@@ -61,7 +61,7 @@ def _recorded(generator) -> set:
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tool_model):
     env = f"{PLUGINS}:EchoTwice"
-    cfg = build_config({"task": {"name": "tool_arithmetic"}, "agent": {"environment": env}})
+    cfg = small_model_config({"task": {"name": "tool_arithmetic"}, "agent": {"environment": env}})
     pool = start_generator_pool(cfg, tool_model)
     ray.get(pool.engines[0].__ray_call__.remote(_record_requests))
     yield pool.engines[0]

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 import groupflow.driver
-from groupflow.config import build_config
+from groupflow.config import small_model_config
 from groupflow.driver import run
 
 pytestmark = pytest.mark.integration
@@ -65,7 +65,7 @@ def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
             "task.eval_size=8",
             "metrics.progress=false",
         ]
-        run(build_config({}, overrides))
+        run(small_model_config({}, overrides))
     # every group: G - 1 short responses and one FACTOR times as long, each exactly its length
     group_tokens = (GROUP_SIZE - 1 + FACTOR) * MAX_TOKENS
     for k in staleness:

@@ -15,7 +15,7 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
 from groupflow.adapters import MERGED_DIR
-from groupflow.config import SamplingConfig, build_config
+from groupflow.config import SamplingConfig, small_model_config
 from groupflow.reward_workers.tasks import make_task
 from tests.integration.test_stack import _sample_sequences, _sync, _train
 
@@ -33,7 +33,7 @@ LORA = [
 
 @pytest.fixture(scope="module")
 def lora_stack(ray_cluster, quickstart_model):
-    cfg = build_config({}, ["rollout.num_engines=1", *LORA])
+    cfg = small_model_config({}, ["rollout.num_engines=1", *LORA])
     pool = start_generator_pool(cfg, quickstart_model)
     learner = LearnerGroup(cfg, quickstart_model)
     yield cfg, pool.engines, learner

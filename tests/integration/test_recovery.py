@@ -17,7 +17,7 @@ import torch
 from groupflow.actors.learner import LearnerGroup
 from groupflow.checkpoint import CheckpointStore
 from groupflow.cli import main
-from groupflow.config import build_config
+from groupflow.config import small_model_config
 from groupflow.learner.figures import learner_record
 from groupflow.records import TrainSequence
 from tests.integration.driver_process import DriverProcess, run_records
@@ -49,7 +49,7 @@ def test_a_learner_checkpoint_restores_weights_and_optimizer_exactly(
     and STAPO's running threshold) came back from the files. (A new process loading a
     checkpoint is the recovery test's.)"""
     stapo = ["algorithm.stapo.enabled=true", "algorithm.stapo.tau_p=auto"]
-    cfg = build_config({}, ["learner.num_ranks=2", "learner.optimizer.lr=1e-3", *stapo])
+    cfg = small_model_config({}, ["learner.num_ranks=2", "learner.optimizer.lr=1e-3", *stapo])
     seed = int.from_bytes(os.urandom(2))
     learner = LearnerGroup(cfg, quickstart_model)
     try:

@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from groupflow.actors.generator import start_generator_pool
-from groupflow.config import SamplingConfig, build_config
+from groupflow.config import SamplingConfig, build_config, small_model_config
 from groupflow.records import ScoredGroup, Verdict
 from groupflow.reward_workers.tasks import make_task
 from groupflow.sequences import group_advantages, train_sequences
@@ -19,7 +19,7 @@ GROUP = 6
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, chat_model):
-    cfg = build_config({"task": {"system_prompt": SYSTEM}})
+    cfg = small_model_config({"task": {"system_prompt": SYSTEM}})
     pool = start_generator_pool(cfg, chat_model)
     yield pool.engines[0]
     pool.shutdown()
@@ -32,7 +32,9 @@ def prompts():
 
 
 def _sample(engine, prompts, **sampling):
-    return ray.get(engine.sample.remote(prompts, GROUP, SamplingConfig(**sampling)))
+    return ray.get(
+        engine.sample.remote(prompts, GROUP, SamplingConfig(**{"max_tokens": 16, **sampling}))
+    )
 
 
 def test_engine_and_learner_see_the_chat_rendering(engine, chat_model, prompts):

@@ -11,7 +11,7 @@ import torch
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
-from groupflow.config import SamplingConfig, build_config
+from groupflow.config import SamplingConfig, small_model_config
 from groupflow.records import Prompt, TrainSequence
 from groupflow.reward_workers.tasks import make_task
 from groupflow.weight_format import WeightSyncMismatch, bucket_manifest
@@ -19,10 +19,12 @@ from tests.integration.learner_weights import learner_weights
 
 pytestmark = pytest.mark.integration
 
+SHORT = SamplingConfig(max_tokens=16)  # the quickstart's answers are a few digits
+
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster, quickstart_model):
-    cfg = build_config(
+    cfg = small_model_config(
         {}, ["rollout.num_engines=2", "learner.optimizer.lr=1e-3", "rollout.partial_rollout=true"]
     )
     pool = start_generator_pool(cfg, quickstart_model)
@@ -49,7 +51,11 @@ def _sync(transport, version: int) -> None:
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
     task = make_task("arithmetic")
     prompts = [p for p, _ in zip(task.train_prompts(seed), range(n_prompts), strict=False)]
-    groups = ray.get(engines[0].sample.remote(prompts, group_size, SamplingConfig(temperature=1.0)))
+    groups = ray.get(
+        engines[0].sample.remote(
+            prompts, group_size, SamplingConfig(temperature=1.0, max_tokens=16)
+        )
+    )
     seqs = []
     for gid, g in enumerate(groups):
         rewards = [task.verify(g.prompt, r.text).reward for r in g.responses]
@@ -155,7 +161,7 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     A chunk sent after the load starts after it. A sync whose stream breaks ends the load
     instead of leaving the engine waiting."""
     cfg, engines, learner = stack
-    before = ray.get(engines[0].sample.remote([Prompt("v", "1+1=", 2)], 2, SamplingConfig()))
+    before = ray.get(engines[0].sample.remote([Prompt("v", "1+1=", 2)], 2, SHORT))
     old = before[0].policy_version
     weights = {old: learner_weights(learner)}  # what the engines hold (the last test synced them)
     _train(learner, _sample_sequences(engines, seed=5))
@@ -164,7 +170,7 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     chunk = engines[0].sample.remote([Prompt(f"long{i}", "1+1=", 2) for i in range(4)], 8, long)
     time.sleep(0.5)
     _sync(ObjectStoreTransport(learner, engines, bucket_bytes=2**20), version=2)
-    after = engines[0].sample.remote([Prompt("after-load", "1+1=", 2)], 2, SamplingConfig())
+    after = engines[0].sample.remote([Prompt("after-load", "1+1=", 2)], 2, SHORT)
     groups = ray.get(chunk)
     assert all(g.policy_version == old for g in groups), "the chunk started before the load"
     straddling = [r for g in groups for r in g.responses if len(r.versions) > 1]
@@ -198,7 +204,7 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     ray.get(pushes)
     engines[0].add_weights.remote("broken", 1, 0, None)
     assert ray.get(load, timeout=120) is None, "the load is abandoned, not failed"
-    groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SamplingConfig()))
+    groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SHORT))
     assert len(groups[0].responses) == 2
     # A rank lost in a sync (its push's handle fails) abandons the load just as well.
     lost = [_lost_rank.remote(), _lost_rank.remote()]
@@ -330,7 +336,7 @@ def test_a_tensor_parallel_engine_samples_what_a_one_device_engine_does_after_a_
     """TP = 2 on this CPU (vLLM's multiprocess executor, a worker per core): after a verified
     sync of trained weights, its greedy answers are the one-device engine's."""
     cfg, engines, learner = stack
-    tp_cfg = build_config({}, ["rollout.tensor_parallel_size=2"])
+    tp_cfg = small_model_config({}, ["rollout.tensor_parallel_size=2"])
     tp_pool = start_generator_pool(tp_cfg, learner.model_path)
     try:
         _train(learner, _sample_sequences(engines, seed=7))

@@ -42,7 +42,7 @@ def test_overrides_parse_yaml_values():
         ({}, ["trainer.max_staleness=9"], "trainer.max_staleness"),
         ({}, ["algorithm.preset=nope"], "algorithm"),
         ({"algorithm": {"loss": "dfpo", "aggregation": "seq_mean_token_mean"}}, [], "algorithm"),
-        ({}, ["rollout.sampling.max_tokens=999"], "rollout.sampling.max_tokens"),
+        ({}, ["rollout.sampling.max_tokens=2048"], "rollout.sampling.max_tokens"),
         ({}, ["rollout.group_size.x=1"], "rollout.group_size"),
     ],
 )

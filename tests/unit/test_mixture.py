@@ -140,7 +140,7 @@ def test_each_task_keeps_its_own_response_limit():
     [
         (0, {}, "max_tokens must be a positive integer"),
         (2.5, {}, "max_tokens must be a positive integer"),
-        (300, {}, "task sums: max_tokens \\(300\\) must be below rollout.max_model_len"),
+        (3000, {}, "task sums: max_tokens \\(3000\\) must be below rollout.max_model_len"),
         (
             4,
             {"reward": {"overlong_penalty": {"buffer_tokens": 4}}},
