@@ -100,7 +100,9 @@ class LearnerRankResources(Resources):
 class ModelConfig(Section):
     path: str | None = Field(
         None,
-        description="local Hugging Face model directory; unset = the built-in quickstart model",
+        description="local Hugging Face model directory, or a Hugging Face model id "
+        "(org/name[@revision], from the hub cache, downloaded when not there; docs/hub.md); "
+        "unset = the built-in quickstart model",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     warm_start_steps: int = Field(
