@@ -30,15 +30,16 @@ def dataset_records(spec: str) -> Iterator[tuple[int, Any]] | None:
         directory, split = spec.rsplit(":", 1)
     if Path(directory).is_dir():
         return _rows(spec, _saved(spec, directory, split), split)
-    hub = _hub_name(spec)
+    hub = hub_dataset_name(spec)
     if hub is None:
         return None
     name, config, split = hub
     return _rows(spec, _from_hub(spec, name, config, split), None)  # the split is applied
 
 
-def _hub_name(spec: str) -> tuple[str, str | None, str | None] | None:
-    """(name, config, split) of a hub dataset spec; None for what reads as a file path."""
+def hub_dataset_name(spec: str) -> tuple[str, str | None, str | None] | None:
+    """(name, config, split) of a hub dataset spec; None for what reads as a file path (also
+    what `groupflow submit` needs to tell a hub name from a relative path)."""
     if spec.startswith((".", "/", "~")) or spec.lower().endswith(FILE_SUFFIXES):
         return None
     head, bracket, slicing = spec.partition("[")  # a split's slice may hold ":" (train[:100])
