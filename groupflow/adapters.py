@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from groupflow.errors import UserError, first_line
+from groupflow.hub_model import hub_model_id, local_model_path
 
 if TYPE_CHECKING:
     from groupflow.config import LoraConfig
@@ -155,6 +156,9 @@ def read_adapter_dir(path: str | Path) -> SavedAdapter:
     if not isinstance(rank, int) or not 0 < rank <= VLLM_LORA_RANKS[-1]:
         raise AdapterError(f"{config_file}: r: {rank!r} is not a rank vLLM serves (1 to 512)")
     base = config.get("base_model_name_or_path")
+    if isinstance(base, str) and hub_model_id(base) is not None:
+        # a base named by its hub id, as PEFT saves one trained from the hub
+        base = local_model_path(base, f"{config_file}: base_model_name_or_path")
     if not isinstance(base, str) or not (Path(base) / "config.json").is_file():
         raise AdapterError(
             f"{config_file}: base_model_name_or_path: {base!r} is not a model directory here"

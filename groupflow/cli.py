@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(evaluate)
     evaluate.add_argument(
         "--model",
-        help="Hugging Face model directory, or a LoRA adapter in PEFT's format (served on "
-        "the base model its adapter_config.json names); default: model.path",
+        help="Hugging Face model directory or hub id (docs/hub.md), or a LoRA adapter in "
+        "PEFT's format (served on the base model its adapter_config.json names); default: "
+        "model.path",
     )
     show = sub.add_parser(
         "config",

@@ -106,7 +106,9 @@ class ModelConfig(Section):
 
     path: str | None = Field(
         None,
-        description="local Hugging Face model directory; unset = the built-in quickstart model",
+        description="local Hugging Face model directory, or a Hugging Face model id "
+        "(org/name[@revision], from the hub cache, downloaded when not there; docs/hub.md); "
+        "unset = the built-in quickstart model",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",

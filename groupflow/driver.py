@@ -40,6 +40,7 @@ from groupflow.checkpoint import (
 )
 from groupflow.config import Config, ray_client_refusal
 from groupflow.evaluate import HeldOutSet
+from groupflow.hub_model import local_model_path
 from groupflow.job import TrainingJob
 from groupflow.learner.lora import check_target_modules
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
@@ -82,7 +83,7 @@ def resolve_model_path(cfg: Config) -> str:
                 cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, cfg.metrics.progress
             )
         )
-    path = Path(cfg.model.path)
+    path = Path(local_model_path(cfg.model.path))
     if not (path / "config.json").is_file():
         raise RunError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
     check_context(cfg.rollout.max_model_len, model_context(read_model_config(path)), str(path))

@@ -1,4 +1,5 @@
-"""Prompts from a dataset file: JSONL (one object a line) or Parquet, with a field mapping.
+"""Prompts from a dataset file: JSONL (one object a line) or Parquet, with a field mapping; or
+from a `datasets` hub name or a directory saved with `save_to_disk` (reward_workers/hub_datasets.py).
 
 The mapping says which column holds each of our fields, e.g. {"prompt": "question",
 "answer": "solution"}; a dotted name reaches into nested objects ("reward_model.ground_truth").
@@ -18,6 +19,7 @@ from typing import Any
 
 from groupflow.errors import first_line, printable
 from groupflow.records import Prompt
+from groupflow.reward_workers.hub_datasets import dataset_records
 
 FIELDS = ("prompt", "messages", "answer", "uid")
 REQUIRED_FIELDS = ("answer",)
@@ -70,9 +72,12 @@ def resolve_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
 def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line or row number from 1, record) for each row; a record that is not valid JSON
     arrives as a BadRow instance so that callers decide whether to stop or skip."""
-    path = Path(path)
+    spec, path = str(path), Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+        rows = dataset_records(spec)  # a saved directory or a hub dataset
+        if rows is None:
+            raise ValueError(f"{path}: no such file")
+        return rows
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         return _jsonl_records(path)

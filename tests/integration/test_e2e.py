@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
 from groupflow.config import load_config
 from groupflow.learner.lr_schedule import lr_at
+from tests.hf_cache import cache_model, read_offline
 from tests.integration.test_presets import DIAGNOSTICS
 
 pytestmark = pytest.mark.integration
@@ -36,7 +38,14 @@ STEP_KEYS = {
 }
 
 
-def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstart_model, tmp_path):
+def test_three_steps_with_overlap_write_the_run_directory(
+    ray_cluster, quickstart_model, tmp_path, monkeypatch
+):
+    # The model is named by a hub id, from a Hugging Face cache read offline: the driver
+    # resolves it once, and the engines and ranks load the snapshot.
+    hf_home = tmp_path / "hf"
+    read_offline(monkeypatch, hf_home)
+    cache_model(hf_home, "groupflow/quickstart", Path(quickstart_model))
     code = main(
         [
             "train",
@@ -78,11 +87,14 @@ def test_three_steps_with_overlap_write_the_run_directory(ray_cluster, quickstar
             "algorithm.kl.estimator=k3",
             "--set",
             "algorithm.entropy_coef=0.01",
+            "--set",
+            "model.path=groupflow/quickstart",
         ]
     )
     assert code == 0
     run = tmp_path / "e2e"
     assert (run / "config.resolved.yaml").is_file()
+    assert load_config(run / "config.resolved.yaml").model.path == "groupflow/quickstart"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:

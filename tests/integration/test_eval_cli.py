@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,15 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_cache import cache_model, offline_env
+
 pytestmark = pytest.mark.integration
 
 
-def _eval(*args: str) -> subprocess.CompletedProcess:
+def _eval(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "groupflow.cli", "eval", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -50,22 +54,26 @@ def _adapter(model_dir: str, out, base: str, seed: int):
 
 
 def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
-    peft_model = _adapter(quickstart_model, tmp_path / "adapter", quickstart_model, seed=0)
+    # The base model is also named by a hub id, from a Hugging Face cache read offline: the
+    # adapter's base_model_name_or_path, and the plain model evaluated last.
+    hf_home = tmp_path / "hf"
+    snapshot = cache_model(hf_home, "groupflow/quickstart", Path(quickstart_model))
+    peft_model = _adapter(quickstart_model, tmp_path / "adapter", "groupflow/quickstart", seed=0)
     merged = tmp_path / "merged"
     peft_model.merge_and_unload().save_pretrained(merged)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(quickstart_model) / name, merged / name)
     results = []
-    for model in (tmp_path / "adapter", merged, quickstart_model):
-        proc = _eval("--model", str(model), "--set", "task.eval_size=64")
+    for model in (tmp_path / "adapter", merged, "groupflow/quickstart"):
+        proc = _eval("--model", str(model), "--set", "task.eval_size=64", env=offline_env(hf_home))
         assert proc.returncode == 0, proc.stderr[-2000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     adapter, merged_score, base = (r["accuracy"] for r in results)
     assert adapter == merged_score
     assert adapter != base, "the adapter must change the answers for this test to see it"
-    # the plain model directory: one JSON line of its own
+    # the plain model, by its hub id: one JSON line of its own, served from the snapshot
     assert results[2]["prompts"] == 64 and results[2]["task"] == "arithmetic"
-    assert results[2]["model"] == quickstart_model
+    assert results[2]["model"] == str(snapshot)
     # the warm-started model answers some, not all, held-out problems
     assert 0.0 < base < 1.0
 
