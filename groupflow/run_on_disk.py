@@ -27,7 +27,6 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CLUSTER_FILE)
 TAIL_BYTES = 1 << 20  # the end of metrics.jsonl read for its last step (a record is a few KiB)
-STATES = ("running", "finished", "stopped", "failed")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -91,7 +90,7 @@ def _live_record(run_dir: Path) -> tuple[RunRecord | None, bool]:
 @dataclass
 class RunOnDisk:
     path: Path
-    state: str  # one of STATES
+    state: str  # running, finished, stopped or failed (the module's docstring)
     step: int  # the last step recorded
     steps: int | None  # trainer.steps
     accuracy: tuple[float, float] | None  # held-out, before -> after (summary.json)
