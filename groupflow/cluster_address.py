@@ -129,7 +129,7 @@ def jobs_client(address: ClusterAddress):
     naming the address when no cluster answers there."""
     from ray.job_submission import JobSubmissionClient
 
-    if not address.is_dashboard and "://" not in address.text:
+    if not address.is_dashboard:  # Ray would retry a GCS or Ray Client address for long
         try:
             probe(address.text)
         except AddressError as err:

@@ -292,7 +292,8 @@ def _status(args: argparse.Namespace) -> int:
         try:
             live.print_live(live.connect(found.live_target()))
         except Exception as err:  # the job's own status stands without the live part
-            print(f"live: unavailable ({first_line(err)})")
+            # whole, on one line: Ray's messages run over several, and cut they mislead
+            print(f"live: unavailable ({' '.join(str(err).split()) or type(err).__name__})")
     elif local is not None and local.state == "running":
         host = local.record.host if local.record is not None else None
         print(f"run {local.name}  RUNNING  (driver on {host or 'this machine'})")

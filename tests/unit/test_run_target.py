@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import ray.job_submission
 
-from groupflow import cluster_address, live
+from groupflow import cluster_address, live, run_target
 from groupflow.cli import main
 from groupflow.live import write_cluster_file
 from groupflow.run_on_disk import read_run, runs_in
@@ -262,3 +262,21 @@ def test_list_with_no_cluster_lists_the_runs_here(no_cluster, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("exp  finished  8/8")
     assert out[2] == f"jobs: no Ray cluster answers at {os.environ['RAY_ADDRESS']} ($RAY_ADDRESS)"
+
+
+def test_a_ray_error_in_the_live_part_is_shown_whole_on_one_line(cluster, monkeypatch, capsys):
+    cluster.jobs.append(submitted("raysubmit_new", "exp", "RUNNING", 2))
+    monkeypatch.setattr(run_target, "join_address", lambda address, client: "10.0.0.5:6379")
+
+    def refuse(target):
+        raise ValueError(
+            f"Invalid Ray address: {target.ray_address!r}. To fix this, either:\n"
+            "  1. Unset RAY_ADDRESS, or\n  2. Set RAY_ADDRESS to the GCS address."
+        )
+
+    monkeypatch.setattr(live, "connect", refuse)
+    assert main(["status", "exp"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "live: unavailable (Invalid Ray address: '10.0.0.5:6379'. To fix this, either: "
+        "1. Unset RAY_ADDRESS, or 2. Set RAY_ADDRESS to the GCS address.)"
+    )
