@@ -108,6 +108,20 @@ def probe(address: str) -> None:
         raise AddressError(f"no Ray cluster answers at {address} ({reason})") from None
 
 
+def _no_silent_host(url: str) -> None:
+    """Refuse a dashboard whose host drops the connection unanswered: the Jobs client asks
+    it with no timeout, and would hold the command for minutes. (A refusal or an unknown
+    name is left to the client, which says so at once.)"""
+    parsed = urlparse(url.strip())
+    try:
+        port = parsed.port or (443 if parsed.scheme.lower() == "https" else 80)
+        socket.create_connection((parsed.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
+    except TimeoutError:
+        raise AddressError(f"no Ray cluster answers at {url} (no answer)") from None
+    except (OSError, ValueError):
+        return
+
+
 def _ask_gcs(address: str) -> None:
     """One read from the GCS at `address`, bounded in time; ConnectionError if none is there."""
     from ray._raylet import GcsClient
@@ -129,11 +143,13 @@ def jobs_client(address: ClusterAddress):
     naming the address when no cluster answers there."""
     from ray.job_submission import JobSubmissionClient
 
-    if not address.is_dashboard:  # Ray would retry a GCS or Ray Client address for long
-        try:
+    try:
+        if address.is_dashboard:
+            _no_silent_host(address.text)
+        else:  # Ray would retry a GCS or Ray Client address for long
             probe(address.text)
-        except AddressError as err:
-            raise AddressError(f"{err} ({address.origin}; see {DOCS})") from None
+    except AddressError as err:
+        raise AddressError(f"{err} ({address.origin}; see {DOCS})") from None
     try:
         with ray_env_hidden():
             return JobSubmissionClient(address.text)

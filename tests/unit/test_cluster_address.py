@@ -134,3 +134,22 @@ def test_train_with_ray_address_set_to_a_dashboard_joins_its_cluster(monkeypatch
     live.join_ray(None, num_cpus=1)
     assert joined == {"address": "10.0.0.5:6379", "env": None}
     assert os.environ["RAY_ADDRESS"] == "http://127.0.0.1:8265"
+
+
+def test_a_dashboard_host_that_drops_connections_is_refused_in_seconds(monkeypatch):
+    """The Jobs client asks with no timeout: a host that never answers would hold it."""
+
+    def silent(address, timeout):
+        assert address == ("head.example", 8265) and timeout == cluster_address.CONNECT_TIMEOUT_S
+        raise TimeoutError
+
+    def not_asked(address):
+        raise AssertionError("the Jobs client was made")
+
+    monkeypatch.setattr(cluster_address.socket, "create_connection", silent)
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", not_asked)
+    with pytest.raises(AddressError) as refused:
+        jobs_client(ClusterAddress("http://head.example:8265", "$RAY_ADDRESS"))
+    assert str(refused.value).startswith(
+        "no Ray cluster answers at http://head.example:8265 (no answer) ($RAY_ADDRESS; see "
+    )
