@@ -206,6 +206,7 @@ def job_runtime_env(config_dir: Path, code: Path | None = None) -> dict:
 
 def _submit(args: argparse.Namespace) -> int:
     from groupflow.config import load_config
+    from groupflow.run_target import RUN_METADATA
 
     cfg = load_config(args.config, args.overrides)
     if cfg.trainer.resume is None:
@@ -230,7 +231,7 @@ def _submit(args: argparse.Namespace) -> int:
         job_id = client.submit_job(
             entrypoint=ENTRYPOINT,
             runtime_env=job_runtime_env(Path(config_dir), code),
-            metadata={"groupflow_run": cfg.trainer.run_name},
+            metadata={RUN_METADATA: cfg.trainer.run_name},
         )
     print(job_id, flush=True)
     if args.no_follow:
