@@ -18,6 +18,8 @@ EPILOG = """examples:
   groupflow train job.yaml --resume                 go on from the run's newest checkpoint
   groupflow scale quickstart --engines 2             two engines for the running job `quickstart`
   groupflow status quickstart                       its live engines, reward workers, learner ranks
+  groupflow list                                    the runs here (and jobs on the cluster)
+The cluster address of submit/status/logs/stop/scale/list: docs/jobs.md.
 """
 
 

@@ -1033,8 +1033,9 @@ class ClusterConfig(Section):
 
     address: str | None = Field(
         None,
-        description="Ray address of a cluster to drive the job from this process (e.g. auto, "
-        "HOST:6379); unset = a local cluster. Not ray:// (Ray Client): use groupflow submit",
+        description="Ray address of a cluster to drive the job from this process, in any form "
+        "of docs/jobs.md's address rule (e.g. auto, HOST:6379, http://HEAD:8265) but ray:// "
+        "(Ray Client: use groupflow submit); unset = $RAY_ADDRESS, else a local cluster",
     )
     num_cpus: float | None = Field(
         None, gt=0, description="CPUs of a local cluster; unset = detected"

@@ -1,6 +1,7 @@
-"""`groupflow submit | status | logs | stop | scale`: training jobs on a Ray cluster, via the Ray
-Jobs API; `scale` and the live part of `status` reach a running job's control actor
-(groupflow/live.py).
+"""`groupflow submit | status | logs | stop | scale | list`: training jobs on a Ray cluster, via
+the Ray Jobs API; `scale` and the live part of `status` reach a running job's control actor
+(groupflow/live.py). Every command takes one cluster address (groupflow/cluster_address.py), and
+RUN is a run name, a run directory or a job id (groupflow/run_target.py).
 
 How `submit` carries the config. The config is validated here first (a bad key fails at once,
 exit 2, before any cluster is contacted). The resolved config (file + `--set` + preset
@@ -39,48 +40,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from groupflow.cluster_address import (
+    DEFAULT_ADDRESS,
+    DOCS,
+    AddressError,
+    ClusterAddress,
+    jobs_client,
+)
 from groupflow.errors import UserError, first_line
 from groupflow.live import positive_seconds
 
-JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
-DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale", "list")
 JOB_CONFIG_NAME = "groupflow-job.yaml"
 ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
 # The design card's folders, installed as groupflow.<name>: pyproject.toml's package-dir is
 # the list (tests/unit/test_packaging.py checks this copy against it).
 SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
+RUN_HELP = "run name (trainer.run_name), run directory, or the job id `groupflow submit` printed"
+DRIVER_LOG = "driver.log"  # the driver's log in its run directory
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
         default=None,
-        help=f"Ray dashboard URL (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
+        help="the Ray cluster: its dashboard URL (http://HEAD:8265), its GCS address "
+        f"(HEAD:6379), ray://HEAD:10001 or auto; default: $RAY_ADDRESS, else {DEFAULT_ADDRESS} "
+        f"(see {DOCS})",
     )
 
 
-def _add_live_args(p: argparse.ArgumentParser) -> None:
+def _add_runs(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runs",
         default="runs",
         metavar="DIR",
-        help="where runs trained here write their directories (trainer.output_dir; default: runs)",
+        help="where run directories are looked for (trainer.output_dir; default: runs)",
     )
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="how to join a submitted job's cluster (default: $GROUPFLOW_RAY_ADDRESS, else "
-        "auto when the dashboard is on this machine, else ray://HOST:10001, the head's Ray "
-        "Client port)",
-    )
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN", help=RUN_HELP)
+    _add_address(p)
+    _add_runs(p)
 
 
 def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
@@ -94,11 +103,9 @@ def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
         "the chunks they hold. Waits until the change is complete (saying so while the "
         "cluster has no room for new actors) unless --no-wait.",
     )
-    scale.add_argument("run", metavar="RUN", help="run name, run directory, or job id")
+    _add_run(scale)
     scale.add_argument("--engines", type=int, metavar="N", help="generator engines wanted")
     scale.add_argument("--reward-workers", type=int, metavar="M", help="reward workers wanted")
-    _add_address(scale)
-    _add_live_args(scale)
     scale.add_argument("--no-wait", action="store_true", help="return once the job has the request")
     scale.add_argument(
         "--timeout",
@@ -110,7 +117,7 @@ def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `submit`, `status`, `logs`, `stop` and `scale` to the `groupflow` command's
+    """Add `submit`, `status`, `logs`, `stop`, `scale` and `list` to the `groupflow` command's
     subparsers."""
     submit = subparsers.add_parser(
         "submit",
@@ -140,21 +147,25 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
     for name, text in (
         (
             "status",
-            "show a job's status; while it runs, its live engines, reward workers and "
-            "learner ranks",
+            "show a run's state: while it runs, its live engines, reward workers and learner "
+            "ranks; once ended, what its run directory holds (no cluster needed)",
         ),
-        ("logs", "print a job's logs"),
+        ("logs", "print a job's logs (a run trained here: its driver.log)"),
         ("stop", "stop a running job"),
     ):
         p = subparsers.add_parser(name, help=text, description=text)
-        if name == "status":
-            p.add_argument("job_id", metavar="RUN", help="run name, run directory, or job id")
-            _add_live_args(p)
-        else:
-            p.add_argument("job_id", metavar="JOB", help="the job id `groupflow submit` printed")
-        _add_address(p)
+        _add_run(p)
         if name == "logs":
             p.add_argument("--follow", action="store_true", help="keep printing until it ends")
+    listing = subparsers.add_parser(
+        "list",
+        help="list the runs here and the jobs on the cluster",
+        description="The run directories in --runs (state, steps done of trainer.steps, "
+        "held-out accuracy before -> after) and, when a cluster answers at --address, its "
+        "submitted jobs.",
+    )
+    _add_address(listing)
+    _add_runs(listing)
     _add_scale_command(subparsers)
 
 
@@ -162,12 +173,6 @@ class ClusterError(UserError):
     """A request the Ray Jobs API refused (an unknown job, a failed request)."""
 
     exit_code = 1
-
-
-def _client(address: str | None):
-    from ray.job_submission import JobSubmissionClient
-
-    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
 
 
 def _package_dir(name: str) -> Path:
@@ -201,6 +206,7 @@ def job_runtime_env(config_dir: Path, code: Path | None = None) -> dict:
 
 def _submit(args: argparse.Namespace) -> int:
     from groupflow.config import load_config
+    from groupflow.run_target import RUN_METADATA
 
     cfg = load_config(args.config, args.overrides)
     if cfg.trainer.resume is None:
@@ -214,7 +220,7 @@ def _submit(args: argparse.Namespace) -> int:
             "absolute path on storage shared by the head and learner nodes to keep the run",
             file=sys.stderr,
         )
-    client = _client(args.address)
+    client = jobs_client(ClusterAddress.given(args.address))
     with (
         tempfile.TemporaryDirectory(prefix="groupflow-job-") as config_dir,
         tempfile.TemporaryDirectory(prefix="groupflow-code-") as code_dir,
@@ -225,7 +231,7 @@ def _submit(args: argparse.Namespace) -> int:
         job_id = client.submit_job(
             entrypoint=ENTRYPOINT,
             runtime_env=job_runtime_env(Path(config_dir), code),
-            metadata={"groupflow_run": cfg.trainer.run_name},
+            metadata={RUN_METADATA: cfg.trainer.run_name},
         )
     print(job_id, flush=True)
     if args.no_follow:
@@ -262,46 +268,39 @@ def _follow(client, job_id: str) -> int:
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
-def _dashboard(address: str | None) -> str:
-    return address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+def _found(args: argparse.Namespace, need_job: bool):
+    from groupflow.run_target import find_run
+
+    return find_run(args.run, Path(args.runs), ClusterAddress.given(args.address), need_job)
+
+
+def _job_lines(client, job) -> list[str]:
+    """A submitted job's state and run, and its message: a failed job's ends with up to
+    20,000 characters of its log, of which its first line and the log's last line (the
+    error) are what a status needs."""
+    message = (client.get_job_info(job.id).message or "").strip().splitlines()
+    return [f"{job.id}  {job.status}  run={job.run or '-'}", *message[:1], *message[1:][-1:]]
 
 
 def _status(args: argparse.Namespace) -> int:
     from groupflow import live
 
-    local = live.local_target(args.job_id, Path(args.runs))
-    if local is not None:  # a job trained here: no Jobs API involved
-        actor = live.connect(local)
-        print(f"run {local.run}  RUNNING  (driver on {local.host or 'this machine'})")
-        live.print_live(actor)
-        return 0
-    client = _client(args.address)
-    job_id = args.job_id
-    try:
-        info = client.get_job_info(job_id)
-    except RuntimeError:  # not a job id: maybe a run name
-        named = [
-            j for j in client.list_jobs() if (j.metadata or {}).get("groupflow_run") == args.job_id
-        ]
-        if not named:
-            raise
-        job = max(named, key=lambda j: j.start_time or 0)
-        job_id = job.submission_id or job.job_id
-        info = client.get_job_info(job_id)
-    run = (info.metadata or {}).get("groupflow_run", "-")
-    print(f"{job_id}  {info.status.value}  run={run}")
-    # A failed job's message ends with up to 20,000 characters of its log; its first line
-    # and the log's last line (the error) are what a status needs.
-    message = (info.message or "").strip().splitlines()
-    for line in message[:1] + message[1:][-1:]:
-        print(line)
-    if info.status.value == "RUNNING" and run != "-":
-        dashboard = _dashboard(args.address)
-        target = live.Target(run, live.ray_address_for(dashboard, args.ray_address), job_id)
+    found = _found(args, need_job=False)
+    job, local = found.job, found.run_dir
+    if job is not None:
+        print("\n".join(_job_lines(found.client, job)))
+    if job is not None and job.running:
         try:
-            live.print_live(live.connect(target))
+            live.print_live(live.connect(found.live_target()))
         except Exception as err:  # the job's own status stands without the live part
-            print(f"live: unavailable ({first_line(err)})")
+            # whole, on one line: Ray's messages run over several, and cut they mislead
+            print(f"live: unavailable ({' '.join(str(err).split()) or type(err).__name__})")
+    elif local is not None and local.state == "running":
+        host = local.record.host if local.record is not None else None
+        print(f"run {local.name}  RUNNING  (driver on {host or 'this machine'})")
+        live.print_live(live.connect(found.live_target()))
+    elif local is not None:
+        print("\n".join(local.lines()))
     return 0
 
 
@@ -309,34 +308,107 @@ def _scale(args: argparse.Namespace) -> int:
     from groupflow import live
 
     live.check_counts(args.engines, args.reward_workers)
-    dashboard = _dashboard(args.address)
-    target = live.locate(args.run, Path(args.runs), _client, dashboard, args.ray_address)
-    actor = live.connect(target)
+    actor = live.connect(_found(args, need_job=False).live_target())
     return live.scale(
         actor, args.engines, args.reward_workers, wait=not args.no_wait, timeout_s=args.timeout
     )
 
 
+def _follow_file(path: Path, running) -> None:
+    """Print `path`, then what is appended to it while `running()`."""
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk.decode("utf-8", "replace"))
+                sys.stdout.flush()
+            elif not running():
+                return
+            else:
+                time.sleep(STATUS_POLL_S)
+
+
 def _logs(args: argparse.Namespace) -> int:
-    client = _client(args.address)
-    if args.follow:
-        asyncio.run(_print_log_stream(client, args.job_id))
-    else:
-        print(client.get_job_logs(args.job_id), end="")
+    from groupflow.live import LiveError
+    from groupflow.run_on_disk import read_run
+
+    found = _found(args, need_job=True)
+    if found.job is not None:
+        if args.follow:
+            asyncio.run(_print_log_stream(found.client, found.job.id))
+        else:
+            print(found.client.get_job_logs(found.job.id), end="")
+        return 0
+    log = found.run_dir.path / DRIVER_LOG
+    if not log.is_file():
+        raise LiveError(
+            f"run {found.run_dir.name} has no {log}, and {found.no_job()}: its log is what "
+            "`groupflow train` printed"
+        )
+    _follow_file(log, lambda: args.follow and read_run(log.parent).state == "running")
     return 0
 
 
 def _stop(args: argparse.Namespace) -> int:
-    client = _client(args.address)
-    if client.stop_job(args.job_id):
-        print(f"stop requested for {args.job_id}")
+    from groupflow.live import LiveError
+
+    found = _found(args, need_job=True)
+    if found.job is None:
+        raise LiveError(
+            f"run {found.run_name} is not a submitted job ({found.no_job()}): stop it where "
+            "`groupflow train` runs (Ctrl-C)"
+        )
+    if found.client.stop_job(found.job.id):
+        print(f"stop requested for {found.job.id}")
     else:
-        status = client.get_job_status(args.job_id)
-        print(f"{args.job_id} had already ended ({status.value})")
+        status = found.client.get_job_status(found.job.id)
+        print(f"{found.job.id} had already ended ({status.value})")
     return 0
 
 
-HANDLERS = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop, "scale": _scale}
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows as lines of left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _list(args: argparse.Namespace) -> int:
+    from groupflow.run_on_disk import runs_in
+    from groupflow.run_target import Job
+
+    runs = runs_in(Path(args.runs))
+    if runs:
+        head = ["RUN", "STATE", "STEP", "ACCURACY", "DIRECTORY"]
+        rows = [[r.name, r.state, r.progress(), r.accuracy_text(), str(r.path)] for r in runs]
+        print("\n".join(table([head, *rows])))
+    else:
+        print(f"no runs in {args.runs}")
+    address = ClusterAddress.given(args.address)
+    try:
+        client = jobs_client(address)
+    except AddressError:
+        print(f"jobs: no Ray cluster answers at {address}")
+        return 0
+    jobs = sorted((Job.of(j) for j in client.list_jobs()), key=lambda j: -j.start_time)
+    if jobs:
+        rows = [[j.id, j.status, j.run or "-"] for j in jobs]
+        print("\n" + "\n".join(table([["JOB", "STATUS", "RUN"], *rows])))
+    else:
+        print(f"jobs: none on {address}")
+    return 0
+
+
+HANDLERS = {
+    "submit": _submit,
+    "status": _status,
+    "logs": _logs,
+    "stop": _stop,
+    "scale": _scale,
+    "list": _list,
+}
 
 
 def run_job_handler(args: argparse.Namespace) -> int:

@@ -1,18 +1,11 @@
 """`groupflow scale` and the live part of `groupflow status`: reach a running job's control
 actor (groupflow/actors/control.py) from another process.
 
-Finding the job's Ray cluster:
-- A job trained here (`groupflow train`) writes runs/<run>/cluster.json while it runs: the
-  GCS address of its cluster and its driver's pid. A local cluster that `ray.init()` started
-  is not recorded where `ray.init(address="auto")` looks (only `ray start` writes that), so
-  the run directory is the record.
-- A submitted job (`groupflow submit`) is found through the Ray Jobs API at --address, by job
-  id or by run name (the submission's `groupflow_run` metadata). This process then joins the
-  cluster as a Ray driver: with `ray.init(address="auto")` when the dashboard is on this
-  machine (a `ray start` head records its address), else through the Ray Client port of the
-  head (ray://HOST:10001, which KubeRay's head service exposes); --ray-address (or
-  $GROUPFLOW_RAY_ADDRESS) overrides, e.g. with the head's GCS address HOST:6379 when this
-  machine runs more than one Ray cluster.
+Which job a command means, and the address of its cluster, is decided before
+(groupflow/run_target.py, groupflow/cluster_address.py). A job trained here (`groupflow train`)
+writes runs/<run>/cluster.json while it runs: the GCS address of its cluster and its driver's
+pid. A local cluster that `ray.init()` started is not recorded where `ray.init(address="auto")`
+looks (only `ray start` writes that), so the run directory is the record.
 """
 
 from __future__ import annotations
@@ -23,12 +16,21 @@ import math
 import os
 import socket
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from groupflow.cluster_address import (
+    ADDRESS_ENV,
+    AddressError,
+    ClusterAddress,
+    is_dashboard_url,
+    join_address,
+    probe,
+    ray_env_hidden,
+)
 from groupflow.errors import UserError, first_line
 from groupflow.scaling import (
     CONTROL_NAMESPACE,
@@ -42,14 +44,8 @@ from groupflow.scaling import (
 
 CLUSTER_FILE = "cluster.json"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
-# The default of --ray-address. (RAY_ADDRESS cannot serve: the Jobs commands read it as the
-# dashboard's URL, as Ray's own `ray job` does.)
-RAY_ADDRESS_ENV = "GROUPFLOW_RAY_ADDRESS"
-RAY_CLIENT_PORT = 10001  # `ray start --head`'s default Ray Client port
 POLL_S = 0.5
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 MAX_RECORD_BYTES = 64 << 10  # a run record is a few hundred bytes
-CONNECT_TIMEOUT_S = 5.0  # for a Ray address to accept a connection before ray.init waits on it
 
 
 class LiveError(UserError, RuntimeError):
@@ -67,51 +63,28 @@ def positive_seconds(text: str) -> float:
 
 
 # ----- joining a cluster ---------------------------------------------------------------------
-def _probe(address: str) -> None:
-    """Refuse, within seconds, an address where no Ray cluster answers: ray.init would retry
-    it for about half a minute and end in a traceback."""
-    parsed = urlparse(address if "://" in address else f"gcs://{address}")
-    try:
-        host, port = parsed.hostname, parsed.port
-    except ValueError:
-        raise LiveError(f"Ray address {address}: not HOST:PORT") from None
-    if host is None or port is None:  # "auto", "local": Ray finds the cluster itself
-        return
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-        if parsed.scheme == "gcs":  # something answers: ask it as Ray's GCS
-            _ask_gcs(address)
-    except OSError as err:
-        reason = "no answer" if isinstance(err, TimeoutError) else err.strerror or str(err)
-        raise LiveError(f"no Ray cluster answers at {address} ({reason})") from None
-
-
-def _ask_gcs(address: str) -> None:
-    """One read from the GCS at `address`, bounded in time; ConnectionError if none is there."""
-    from ray._raylet import GcsClient
-    from ray.exceptions import AuthenticationError, RayError
-
-    try:
-        GcsClient(address=address).internal_kv_get(
-            b"groupflow_probe", None, timeout=CONNECT_TIMEOUT_S
-        )
-    except AuthenticationError:
-        raise  # a cluster is there; it wants the token (groupflow/errors.py: AUTH_HINT)
-    except RayError as err:
-        raise ConnectionError(f"not a Ray GCS: {first_line(err)}") from None
-
-
 def join_ray(address: str | None, **init_kwargs) -> None:
-    """ray.init at `address` (None: start a local cluster), failing in seconds with one line
-    naming the address when nothing answers there."""
+    """ray.init at `address`, in any form of the address rule (groupflow/cluster_address.py);
+    None: a dashboard URL in $RAY_ADDRESS, else what Ray makes of it (a GCS address there, or
+    a new local cluster). Fails in seconds with one line naming the address when nothing
+    answers there."""
     import ray
 
-    if address is not None:
-        _probe(address)
+    origin = "cluster.address"
+    if address is None and is_dashboard_url(os.environ.get(ADDRESS_ENV, "")):
+        address, origin = os.environ[ADDRESS_ENV], f"${ADDRESS_ENV}"
     try:
-        ray.init(address=address, **init_kwargs)
+        if address is not None and is_dashboard_url(address):
+            address = join_address(ClusterAddress(address, origin))  # probed there
+        elif address is not None:
+            probe(address)
+    except AddressError as err:
+        raise LiveError(str(err)) from None
+    try:
+        with ray_env_hidden() if address is not None else nullcontext():
+            ray.init(address=address, **init_kwargs)
     except ConnectionError as err:
-        raise LiveError(f"cannot join the Ray cluster at {address}: {err}") from None
+        raise LiveError(f"cannot join the Ray cluster at {address}: {first_line(err)}") from None
 
 
 # ----- the run's record, written by the driver -------------------------------------------------
@@ -131,7 +104,7 @@ def write_cluster_file(run_dir: Path, run_name: str, gcs_address: str) -> Path:
     return path
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -177,73 +150,6 @@ class Target:
     job_id: str | None = None
     auth_mode: str | None = None  # the cluster's RAY_AUTH_MODE, when the run recorded it
     host: str | None = None  # where the run's driver is, when the run recorded it
-
-
-def local_target(name: str, runs_dir: Path) -> Target | None:
-    """The run trained from this machine called `name` (a run name or directory), from its
-    run record; None when there is none."""
-    for run_dir in (Path(name), runs_dir / name):
-        path = run_dir / CLUSTER_FILE
-        if not path.is_file():
-            continue
-        record = read_run_record(path)
-        if record.host == socket.gethostname() and not _pid_alive(record.pid):
-            raise LiveError(
-                f"run {record.run} is not running (its driver, pid {record.pid}, has ended)"
-            )
-        return Target(record.run, record.gcs_address, auth_mode=record.auth_mode, host=record.host)
-    return None
-
-
-def ray_address_for(dashboard: str, override: str | None) -> str:
-    """What ray.init connects to for the cluster whose dashboard is `dashboard`: the
-    override (or $GROUPFLOW_RAY_ADDRESS), "auto" on the head itself, else its Ray Client port."""
-    override = override or os.environ.get(RAY_ADDRESS_ENV)
-    if override:
-        return override
-    host = urlparse(dashboard if "://" in dashboard else f"http://{dashboard}").hostname or ""
-    if host in LOCAL_HOSTS or host == socket.gethostname():
-        return "auto"
-    return f"ray://{host}:{RAY_CLIENT_PORT}"
-
-
-def _job_target(name: str, client, dashboard: str, ray_address: str | None) -> Target:
-    from ray.job_submission import JobStatus
-
-    jobs = client.list_jobs()
-    by_id = [j for j in jobs if name in (j.submission_id, j.job_id)]
-    by_run = [j for j in jobs if (j.metadata or {}).get("groupflow_run") == name]
-    matches = by_id or by_run
-    if not matches:
-        raise LiveError(f"no running run or job named {name} (none on {dashboard})")
-    running = [j for j in matches if j.status == JobStatus.RUNNING]
-    if not running:
-        latest = max(matches, key=lambda j: j.start_time or 0)
-        raise LiveError(
-            f"job {latest.submission_id or latest.job_id} is not running ({latest.status.value})"
-        )
-    job = running[-1]
-    run = (job.metadata or {}).get("groupflow_run")
-    if run is None:
-        raise LiveError(f"job {name} is not a groupflow job (no groupflow_run in its metadata)")
-    return Target(run, ray_address_for(dashboard, ray_address), job.submission_id or job.job_id)
-
-
-def locate(
-    name: str, runs_dir: Path, client_factory, dashboard: str, ray_address: str | None
-) -> Target:
-    """The running job called `name` (a run name, a run directory, or a job id)."""
-    local = local_target(name, runs_dir)
-    if local is not None:
-        return local
-    try:
-        client = client_factory(dashboard)
-    except ConnectionError as err:
-        raise LiveError(
-            f"no run named {name} is running here (no {runs_dir / name / CLUSTER_FILE}), and "
-            f"no Ray cluster at {dashboard} to look for a job ({first_line(err)})"
-        ) from None
-    return _job_target(name, client, dashboard, ray_address)
 
 
 def _use_token_auth() -> None:

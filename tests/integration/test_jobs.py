@@ -34,10 +34,8 @@ def ray_head():
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": secrets.token_hex(32),
         "PATH": f"{venv_bin}:{os.environ['PATH']}",
-        # `groupflow scale/status` join the cluster here (other clusters may run on this
-        # machine, so `auto` could not tell which)
-        "GROUPFLOW_RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
     }
+    env.pop("RAY_ADDRESS", None)
     head = RayNode(
         [
             "--head",
@@ -50,7 +48,7 @@ def ray_head():
         {**env, **FAST_HEALTH_CHECKS},
         "head",
     )
-    yield f"http://127.0.0.1:{dashboard}", env
+    yield f"http://127.0.0.1:{dashboard}", env, f"127.0.0.1:{gcs_port}"
     head.stop()
 
 
@@ -75,14 +73,15 @@ def _first_step(metrics: Path, timeout_s: float = 300) -> None:
 
 def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tmp_path):
     """Submitted, found by run name and by job id while it runs, its reward workers scaled
-    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it)."""
-    address, env = ray_head
+    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it). The
+    cluster address is RAY_ADDRESS set to the dashboard's URL, as Ray's docs tell users, and
+    nothing else: scale and status join the GCS address the dashboard reports."""
+    address, head_env, _ = ray_head
+    env = {**head_env, "RAY_ADDRESS": address}
     proc = _groupflow(
         [
             "submit",
             "--no-follow",
-            "--address",
-            address,
             "--set",
             "trainer.steps=8",
             "--set",
@@ -96,22 +95,27 @@ def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tm
     job_id = proc.stdout.splitlines()[0].strip()
     metrics = tmp_path / "quickstart" / "metrics.jsonl"
     _first_step(metrics)
-    scale = _groupflow(["scale", job_id, "--address", address, "--reward-workers", "3"], env)
+    # by run name, through the Jobs API (no local run directory of that name is looked at)
+    elsewhere = ["--runs", str(tmp_path / "none")]
+    scale = _groupflow(["scale", "quickstart", *elsewhere, "--reward-workers", "3"], env)
     assert scale.returncode == 0, scale.stderr[-2000:]
     assert "reward workers: 2 -> 3" in scale.stdout
     scaled_at = len(metrics.read_text().splitlines())
-    # by run name, through the Jobs API (no local run directory of that name is looked at)
-    live = _groupflow(
-        ["status", "quickstart", "--address", address, "--runs", str(tmp_path / "none")], env
-    ).stdout
-    assert f"{job_id}  RUNNING  run=quickstart" in live
-    assert "reward workers: 3 live, target 3" in live and "learner ranks: 2" in live
-    zero = _groupflow(["scale", "quickstart", "--address", address, "--engines", "0"], env)
+    live = _groupflow(["status", "quickstart", *elsewhere], env)
+    assert f"{job_id}  RUNNING  run=quickstart" in live.stdout, live.stdout + live.stderr
+    assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 2" in live.stdout
+    listed = _groupflow(["list", "--runs", str(tmp_path)], env).stdout
+    assert re.search(r"^quickstart +running ", listed, re.M), listed
+    assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed, re.M), listed
+    zero = _groupflow(["scale", job_id, "--engines", "0"], env)
     assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
-    follow = _groupflow(["logs", job_id, "--follow", "--address", address], env)
-    assert follow.returncode == 0
-    status = _groupflow(["status", job_id, "--address", address], env)
-    assert "SUCCEEDED" in status.stdout
+    follow = _groupflow(["logs", "quickstart", "--follow", *elsewhere], env)
+    assert follow.returncode == 0 and "held-out accuracy" in follow.stdout, follow.stdout[-2000:]
+    # ended: the Jobs API's state, and what the run directory holds
+    status = _groupflow(["status", "quickstart", "--runs", str(tmp_path)], env).stdout
+    assert f"{job_id}  SUCCEEDED  run=quickstart" in status
+    assert "run quickstart  finished  step 8/8  held-out accuracy " in status, status
+    assert f"model: {tmp_path / 'quickstart' / 'model'}" in status
     assert (tmp_path / "quickstart" / "summary.json").is_file()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
@@ -119,13 +123,13 @@ def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tm
     assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
     assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)
     # an ended job: one line, exit 1, naming its state
-    ended = _groupflow(["scale", job_id, "--address", address, "--reward-workers", "2"], env)
+    ended = _groupflow(["scale", job_id, "--reward-workers", "2"], env)
     assert ended.returncode == 1
     assert ended.stderr == f"groupflow: error: job {job_id} is not running (SUCCEEDED)\n"
 
 
 def test_a_config_that_fails_on_the_cluster_ends_failed_with_its_error(ray_head, tmp_path):
-    address, env = ray_head
+    address, env, _ = ray_head
     proc = _groupflow(
         [
             "submit",
@@ -177,8 +181,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     room joins, the replacements take the current weights and the job ends with every step
     once and one restart per engine lost. A real Prometheus with deploy/alerts.yml sees the
     pool below its target."""
-    _, env = ray_head
-    gcs = env["GROUPFLOW_RAY_ADDRESS"]
+    _, env, gcs = ray_head
     engines_node = [f"--address={gcs}", "--num-cpus=0", '--resources={"gf_engines": 2}']
     nodes = [RayNode(engines_node, env, "engines")]
     port = free_port()

@@ -16,6 +16,7 @@ import pytest
 
 from groupflow.cli import main
 from tests.integration.driver_process import DriverProcess, run_records
+from tests.integration.ray_nodes import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +47,14 @@ TRAIN = [
 
 
 def test_a_job_scales_from_one_engine_to_two_and_back_while_it_trains(
-    ray_cluster, quickstart_model, tmp_path, capsys
+    ray_cluster, quickstart_model, tmp_path, capsys, monkeypatch
 ):
     run = tmp_path / "scale"
     driver = DriverProcess(TRAIN, tmp_path)
     runs = ["--runs", str(tmp_path)]
+    # A run trained here is found by its run directory: a dashboard URL in RAY_ADDRESS where
+    # nothing answers (a user's setting for another cluster) changes nothing.
+    monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
 
     def engines_of_last_step() -> int | None:
         records = run_records(run)
@@ -63,6 +67,7 @@ def test_a_job_scales_from_one_engine_to_two_and_back_while_it_trains(
         driver.wait_for(lambda: engines_of_last_step() == 2)
         assert main(["scale", "scale", *runs, "--engines", "3"]) == 1  # beyond autoscale's max
         assert main(["status", "scale", *runs]) == 0
+        assert main(["list", *runs]) == 0
         assert main(["scale", "scale", *runs, "--engines", "1"]) == 0
         down_at = len(run_records(run))
         driver.wait_for(lambda: len(run_records(run)) >= down_at + 2)
@@ -70,7 +75,13 @@ def test_a_job_scales_from_one_engine_to_two_and_back_while_it_trains(
         driver.kill()
     # the run's record names a driver that has ended: one line, exit 1
     assert main(["scale", "scale", *runs, "--reward-workers", "3"]) == 1
+    # its status is read from the run directory, with no cluster
+    assert main(["status", str(run)]) == 0
     out, err = capsys.readouterr()
+    assert re.search(r"^scale +running +\d+/100 +- ", out, re.M), out
+    done = len(run_records(run))
+    assert f"run scale  failed  step {done}/100  held-out accuracy -\n" in out
+    assert f"its driver (pid {driver.pid}) ended without closing the run" in out
     assert err.splitlines() == [
         "groupflow: error: --engines: a job needs at least one engine (got 0)",
         "groupflow: error: --engines: a count cannot be negative (got -2)",

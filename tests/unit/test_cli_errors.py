@@ -164,7 +164,19 @@ class RefusingJobsClient:
         raise RuntimeError(f"Job {job_id} does not exist.\n(details over\nseveral lines)")
 
     def list_jobs(self):
-        return []
+        from types import SimpleNamespace
+
+        from ray.job_submission import JobStatus
+
+        return [
+            SimpleNamespace(
+                submission_id="raysubmit_x",
+                job_id=None,
+                status=JobStatus.RUNNING,
+                start_time=1,
+                metadata={"groupflow_run": "r"},
+            )
+        ]
 
     def stop_job(self, job_id):
         raise RuntimeError("Request failed with status code 500: internal")
@@ -174,7 +186,8 @@ class RefusingJobsClient:
 def test_a_refusal_of_the_jobs_api_is_one_line(monkeypatch, tmp_path, capsys, argv):
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", RefusingJobsClient)
     monkeypatch.chdir(tmp_path)
-    one_line_failure(capsys, argv, code=1)
+    err = one_line_failure(capsys, argv, code=1)
+    assert "does not exist" in err or "status code 500" in err
 
 
 def test_a_bug_still_raises(monkeypatch):

@@ -61,6 +61,17 @@ class FakeJobClient:
     def get_job_status(self, job_id: str) -> JobStatus:
         return self.final_status
 
+    def list_jobs(self) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(
+                submission_id="raysubmit_fake",
+                job_id=None,
+                status=self.final_status,
+                metadata={"groupflow_run": "unit"},
+                start_time=1,
+            )
+        ]
+
     def get_job_info(self, job_id: str) -> SimpleNamespace:
         return SimpleNamespace(
             status=self.final_status,
@@ -123,14 +134,19 @@ def test_submit_defaults_to_the_quickstart_and_following():
     assert args.address is None and not args.no_follow
 
 
-@pytest.mark.parametrize("command", ["status", "logs", "stop"])
-def test_job_commands_take_a_job_id_and_an_address(command):
-    args = parse([command, "raysubmit_abc", "--address", "http://h:8265"])
-    assert (args.command, args.job_id, args.address) == (command, "raysubmit_abc", "http://h:8265")
+@pytest.mark.parametrize("command", ["status", "logs", "stop", "scale"])
+def test_job_commands_take_a_run_and_an_address(command):
+    args = parse([command, "raysubmit_abc", "--address", "http://h:8265", "--runs", "/r"])
+    assert (args.command, args.run, args.address, args.runs) == (
+        command,
+        "raysubmit_abc",
+        "http://h:8265",
+        "/r",
+    )
 
 
-@pytest.mark.parametrize("command", ["status", "logs", "stop"])
-def test_job_commands_need_a_job_id(command):
+@pytest.mark.parametrize("command", ["status", "logs", "stop", "scale"])
+def test_job_commands_need_a_run(command):
     with pytest.raises(SystemExit):
         parse([command])
 
@@ -271,5 +287,7 @@ def test_an_unreachable_cluster_is_one_line_and_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", unreachable)
     assert main(["status", "x", "--address", "http://127.0.0.1:1"]) == 1
     assert capsys.readouterr().err == (
-        "groupflow: error: Failed to connect to Ray at address: http://127.0.0.1:1.\n"
+        "groupflow: error: no run or job named x: no run directory here, and no Ray cluster "
+        "answers at http://127.0.0.1:1 (Failed to connect to Ray at address: "
+        "http://127.0.0.1:1.); see docs/jobs.md, 'The cluster address'\n"
     )

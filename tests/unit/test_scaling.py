@@ -303,7 +303,7 @@ def parse(argv: list[str]):
 def test_scale_arguments():
     args = parse(["scale", "myrun", "--engines", "3", "--reward-workers", "4", "--no-wait"])
     assert (args.run, args.engines, args.reward_workers, args.no_wait) == ("myrun", 3, 4, True)
-    assert args.runs == "runs" and args.ray_address is None
+    assert args.runs == "runs" and args.address is None
 
 
 @pytest.mark.parametrize(
@@ -348,43 +348,6 @@ def test_a_run_whose_driver_has_ended_is_not_running(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"groupflow: error: run r is not running (its driver, pid {record['pid']}, has ended)\n"
     )
-
-
-class Job:
-    def __init__(self, sid, run, status, start=0):
-        from ray.job_submission import JobStatus
-
-        self.submission_id, self.job_id = sid, None
-        self.metadata = {"groupflow_run": run}
-        self.status, self.start_time = JobStatus(status), start
-
-
-class JobsClient:
-    def __init__(self, jobs):
-        self.jobs = jobs
-
-    def list_jobs(self):
-        return self.jobs
-
-
-def test_a_submitted_job_is_found_by_id_or_run_name(tmp_path):
-    from groupflow.live import LiveError, locate
-
-    jobs = [Job("raysubmit_old", "exp", "SUCCEEDED", 1), Job("raysubmit_new", "exp", "RUNNING", 2)]
-    client = JobsClient(jobs)
-
-    def find(name, dashboard="http://10.1.2.3:8265", ray_address=None):
-        return locate(name, tmp_path, lambda address: client, dashboard, ray_address)
-
-    by_name = find("exp")
-    assert (by_name.run, by_name.job_id) == ("exp", "raysubmit_new")
-    assert by_name.ray_address == "ray://10.1.2.3:10001"  # the head's Ray Client port
-    assert find("raysubmit_new", "http://127.0.0.1:8265").ray_address == "auto"
-    assert find("exp", ray_address="10.1.2.3:6379").ray_address == "10.1.2.3:6379"
-    with pytest.raises(LiveError, match=r"^job raysubmit_old is not running \(SUCCEEDED\)$"):
-        find("raysubmit_old")
-    with pytest.raises(LiveError, match="no running run or job named nope"):
-        find("nope")
 
 
 # ----- Prometheus -------------------------------------------------------------------------------
