@@ -109,7 +109,7 @@ def test_file_level_errors(tmp_path):
 
 
 def test_field_mapping_is_validated():
-    assert resolve_fields({"prompt": "q"}) == {
+    assert resolve_fields({"prompt": "q"}).columns == {
         "prompt": "q",
         "messages": "messages",
         "answer": "answer",
