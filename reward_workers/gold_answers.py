@@ -101,17 +101,18 @@ class WorkedSolutions:
     flagged: int
     with_mark: int  # contain `####`
     multi_line: int
-    too_long: int  # longer than what the verifier compares beyond the same text
+    too_long: int  # so long that the verifier matches only the same text
 
     def message(self, max_chars: int) -> str:
-        reasons = [
-            f"{self.with_mark} contain {GSM8K_MARK!r}",
-            f"{self.multi_line} span several lines",
-            f"{self.too_long} are longer than {max_chars} characters",
-        ]
+        signs = {
+            f"with {GSM8K_MARK}": self.with_mark,
+            "over several lines": self.multi_line,
+            f"longer than {max_chars} characters (matched as text only)": self.too_long,
+        }
+        counts = ", ".join(f"{sign}: {n}" for sign, n in signs.items() if n)
         return (
             f"{self.flagged} of {self.total} gold answers look like worked solutions, not final "
-            f"answers ({', '.join(r for r in reasons if not r.startswith('0 '))}): the verifier "
+            f"answers ({counts}): the verifier "
             "compares a response's final answer with the whole gold answer, so right answers "
             "may score 0; set fields.answer_format: gsm8k (the text after the last ####; "
             "`fields: gsm8k` for GSM8K's own columns) or fields.answer_regex to load the final "
@@ -119,12 +120,16 @@ class WorkedSolutions:
         )
 
 
-def worked_solutions(answers: Iterable[str], max_chars: int) -> WorkedSolutions:
-    """Counts of the gold answers with `####`, over several lines, or longer than max_chars."""
+def worked_solutions(
+    answers: Iterable[str], matched_as_text_only: Callable[[str], bool]
+) -> WorkedSolutions:
+    """Counts of the gold answers with `####`, over several lines (white space around them
+    aside), or too long for the verifier to compare as more than text."""
     total = flagged = with_mark = multi_line = too_long = 0
     for answer in answers:
         total += 1
-        marked, lines, long = GSM8K_MARK in answer, "\n" in answer.strip(), len(answer) > max_chars
+        marked, lines = GSM8K_MARK in answer, "\n" in answer.strip()
+        long = matched_as_text_only(answer)
         with_mark, multi_line, too_long = with_mark + marked, multi_line + lines, too_long + long
         flagged += marked or lines or long
     return WorkedSolutions(total, flagged, with_mark, multi_line, too_long)

@@ -190,12 +190,17 @@ def equivalent(gold: str, candidate: str) -> bool:
     gold_number, number = _plain_number(gold), _plain_number(candidate)
     if gold_number is not None and number is not None:
         return _numbers_match(*gold_number, number[0])
-    if len(gold) > MAX_ANSWER_CHARS:
-        # Parsing and comparing a long gold answer can outlast the deadline; the same text
-        # (checked above) is the only way to match it.
+    if matched_as_text_only(gold):
         return False
     _check_shape(candidate)
     return _compare(gold, candidate)
+
+
+def matched_as_text_only(gold: str) -> bool:
+    """Whether only its own text matches the gold answer: parsing and comparing one longer
+    than MAX_ANSWER_CHARS could outlast the verifier's deadline (a plain number of any length
+    is still compared as a number)."""
+    return len(gold) > MAX_ANSWER_CHARS and _plain_number(gold) is None
 
 
 def _normal_text(answer: str) -> str:

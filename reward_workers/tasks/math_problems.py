@@ -19,6 +19,7 @@ from groupflow.reward_workers.tasks.math_answer import (
     equivalent,
     extract_answer,
     last_boxed,
+    matched_as_text_only,
 )
 from groupflow.reward_workers.tasks.options import check_positive_seconds
 from groupflow.reward_workers.tasks.prompt_pool import PooledTask
@@ -107,7 +108,7 @@ class MathTask(PooledTask):
 
     def gold_answer_warning(self) -> str | None:
         answers = (p.answer for p in self.pool.train + self.pool.held_out)
-        found = worked_solutions(answers, MAX_ANSWER_CHARS)
+        found = worked_solutions(answers, matched_as_text_only)
         return found.message(MAX_ANSWER_CHARS) if found.flagged else None
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
@@ -126,7 +127,7 @@ class MathTask(PooledTask):
             return Verdict(0.0, f"refused ({how}): {err}")
         if same:
             return Verdict(1.0, f"correct ({how}): {shown}")
-        if len(gold) > MAX_ANSWER_CHARS:
+        if matched_as_text_only(gold):
             return Verdict(
                 0.0,
                 f"wrong ({how}): {shown} is not the gold answer's text (a gold answer longer "
