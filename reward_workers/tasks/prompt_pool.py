@@ -34,7 +34,7 @@ POOL_OPTIONS = ("dataset", "eval_dataset", "fields", "skip_bad", "eval_fraction"
 
 # The datasets whose gold answers this process has warned about: the driver builds a job's
 # task more than once, and the warning is worth one line.
-_warned_datasets: set[tuple[str, ...]] = set()
+_warned_datasets: set[tuple[str | None, ...]] = set()
 
 
 class PromptPool:
@@ -171,11 +171,12 @@ class PooledTask:
             parse_answer=self.parse_answer,
             skip_prompts=frozenset(skip_prompts),
         ).map(self._instructed)
-        files = (self.name, dataset, *([eval_dataset] if eval_dataset else []))
         warning = self.gold_answer_warning()
-        if warning and files not in _warned_datasets:
-            _warned_datasets.add(files)
-            logger.warning("%s: %s: %s", self.name, " and ".join(files[1:]), warning)
+        loaded = (self.name, dataset, eval_dataset, repr(fields))
+        if warning and loaded not in _warned_datasets:
+            _warned_datasets.add(loaded)
+            files = dataset if eval_dataset is None else f"{dataset} and {eval_dataset}"
+            logger.warning("%s: %s: %s", self.name, files, warning)
 
     def _instructed(self, prompt: Prompt) -> Prompt:
         """The prompt with the task's answer-format instruction after its (last user) text."""
