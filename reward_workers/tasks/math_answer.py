@@ -190,16 +190,18 @@ def equivalent(gold: str, candidate: str) -> bool:
     gold_number, number = _plain_number(gold), _plain_number(candidate)
     if gold_number is not None and number is not None:
         return _numbers_match(*gold_number, number[0])
-    if matched_as_text_only(gold):
+    if len(gold) > MAX_ANSWER_CHARS:
+        # Parsing and comparing a long gold answer can outlast the deadline; the same text
+        # (checked above) is the only way to match it, or a plain number (just above).
         return False
     _check_shape(candidate)
     return _compare(gold, candidate)
 
 
 def matched_as_text_only(gold: str) -> bool:
-    """Whether only its own text matches the gold answer: parsing and comparing one longer
-    than MAX_ANSWER_CHARS could outlast the verifier's deadline (a plain number of any length
-    is still compared as a number)."""
+    """Whether `equivalent` matches the gold answer by its own text only: one longer than
+    MAX_ANSWER_CHARS is never parsed, unless it is a plain number, which a plain number
+    answer is still compared with."""
     return len(gold) > MAX_ANSWER_CHARS and _plain_number(gold) is None
 
 
