@@ -69,8 +69,8 @@ class SpreadWatch:
         self._warn_at *= 2
         what, hint = _what_and_hint(self.streak)
         log.warning(
-            "steps %s-%s: no group's rewards differed in %d steps in a row (%s), so every "
-            "advantage was 0 and these steps taught the policy nothing; %s",
+            "steps %s-%s: no group's rewards differed in %d steps in a row (%s): the rewards "
+            "gave these steps nothing to learn from; %s",
             self.streak[0].get("step"),
             self.streak[-1].get("step"),
             n,
@@ -88,5 +88,5 @@ def nothing_learned(records: Sequence[dict]) -> str | None:
     what, hint = _what_and_hint(counted)
     return (
         f"NOTHING LEARNED: in none of the {len(counted)} steps did a group's rewards differ "
-        f"({what}), so every advantage was 0 and training did not use the reward; {hint}"
+        f"({what}): the rewards gave the run nothing to learn from; {hint}"
     )

@@ -41,7 +41,7 @@ def test_steps_in_a_row_without_a_spread_warn_then_at_each_doubling(caplog):
     n = NO_SPREAD_WARN_AFTER
     assert warnings(caplog) == [
         f"steps 1-{k * n}: no group's rewards differed in {k * n} steps in a row (every reward "
-        "was 0), so every advantage was 0 and these steps taught the policy nothing; does the "
+        "was 0): the rewards gave these steps nothing to learn from; does the "
         "verifier find the gold answer? (the reason of each reward is in samples/step_<N>.jsonl "
         "with trainer.log_samples_every; docs/verifiers.md; a worked solution as the gold "
         "answer needs the dataset's fields.answer_format)"
