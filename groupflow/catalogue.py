@@ -243,6 +243,12 @@ METRICS: tuple[Metric, ...] = (
         Series("groupflow_tokens_generated", "counter"),
     ),
     Metric("num_groups", "groups trained on (after dynamic sampling)", ""),
+    Metric(
+        "groups_with_spread",
+        "groups trained on whose rewards differ: the others (all rewards equal) teach nothing "
+        "(groupflow/learning_signal.py)",
+        "",
+    ),
     Metric("num_sequences", "sequences trained on", ""),
     Metric(
         "groups_filtered",

@@ -165,6 +165,8 @@ def _run_command(argv: list[str]) -> int:
         f"done: held-out accuracy {summary['warm_start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; "
         f"run directory {cfg.trainer.output_dir}/{cfg.trainer.run_name}"
     )
+    if summary.get("nothing_learned"):  # a run whose rewards never differed in a group
+        print(summary["nothing_learned"])
     return 0
 
 

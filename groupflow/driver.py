@@ -43,10 +43,11 @@ from groupflow.evaluate import HeldOutSet
 from groupflow.hub_model import local_model_path
 from groupflow.job import TrainingJob
 from groupflow.learner.lora import check_target_modules
+from groupflow.learning_signal import SpreadWatch, nothing_learned
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.model_dir import check_context, model_context, read_model_config
-from groupflow.plots import write_plots
+from groupflow.plots import latest_run, read_records, write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
@@ -373,10 +374,11 @@ def train(run: OpenRun, job: TrainingJob) -> None:
     metrics = run.run_dir / "metrics.jsonl"
     store = CheckpointStore(run.run_dir)
     trackers = open_trackers(run.cfg, run.run_dir)
+    watch = SpreadWatch()
     while True:
         try:
             with MetricsWriter(metrics) as writer, ProgressReporter(run.cfg) as progress:
-                job.train([writer, progress, *trackers])
+                job.train([writer, progress, watch, *trackers])
             break
         except LearnerLost as err:
             lost_at = time.monotonic()
@@ -407,7 +409,8 @@ def train(run: OpenRun, job: TrainingJob) -> None:
 
 def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
     """Plots, the final evaluation, the model and summary.json; returns the summary."""
-    write_plots(run.run_dir / "metrics.jsonl", run.run_dir)
+    metrics = run.run_dir / "metrics.jsonl"
+    write_plots(metrics, run.run_dir)
     final_scores = job.evaluate()
     final = final_scores["eval_accuracy"]
     log.info("held-out greedy accuracy after training: %.3f", final)
@@ -424,6 +427,7 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
         "prompts_left_out": run.prompts_left_out,
         "wall_time_s": time.monotonic() - run.started,  # of this process
         "model_dir": str(model_dir),
+        "nothing_learned": nothing_learned(latest_run(read_records(metrics))),
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

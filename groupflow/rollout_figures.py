@@ -32,6 +32,7 @@ def rollout_record(
         "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
         "tokens_generated": tokens,
         "num_groups": len(scored),
+        "groups_with_spread": sum(len(set(g.rewards)) > 1 for g in scored),
         "num_sequences": len(lengths),
         "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
         "staleness_max": max(staleness, default=0),

@@ -3,6 +3,9 @@ from a `datasets` hub name or a directory saved with `save_to_disk` (reward_work
 
 The mapping says which column holds each of our fields, e.g. {"prompt": "question",
 "answer": "solution"}; a dotted name reaches into nested objects ("reward_model.ground_truth").
+Its `answer_format` or `answer_regex` cuts the gold answer out of an answer column that holds
+more (a worked solution: reward_workers/gold_answers.py); a preset's name stands for a whole
+mapping (`"gsm8k"`).
 A prompt is text (`prompt`) or a conversation (`messages`: a list of {"role", "content"}
 objects, for chat models).
 A malformed row stops loading with a one-line ValueError naming file, line and field, or,
@@ -19,9 +22,11 @@ from typing import Any
 
 from groupflow.errors import first_line, printable
 from groupflow.records import Prompt
+from groupflow.reward_workers.gold_answers import FIELD_PRESETS, AnswerExtractor, answer_extractor
 from groupflow.reward_workers.hub_datasets import dataset_records
 
 FIELDS = ("prompt", "messages", "answer", "uid")
+ANSWER_KEYS = ("answer_format", "answer_regex")  # how to cut the gold answer out of its column
 REQUIRED_FIELDS = ("answer",)
 ROLES = ("system", "user", "assistant")
 MAX_UID_DIGITS = 100
@@ -29,6 +34,12 @@ MAX_UID_DIGITS = 100
 
 class BadRow(ValueError):
     """One malformed row; str() is the one-line message naming file, line and field."""
+
+
+@dataclass(frozen=True)
+class FieldMapping:
+    columns: dict[str, str]  # our field -> the file's column
+    extract_answer: AnswerExtractor | None = None  # the gold answer out of the answer column
 
 
 @dataclass
@@ -39,7 +50,7 @@ class LoadedPrompts:
 
 def load_prompts(
     path: str | Path,
-    fields: Mapping[str, str] | None = None,
+    fields: Mapping[str, str] | str | None = None,
     *,
     skip_bad: bool = False,
     parse_answer: Callable[[Any], Any] | None = None,
@@ -57,16 +68,30 @@ def load_prompts(
     return LoadedPrompts(prompts, skipped)
 
 
-def resolve_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
-    """Our field name -> the file's column name, defaulting to the same name."""
-    mapping = {name: name for name in FIELDS}
-    for key, column in (fields or {}).items():
+def resolve_fields(fields: Mapping[str, str] | str | None) -> FieldMapping:
+    """Each of our fields' column, defaulting to the field's own name, and the answer's
+    extractor; `fields` is a mapping or a preset's name."""
+    if isinstance(fields, str):
+        if fields not in FIELD_PRESETS:
+            raise ValueError(
+                f"dataset fields: unknown preset {fields!r}; use {', '.join(FIELD_PRESETS)}, "
+                "or a mapping such as {prompt: question, answer: solution}"
+            )
+        fields = FIELD_PRESETS[fields]
+    if fields is not None and not isinstance(fields, Mapping):
+        raise ValueError(f"dataset fields: expected a mapping or a preset name, got {fields!r}")
+    fields = dict(fields or {})
+    extract = answer_extractor(*(fields.pop(key, None) for key in ANSWER_KEYS))
+    columns = {name: name for name in FIELDS}
+    for key, column in fields.items():
         if key not in FIELDS:
-            raise ValueError(f"dataset fields: unknown key {key!r}; use {', '.join(FIELDS)}")
+            raise ValueError(
+                f"dataset fields: unknown key {key!r}; use {', '.join(FIELDS + ANSWER_KEYS)}"
+            )
         if not isinstance(column, str) or not column:
             raise ValueError(f"dataset fields: {key!r} must name a column (got {column!r})")
-        mapping[key] = column
-    return mapping
+        columns[key] = column
+    return FieldMapping(columns, extract)
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -90,7 +115,7 @@ def prompt_from_record(
     path: str | Path,
     line: int,
     record: Any,
-    mapping: Mapping[str, str],
+    mapping: FieldMapping,
     parse_answer: Callable[[Any], Any] | None = None,
 ) -> Prompt:
     if isinstance(record, BadRow):
@@ -99,11 +124,11 @@ def prompt_from_record(
         raise BadRow(f"{path}:{line}: expected an object, got {type(record).__name__}")
 
     def fail(field: str, problem: str) -> BadRow:
-        return BadRow(f"{path}:{line}: field {mapping[field]!r} ({field}): {problem}")
+        return BadRow(f"{path}:{line}: field {mapping.columns[field]!r} ({field}): {problem}")
 
     values = {}
     for field in FIELDS:
-        found, value = _lookup(record, mapping[field])
+        found, value = _lookup(record, mapping.columns[field])
         if not found or value is None:
             if field in REQUIRED_FIELDS:
                 raise fail(field, "missing")
@@ -120,6 +145,11 @@ def prompt_from_record(
     else:
         raise fail("prompt", "missing (a prompt or a list of messages is needed)")
     answer = values["answer"]
+    if mapping.extract_answer is not None:
+        try:
+            answer = mapping.extract_answer(answer)
+        except ValueError as err:
+            raise fail("answer", str(err)) from None
     if parse_answer is not None:
         try:
             answer = parse_answer(answer)

@@ -161,7 +161,7 @@ class CodeTask(PooledTask):
         self,
         dataset: str | None = None,
         eval_dataset: str | None = None,
-        fields: Mapping[str, str] | None = None,
+        fields: Mapping[str, str] | str | None = None,
         skip_bad: bool = False,
         eval_fraction: float = 0.1,
         skip_prompts: Sequence[str] = (),

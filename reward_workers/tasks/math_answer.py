@@ -192,10 +192,17 @@ def equivalent(gold: str, candidate: str) -> bool:
         return _numbers_match(*gold_number, number[0])
     if len(gold) > MAX_ANSWER_CHARS:
         # Parsing and comparing a long gold answer can outlast the deadline; the same text
-        # (checked above) is the only way to match it.
+        # (checked above) is the only way to match it, or a plain number (just above).
         return False
     _check_shape(candidate)
     return _compare(gold, candidate)
+
+
+def matched_as_text_only(gold: str) -> bool:
+    """Whether `equivalent` matches the gold answer by its own text only: one longer than
+    MAX_ANSWER_CHARS is never parsed, unless it is a plain number, which a plain number
+    answer is still compared with."""
+    return len(gold) > MAX_ANSWER_CHARS and _plain_number(gold) is None
 
 
 def _normal_text(answer: str) -> str:

@@ -11,12 +11,15 @@ from typing import Any
 
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
+from groupflow.reward_workers.gold_answers import worked_solutions
 from groupflow.reward_workers.tasks.math_answer import (
+    MAX_ANSWER_CHARS,
     AnswerRefused,
     AnswerTooCostly,
     equivalent,
     extract_answer,
     last_boxed,
+    matched_as_text_only,
 )
 from groupflow.reward_workers.tasks.options import check_positive_seconds
 from groupflow.reward_workers.tasks.prompt_pool import PooledTask
@@ -76,7 +79,7 @@ class MathTask(PooledTask):
         self,
         dataset: str | None = None,
         eval_dataset: str | None = None,
-        fields: Mapping[str, str] | None = None,
+        fields: Mapping[str, str] | str | None = None,
         skip_bad: bool = False,
         eval_fraction: float = 0.1,
         skip_prompts: Sequence[str] = (),
@@ -103,6 +106,11 @@ class MathTask(PooledTask):
             raise ValueError("empty answer")
         return str(raw).strip()
 
+    def gold_answer_warning(self) -> str | None:
+        answers = (p.answer for p in self.pool.train + self.pool.held_out)
+        found = worked_solutions(answers, matched_as_text_only)
+        return found.message(MAX_ANSWER_CHARS) if found.flagged else None
+
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         verdict = self._check(prompt.answer, response)
         return blend_format(verdict, last_boxed(response) is not None, self.format_weight)
@@ -119,4 +127,11 @@ class MathTask(PooledTask):
             return Verdict(0.0, f"refused ({how}): {err}")
         if same:
             return Verdict(1.0, f"correct ({how}): {shown}")
+        if matched_as_text_only(gold):
+            return Verdict(
+                0.0,
+                f"wrong ({how}): {shown} is not the gold answer's text (a gold answer longer "
+                f"than {MAX_ANSWER_CHARS} characters is compared as text only; a worked "
+                "solution? see the dataset's fields.answer_format)",
+            )
         return Verdict(0.0, f"wrong ({how}): {shown} != {gold}")

@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 # Task options that only choose prompts; a verifier needs none of them.
 POOL_OPTIONS = ("dataset", "eval_dataset", "fields", "skip_bad", "eval_fraction", "skip_prompts")
 
+# The datasets whose gold answers this process has warned about: the driver builds a job's
+# task more than once, and the warning is worth one line.
+_warned_datasets: set[tuple[str | None, ...]] = set()
+
 
 class PromptPool:
     def __init__(
@@ -53,7 +57,7 @@ class PromptPool:
         dataset: str,
         *,
         eval_dataset: str | None,
-        fields: Mapping[str, str] | None,
+        fields: Mapping[str, str] | str | None,
         skip_bad: bool,
         eval_fraction: float,
         parse_answer: Callable[[Any], Any],
@@ -129,11 +133,16 @@ class PooledTask:
     def parse_answer(self, raw: Any) -> Any:
         raise NotImplementedError
 
+    def gold_answer_warning(self) -> str | None:
+        """What makes the pool's gold answers unmatchable by the task's verifier, if any
+        (e.g. worked solutions where a final answer belongs)."""
+        return None
+
     def _load_pool(
         self,
         dataset: str | None,
         eval_dataset: str | None,
-        fields: Mapping[str, str] | None,
+        fields: Mapping[str, str] | str | None,
         skip_bad: bool,
         eval_fraction: float,
         skip_prompts: Sequence[str] = (),
@@ -162,6 +171,12 @@ class PooledTask:
             parse_answer=self.parse_answer,
             skip_prompts=frozenset(skip_prompts),
         ).map(self._instructed)
+        warning = self.gold_answer_warning()
+        loaded = (self.name, dataset, eval_dataset, repr(fields))
+        if warning and loaded not in _warned_datasets:
+            _warned_datasets.add(loaded)
+            files = dataset if eval_dataset is None else f"{dataset} and {eval_dataset}"
+            logger.warning("%s: %s: %s", self.name, files, warning)
 
     def _instructed(self, prompt: Prompt) -> Prompt:
         """The prompt with the task's answer-format instruction after its (last user) text."""

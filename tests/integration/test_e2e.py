@@ -103,6 +103,7 @@ def test_three_steps_with_overlap_write_the_run_directory(
         assert r.keys() <= BY_KEY.keys(), r.keys() - BY_KEY.keys()
         assert DIAGNOSTICS <= r.keys(), DIAGNOSTICS - r.keys()
         assert r["optimizer_updates"] == 1
+        assert 0 <= r["groups_with_spread"] <= r["num_groups"]
     # one update a step: step 1 trains at the reference, later steps away from it
     assert records[0]["kl_ref"] == 0.0 and all(r["kl_ref"] > 0.0 for r in records[1:])
     assert 0.0 <= records[1]["eval_mean_at_n"] <= records[1]["eval_pass_at_k"] <= 1.0  # k = n
@@ -131,6 +132,8 @@ def test_three_steps_with_overlap_write_the_run_directory(
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["final_eval"]["eval_set_accuracy"]) == ["long"]
     assert {"warm_start_accuracy", "final_accuracy"} <= summary.keys()
+    # the end line of a run that had nothing to learn from, exactly when no step had a spread
+    assert (summary["nothing_learned"] is None) == any(r["groups_with_spread"] for r in records)
     assert summary["prompts_left_out"] == {"task": 0, "task.eval_sets long": 0}
 
     from transformers import AutoModelForCausalLM

@@ -109,7 +109,7 @@ def test_file_level_errors(tmp_path):
 
 
 def test_field_mapping_is_validated():
-    assert resolve_fields({"prompt": "q"}) == {
+    assert resolve_fields({"prompt": "q"}).columns == {
         "prompt": "q",
         "messages": "messages",
         "answer": "answer",
@@ -294,3 +294,81 @@ def test_skip_prompts_must_be_a_list_of_uids(tmp_path, skip):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(3)])
     with pytest.raises(ValueError, match="math: skip_prompts must be a list of prompt uids"):
         math_task(path, skip_prompts=skip)
+
+
+# ----- gold answers cut out of worked solutions (reward_workers/gold_answers.py) ----------------
+GSM8K_ROWS = [
+    {
+        "question": "Natalia sold clips to 48 friends in April, and half as many in May. How many?",
+        "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nAltogether 48+24 = <<48+24=72>>72.\n"
+        "#### 72",
+        "id": "a",
+    },
+    {
+        "question": "A farm has 1,200 hens and buys 34 more. How many hens?",
+        "answer": "1,200 + 34 = 1,234 hens (#### is not the end).\n#### 1,234",
+        "id": "b",
+    },
+]
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("write", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # gsm8k: the text after the last ####, without the commas inside numbers
+        ("gsm8k", ["72", "1234"]),
+        ({"prompt": "question", "uid": "id", "answer_format": "gsm8k"}, ["72", "1234"]),
+        # a pattern: its last match, group 1, else the whole match
+        ({"prompt": "question", "answer_regex": r"####\s*([\d,]+)"}, ["72", "1,234"]),
+        ({"prompt": "question", "answer_regex": r"(?m)^#### .*$"}, ["#### 72", "#### 1,234"]),
+    ],
+)
+def test_the_gold_answer_is_cut_out_of_a_worked_solution(tmp_path, write, fields, expected):
+    path = write(tmp_path / f"gsm.{'jsonl' if write is write_jsonl else 'parquet'}", GSM8K_ROWS)
+    assert [p.answer for p in load_prompts(path, fields).prompts] == expected
+
+
+def test_the_gsm8k_preset_maps_question_and_answer(tmp_path):
+    path = write_jsonl(tmp_path / "gsm.jsonl", GSM8K_ROWS)
+    mapping = resolve_fields("gsm8k")
+    assert (mapping.columns["prompt"], mapping.columns["answer"]) == ("question", "answer")
+    prompt = load_prompts(path, "gsm8k").prompts[0]
+    assert (prompt.text, prompt.uid) == (GSM8K_ROWS[0]["question"], "gsm.jsonl:1")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"answer_regex": "(#+"}, r"dataset fields: answer_regex '\(#\+' is not a valid regular"),
+        ({"answer_regex": ""}, "dataset fields: answer_regex must be a regular expression"),
+        ({"answer_format": "gsm9k"}, "dataset fields: answer_format 'gsm9k' is unknown; use gsm8k"),
+        (
+            {"answer_format": "gsm8k", "answer_regex": "x"},
+            "answer_format or answer_regex, not both",
+        ),
+        ("gsm9k", "dataset fields: unknown preset 'gsm9k'; use gsm8k"),
+        (["question"], "dataset fields: expected a mapping or a preset name"),
+        ({"answer_fmt": "gsm8k"}, "unknown key 'answer_fmt'; use prompt, .*answer_regex"),
+    ],
+)
+def test_bad_answer_extraction_settings_are_one_line_naming_the_key(fields, message):
+    with pytest.raises(ValueError, match=message) as err:
+        resolve_fields(fields)
+    assert "\n" not in str(err.value)
+
+
+def test_a_row_whose_answer_cannot_be_cut_stops_loading_or_is_skipped(tmp_path):
+    rows = [*GSM8K_ROWS, {"question": "q?", "answer": "no marker"}, {"question": "r?", "answer": 5}]
+    path = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    with pytest.raises(ValueError, match=r"gsm.jsonl:3: field 'answer' \(answer\): answer_format "):
+        load_prompts(path, "gsm8k")
+    loaded = load_prompts(path, "gsm8k", skip_bad=True)
+    assert ([p.answer for p in loaded.prompts], loaded.skipped) == (["72", "1234"], 2)
+    with pytest.raises(ValueError, match="gsm.jsonl:4: .*needs text, got int"):
+        load_prompts(path, {"answer_regex": r"\w+", "prompt": "question"})

@@ -12,6 +12,7 @@ from groupflow.actors.starting import ASK_AGAIN_S
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import CheckpointStore
 from groupflow.held_out import EVAL_CHUNK
+from groupflow.learning_signal import nothing_learned
 from groupflow.pipeline import HEARTBEAT_S
 from groupflow.placement import NOTE_AFTER_S
 from groupflow.prompt_stream import MAX_REFILLS
@@ -194,6 +195,15 @@ def test_every_key_of_the_step_record_is_in_the_catalogue():
     assert "eval_accuracy" in run.records[0] and "eval_accuracy" not in run.records[1]
     assert run.records[0]["optimizer_updates"] == 2  # the learner's results reached its figures
     assert run.records[0]["num_sequences"] == PROMPTS_PER_STEP * GROUP_SIZE
+
+
+def test_the_record_counts_the_groups_whose_rewards_differ():
+    run = run_job(steps=2, reward=odd_prompts_vary)
+    assert [r["groups_with_spread"] for r in run.records] == [PROMPTS_PER_STEP // 2] * 2
+    assert nothing_learned(run.records) is None
+    flat = run_job(steps=2, reward=lambda p, j: 0.0)
+    assert [r["groups_with_spread"] for r in flat.records] == [0, 0]
+    assert "(every reward was 0)" in nothing_learned(flat.records)
 
 
 # ----- checkpoints and resume -------------------------------------------------------------------

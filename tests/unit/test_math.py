@@ -139,6 +139,65 @@ def test_dataset_with_a_bad_answer_is_refused(tmp_path):
     assert sorted(p.answer for p in task.pool.train + task.pool.held_out) == ["2", "6"]
 
 
+def _worked_solution(chars, answer="72"):
+    """A GSM8K-style gold answer of exactly `chars` characters ending in `#### <answer>`."""
+    steps = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nSo 48+24 = <<48+24=72>>72 in all.\n"
+    end = f"#### {answer}"
+    return steps + "x" * (chars - len(steps) - len(end) - 1) + "\n" + end
+
+
+def test_a_long_worked_solution_as_gold_scores_0_until_the_answer_is_cut_out(tmp_path, caplog):
+    # The user's case: a right \boxed{72} scored 1 against a 178-character worked solution
+    # (math-verify found its last number) but 0 against a 235-character one (compared as text
+    # only), with no word at load or in the verdict.
+    rows = [
+        {"question": f"How many clips, case {i}?", "answer": _worked_solution(n), "id": f"g{i}"}
+        for i, n in enumerate([178, 235] * 4)
+    ]
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    as_is = {"prompt": "question", "answer": "answer", "uid": "id"}
+    with caplog.at_level("WARNING"):
+        task = MathTask(dataset=str(path), fields=as_is)
+        MathTask(dataset=str(path), fields=as_is)  # the driver builds a job's task twice
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"math: {path}: 8 of 8 gold answers look like worked solutions")
+    assert (
+        "(with ####: 8, over several lines: 8, longer than 200 characters (matched as text only): 4)"
+        in warning
+    )
+    assert "fields.answer_format: gsm8k" in warning and "\n" not in warning
+    long = next(p for p in task.pool.train + task.pool.held_out if len(p.answer) == 235)
+    verdict = task.verify(long, "so \\boxed{72}")
+    assert verdict.reward == 0.0 and "compared as text only" in verdict.reason
+
+    caplog.clear()
+    for fields in ("gsm8k", as_is | {"answer_format": "gsm8k"}):
+        task = MathTask(dataset=str(path), fields=fields)
+        prompts = task.pool.train + task.pool.held_out
+        assert {p.answer for p in prompts} == {"72"}
+        assert all(task.verify(p, "so \\boxed{72}").reward == 1.0 for p in prompts)
+    assert not caplog.records  # final answers: nothing to warn about
+
+
+def test_the_worked_solution_warning_counts_each_sign(tmp_path, caplog):
+    rows = [
+        {"prompt": "a?", "answer": "#### 3"},  # the mark
+        {"prompt": "b?", "answer": "first 2\nthen 3"},  # several lines
+        {"prompt": "c?", "answer": "9" * 201},  # a plain number is one value: not flagged...
+        {"prompt": "d?", "answer": "x+" * 101 + "1"},  # ...but a long expression is
+        {"prompt": "e?", "answer": "\\frac{1}{2}"},
+        {"prompt": "f?", "answer": " 5\n"},  # surrounding white space is not a second line
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with caplog.at_level("WARNING"):
+        MathTask(dataset=str(path))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "3 of 6 gold answers look like worked solutions" in warning
+    assert "(with ####: 1, over several lines: 1, longer than 200 characters (matched" in warning
+
+
 def test_parse_answer():
     task = MathTask()
     assert task.parse_answer(" \\frac{1}{2} ") == "\\frac{1}{2}"
