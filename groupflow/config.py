@@ -1203,9 +1203,37 @@ def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
         if isinstance(preset, str) and preset in PRESETS:
             tree["algorithm"] = _merge(PRESETS[preset], algorithm)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    check_task_options(cfg.task)
+    return cfg
+
+
+def check_task_options(task: TaskConfig) -> None:
+    """Each task's options (a mixture's, each of its tasks'; each held-out set's) against the
+    options that task declares: a misspelt or ill-typed one is a ConfigError naming its key,
+    here rather than when the task is built on the cluster."""
+    from groupflow.reward_workers.tasks import check_options
+
+    if task.name == "mixture":
+        from groupflow.reward_workers.tasks.mixture import mixture_entries
+
+        # Named as written: `task: [{name: math, options: {...}}, ...]`
+        named = [
+            (e.name, e.options, f"task[{i}].options")
+            for i, e in enumerate(mixture_entries(task.options["tasks"]))
+        ]
+    else:
+        named = [(task.name, task.options, "task.options")]
+    named += [
+        (s.task, s.options, f"task.eval_sets[{i}].options") for i, s in enumerate(task.eval_sets)
+    ]
+    try:
+        for name, options, where in named:
+            check_options(name, options, where)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 QUICKSTART = Path(__file__).with_name("quickstart.yaml")
