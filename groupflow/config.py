@@ -1210,27 +1210,30 @@ def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+def task_option_sets(task: TaskConfig) -> list[tuple[str, dict[str, Any], str]]:
+    """(task name, its options, where they are in the config) for the job's task (each of a
+    mixture's tasks) and each held-out set; the options are the config's own dicts."""
+    if task.name == "mixture":
+        from groupflow.reward_workers.tasks.mixture import mixture_entries
+
+        # Named as written: `task: [{name: math, options: {...}}, ...]`
+        entries = mixture_entries(task.options["tasks"])
+        named = [(e.name, e.options, f"task[{i}].options") for i, e in enumerate(entries)]
+    else:
+        named = [(task.name, task.options, "task.options")]
+    for i, held_out in enumerate(task.eval_sets):
+        named.append((held_out.task, held_out.options, f"task.eval_sets[{i}].options"))
+    return named
+
+
 def check_task_options(task: TaskConfig) -> None:
     """Each task's options (a mixture's, each of its tasks'; each held-out set's) against the
     options that task declares: a misspelt or ill-typed one is a ConfigError naming its key,
     here rather than when the task is built on the cluster."""
     from groupflow.reward_workers.tasks import check_options
 
-    if task.name == "mixture":
-        from groupflow.reward_workers.tasks.mixture import mixture_entries
-
-        # Named as written: `task: [{name: math, options: {...}}, ...]`
-        named = [
-            (e.name, e.options, f"task[{i}].options")
-            for i, e in enumerate(mixture_entries(task.options["tasks"]))
-        ]
-    else:
-        named = [(task.name, task.options, "task.options")]
-    named += [
-        (s.task, s.options, f"task.eval_sets[{i}].options") for i, s in enumerate(task.eval_sets)
-    ]
     try:
-        for name, options, where in named:
+        for name, options, where in task_option_sets(task):
             check_options(name, options, where)
     except ValueError as err:
         raise ConfigError(str(err)) from None
