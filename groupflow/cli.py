@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the run directory's newest checkpoint, or from the checkpoint "
         "directory PATH (sets trainer.resume)",
     )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the job's inputs as a run would (model config, tokenizer, chat template "
+        "on every prompt, datasets, task options), print what was found, and exit: 0 when "
+        "fit, 2 with one line naming the culprit; starts no Ray and writes nothing",
+    )
     evaluate = sub.add_parser(
         "eval",
         help="held-out greedy accuracy of a model on the config's task",
@@ -113,6 +120,11 @@ def _run_command(argv: list[str]) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "dry_run", False):
+        from groupflow.dry_run import dry_run_report
+
+        print("\n".join(dry_run_report(cfg)))
+        return 0
     from groupflow.driver import resolve_model_path, run
 
     if args.command == "eval":
