@@ -16,6 +16,7 @@ EPILOG = """examples:
   groupflow train job.yaml --set learner.optimizer.lr=1e-5 --set rollout.group_size=8
   groupflow train --set algorithm.preset=stapo --set trainer.steps=50
   groupflow train job.yaml --resume                 go on from the run's newest checkpoint
+  groupflow train job.yaml --dry-run                check the model, tokenizer, template, datasets
   groupflow scale quickstart --engines 2             two engines for the running job `quickstart`
   groupflow status quickstart                       its live engines, reward workers, learner ranks
 """
