@@ -84,10 +84,24 @@ def _type_problem(annotation: Any, value: Any) -> tuple[str, str, Any] | None:
         _adapter(annotation).validate_python(value)
     except ValidationError as err:
         first = err.errors()[0]
-        inner = "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in first["loc"])
         message = first["msg"]
-        return inner, message[:1].lower() + message[1:], first.get("input", value)
+        return _inner_key(value, first["loc"]), message[:1].lower() + message[1:], first["input"]
     return None
+
+
+def _inner_key(value: Any, loc: tuple) -> str:
+    """Where in `value` an error's location points, as `.key` and `[index]`; the names of a
+    union's members, which pydantic puts in the location too, are not in the value: skipped."""
+    key, node = "", value
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            key += f".{part}"
+        elif isinstance(node, list | tuple) and isinstance(part, int) and 0 <= part < len(node):
+            key += f"[{part}]"
+        else:
+            continue
+        node = node[part]
+    return key
 
 
 def _short_repr(value: Any) -> str:

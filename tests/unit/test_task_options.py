@@ -86,3 +86,17 @@ def test_good_options_pass():
         }
     )
     assert cfg.task.options["tasks"][0]["options"]["timeout_s"] == 3
+
+
+def test_a_wrong_part_inside_a_union_is_named_by_its_place_in_the_value():
+    from collections.abc import Mapping
+
+    from groupflow.reward_workers.tasks import _type_problem
+
+    # pydantic puts the union member's name in the error's location; the key is the value's own
+    assert _type_problem(Mapping[str, str] | str | None, {"a": 1}) == (
+        ".a",
+        "input should be a valid string",
+        1,
+    )
+    assert _type_problem(list[dict[str, int]], [{"x": 1}, {"y": "z"}])[0] == "[1].y"
