@@ -16,6 +16,7 @@ EPILOG = """examples:
   groupflow train job.yaml --set learner.optimizer.lr=1e-5 --set rollout.group_size=8
   groupflow train --set algorithm.preset=stapo --set trainer.steps=50
   groupflow train job.yaml --resume                 go on from the run's newest checkpoint
+  groupflow train job.yaml --dry-run                check the model, tokenizer, template, datasets
   groupflow scale quickstart --engines 2             two engines for the running job `quickstart`
   groupflow status quickstart                       its live engines, reward workers, learner ranks
   groupflow list                                    the runs here (and jobs on the cluster)
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="continue from the run directory's newest checkpoint, or from the checkpoint "
         "directory PATH (sets trainer.resume)",
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the job's inputs as a run would (model config, tokenizer, chat template "
+        "on every prompt, datasets, task options), print what was found, and exit: 0 when "
+        "fit, 2 with one line naming the culprit; starts no Ray and writes nothing",
     )
     evaluate = sub.add_parser(
         "eval",
@@ -150,6 +158,11 @@ def _run_command(argv: list[str]) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "dry_run", False):
+        from groupflow.dry_run import dry_run_report
+
+        print("\n".join(dry_run_report(cfg)))
+        return 0
     from groupflow.driver import resolve_model_path, run
 
     if args.command == "eval":

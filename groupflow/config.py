@@ -1298,9 +1298,40 @@ def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
         if isinstance(preset, str) and preset in PRESETS:
             tree["algorithm"] = _merge(PRESETS[preset], algorithm)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    check_task_options(cfg.task)
+    return cfg
+
+
+def task_option_sets(task: TaskConfig) -> list[tuple[str, dict[str, Any], str]]:
+    """(task name, its options, where they are in the config) for the job's task (each of a
+    mixture's tasks) and each held-out set; the options are the config's own dicts."""
+    if task.name == "mixture":
+        from groupflow.reward_workers.tasks.mixture import mixture_entries
+
+        # Named as written: `task: [{name: math, options: {...}}, ...]`
+        entries = mixture_entries(task.options["tasks"])
+        named = [(e.name, e.options, f"task[{i}].options") for i, e in enumerate(entries)]
+    else:
+        named = [(task.name, task.options, "task.options")]
+    for i, held_out in enumerate(task.eval_sets):
+        named.append((held_out.task, held_out.options, f"task.eval_sets[{i}].options"))
+    return named
+
+
+def check_task_options(task: TaskConfig) -> None:
+    """Each task's options (a mixture's, each of its tasks'; each held-out set's) against the
+    options that task declares: a misspelt or ill-typed one is a ConfigError naming its key,
+    here rather than when the task is built on the cluster."""
+    from groupflow.reward_workers.tasks import check_options
+
+    try:
+        for name, options, where in task_option_sets(task):
+            check_options(name, options, where)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 QUICKSTART = Path(__file__).with_name("quickstart.yaml")

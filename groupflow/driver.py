@@ -51,7 +51,11 @@ from groupflow.plots import latest_run, read_records, write_plots
 from groupflow.prometheus import PrometheusExporter
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
-from groupflow.reward_workers.tasks.prompt_pool import fit_to_engines, job_prompt_sources
+from groupflow.reward_workers.tasks.prompt_pool import (
+    PromptSource,
+    fit_to_engines,
+    job_prompt_sources,
+)
 from groupflow.rollout.agent import Agent
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
@@ -238,13 +242,21 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def check_prompt_rendering(cfg: Config, model_path: str) -> dict[str, int]:
+@dataclass
+class VettedPrompts:
+    """Every prompt the job can draw, rendered and measured (check_prompt_rendering)."""
+
+    renderer: PromptRenderer
+    sources: list[PromptSource]
+    left_out: dict[str, int]  # too long for the engines, by prompt source
+
+
+def vet_prompts(cfg: Config, model_path: str) -> VettedPrompts:
     """Before any actor starts: the chat settings against the model's tokenizer, the chat
     template vetted on every prompt the job can draw (rollout/prompt_render.py), and the
     prompts too long for the engines left out of their datasets, or the job refused
-    (reward_workers/tasks/prompt_pool.py). How many were left out, by prompt source. In a
-    multi-turn job also the tools, their parser, and the template's rendering of tool
-    messages (rollout/agent.py)."""
+    (reward_workers/tasks/prompt_pool.py). In a multi-turn job also the tools, their parser,
+    and the template's rendering of tool messages (rollout/agent.py)."""
     settings = engine_settings(cfg, model_path, 0)
     agent = None if settings.agent is None else Agent(settings.agent, run_code=None)
     chat = settings.chat if agent is None else agent.chat(settings.chat)
@@ -254,21 +266,41 @@ def check_prompt_rendering(cfg: Config, model_path: str) -> dict[str, int]:
     sources = job_prompt_sources(cfg)
     lengths = renderer.vetted_lengths([p for source in sources for p in source.prompts])
     rollout = cfg.rollout
-    return fit_to_engines(sources, lengths, rollout.max_model_len, rollout.sampling.max_tokens)
+    left_out = fit_to_engines(sources, lengths, rollout.max_model_len, rollout.sampling.max_tokens)
+    return VettedPrompts(renderer, sources, left_out)
+
+
+def check_prompt_rendering(cfg: Config, model_path: str) -> dict[str, int]:
+    """vet_prompts: how many prompts were left out, by prompt source."""
+    return vet_prompts(cfg, model_path).left_out
+
+
+@dataclass
+class CheckedInputs:
+    model_path: str
+    prompts: VettedPrompts
+
+
+def check_inputs(cfg: Config) -> CheckedInputs:
+    """What a run reads and checks before it holds its name, writes anything or touches Ray:
+    the model, LoRA's target modules, the trackers, the tokenizer and chat template on every
+    prompt, the datasets and the task options (`groupflow train --dry-run` stops here)."""
+    model_path = resolve_model_path(cfg)
+    if cfg.learner.lora is not None:
+        check_target_modules(model_path, cfg.learner.lora)
+    check_trackers(cfg)
+    return CheckedInputs(model_path, vet_prompts(cfg, model_path))
 
 
 def open_run(cfg: Config) -> OpenRun:
-    """Check the model, hold the run name, check the checkpoint to resume from, and only
+    """Check the inputs, hold the run name, check the checkpoint to resume from, and only
     then make (or rewind) the run directory; serve metrics and connect to Ray."""
     if cfg.cluster.address is None and not ray.is_initialized():  # ray.init reads RAY_ADDRESS
         refusal = ray_client_refusal(os.environ.get("RAY_ADDRESS"))
         if refusal is not None:
             raise RunError(f"RAY_ADDRESS: {refusal}")
-    model_path = resolve_model_path(cfg)
-    if cfg.learner.lora is not None:
-        check_target_modules(model_path, cfg.learner.lora)
-    check_trackers(cfg)
-    prompts_left_out = check_prompt_rendering(cfg, model_path)
+    checked = check_inputs(cfg)
+    model_path, prompts_left_out = checked.model_path, checked.prompts.left_out
     output_dir = Path(cfg.trainer.output_dir)
     run_dir = output_dir / cfg.trainer.run_name
     with ExitStack() as undo:

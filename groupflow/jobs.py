@@ -19,10 +19,11 @@ What the cluster needs.
   `py_modules`, which take precedence over the installed copy: a way to run local edits on a
   cluster whose image has the dependencies.
 - Paths in the config are read on the cluster: `model.path`, a reward plugin file, dataset
-  files. `trainer.output_dir` is written there too, by the driver on the head node and by
-  learner rank 0 (the model) on its node, so on a multi-node cluster it must be storage
-  mounted at the same path on those nodes; a relative path would end up inside the job's
-  temporary working directory. The quickstart model is cached under `GROUPFLOW_CACHE`,
+  files. A relative one that exists here is sent as its absolute path here, and one that is
+  not here is refused (groupflow/submit_paths.py). `trainer.output_dir` is written there too,
+  by the driver on the head node and by learner rank 0 (the model) on its node, so on a
+  multi-node cluster it must be storage mounted at the same path on those nodes; a relative
+  one is refused, as it would end up inside the job's temporary working directory. The quickstart model is cached under `GROUPFLOW_CACHE`,
   which must likewise be shared storage when engines and ranks run on other nodes.
 - A cluster with token authentication (what `ray start` turns on in Ray 2.60 when a token
   exists) wants `RAY_AUTH_MODE=token` here and the token in `RAY_AUTH_TOKEN` or
@@ -213,11 +214,13 @@ def _submit(args: argparse.Namespace) -> int:
         # A resubmission under the same run name (a person's, or RayJob's backoffLimit)
         # continues from the run's newest checkpoint instead of starting over.
         cfg.trainer.resume = "auto"
-    if not Path(cfg.trainer.output_dir).is_absolute():
+    from groupflow.submit_paths import absolute_for_cluster
+
+    made_absolute = absolute_for_cluster(cfg, Path.cwd())  # or one line naming the key
+    if made_absolute:
         print(
-            f"groupflow: note: trainer.output_dir {cfg.trainer.output_dir!r} is relative: on "
-            "the cluster it lies inside the job's temporary working directory; set an "
-            "absolute path on storage shared by the head and learner nodes to keep the run",
+            "groupflow: note: relative paths sent as absolute ones, which the cluster's nodes "
+            f"must be able to read: {', '.join(made_absolute)}",
             file=sys.stderr,
         )
     client = jobs_client(ClusterAddress.given(args.address))

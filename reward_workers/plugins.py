@@ -40,13 +40,19 @@ def load_plugin(spec: str) -> RewardPlugin:
     return RewardPlugin(function, name=spec.rpartition(":")[2])
 
 
+def spec_file(spec: str) -> str | None:
+    """The file that `path/to/file.py:name` loads from; None for `module:name`."""
+    target, sep, _ = spec.rpartition(":")
+    return target if sep and (target.endswith(".py") or "/" in target) else None
+
+
 def load_object(spec: str, what: str) -> Any:
     """The object `module:name` or `path/to/file.py:name` names (a reward plugin, a tool, an
     environment); ValueError (one line, naming `what`) if it cannot be loaded."""
     target, sep, attribute = spec.rpartition(":")
     if not sep or not target or not attribute:
         raise ValueError(f"{what} {spec!r}: expected 'module:name' or 'file.py:name'")
-    from_file = target.endswith(".py") or "/" in target
+    from_file = spec_file(spec) is not None
     if from_file and not Path(target).is_file():
         raise ValueError(f"{what} {spec!r}: no such file {target}")
     try:

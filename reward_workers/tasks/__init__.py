@@ -7,7 +7,10 @@ the held-out evaluation from `eval_prompts`, while the reward workers call `veri
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
+import inspect
 from typing import Any
 
 from groupflow.reward_workers.tasks.base import Task
@@ -34,8 +37,81 @@ def task_class(name: str) -> type:
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
+@functools.cache
+def task_options(name: str) -> dict[str, inspect.Parameter]:
+    """The options a task takes, by name: its constructor's parameters, with their types and
+    defaults. The constructor is the one place a task declares them; the config is checked
+    against it (`check_options`) before anything is built."""
+    signature = inspect.signature(task_class(name), eval_str=True)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p for p in signature.parameters.values() if p.kind in keyword}
+
+
+def check_options(name: str, options: dict[str, Any], where: str) -> None:
+    """Every option known to task `name` and of its declared type, or ValueError naming the
+    key under `where` (e.g. "task.options"). Ranges and files are the constructor's to check,
+    when the task is built."""
+    known = task_options(name)
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(
+                f"{where}.{key}: unknown option of task {name}; known: {', '.join(known)}{hint}"
+            )
+        problem = _type_problem(known[key].annotation, value)
+        if problem is not None:
+            inner, message, got = problem
+            raise ValueError(f"{where}.{key}{inner}: {message} (got {_short_repr(got)})")
+
+
+@functools.cache
+def _adapter(annotation: Any):
+    from pydantic import ConfigDict, TypeAdapter
+
+    # Strict: a task gets the value as written, so "3" for an int is refused, not converted.
+    return TypeAdapter(annotation, config=ConfigDict(strict=True))
+
+
+def _type_problem(annotation: Any, value: Any) -> tuple[str, str, Any] | None:
+    """(where inside the value, what is wrong, the wrong part) when `value` is not of the
+    type, else None."""
+    from pydantic import ValidationError
+
+    if annotation is inspect.Parameter.empty:
+        return None
+    try:
+        _adapter(annotation).validate_python(value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        message = first["msg"]
+        return _inner_key(value, first["loc"]), message[:1].lower() + message[1:], first["input"]
+    return None
+
+
+def _inner_key(value: Any, loc: tuple) -> str:
+    """Where in `value` an error's location points, as `.key` and `[index]`; the names of a
+    union's members, which pydantic puts in the location too, are not in the value: skipped."""
+    key, node = "", value
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            key += f".{part}"
+        elif isinstance(node, list | tuple) and isinstance(part, int) and 0 <= part < len(node):
+            key += f"[{part}]"
+        else:
+            continue
+        node = node[part]
+    return key
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
     cls = task_class(name)
+    check_options(name, options or {}, "task.options")
     try:
         return cls(**(options or {}))
     except TypeError as err:

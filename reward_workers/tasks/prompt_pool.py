@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Task options that only choose prompts; a verifier needs none of them.
 POOL_OPTIONS = ("dataset", "eval_dataset", "fields", "skip_bad", "eval_fraction", "skip_prompts")
+# The options among them that name files.
+DATASET_OPTIONS = ("dataset", "eval_dataset")
 
 # The datasets whose gold answers this process has warned about: the driver builds a job's
 # task more than once, and the warning is worth one line.
@@ -273,7 +275,7 @@ def fit_to_engines(
 def leave_out(source: PromptSource, overlong: list[Prompt], error: str) -> None:
     """Leave the prompts out of a dataset (skip_prompts in its options) when they are at most
     MAX_TOO_LONG_SHARE of it and both sides of its split keep a prompt, else ValueError."""
-    files = [source.options[k] for k in ("dataset", "eval_dataset") if source.options.get(k)]
+    files = [source.options[k] for k in DATASET_OPTIONS if source.options.get(k)]
     if not files or len(overlong) > MAX_TOO_LONG_SHARE * len(source.prompts):
         raise ValueError(f"{error}: shorten or drop them, or raise rollout.max_model_len")
     uids = {p.uid for p in overlong}

@@ -190,9 +190,74 @@ def test_submit_carries_the_resolved_config_in_its_working_dir(fake_client, tmp_
     assert "py_modules" not in sent["runtime_env"]
 
 
-def test_submit_notes_a_relative_output_dir(fake_client, capsys):
-    assert main(["submit", "--no-follow"]) == 0
-    assert "trainer.output_dir 'runs' is relative" in capsys.readouterr().err
+SHARED = ["--set", "trainer.output_dir=/shared/runs"]
+
+
+def test_submit_refuses_a_relative_output_dir_with_the_fix(no_cluster, capsys):
+    assert main(["submit", "--no-follow"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("groupflow: error: trainer.output_dir: 'runs' is relative")
+    assert "--set trainer.output_dir=/shared/runs" in err
+
+
+def test_submit_sends_relative_input_paths_that_exist_here_as_absolute_ones(
+    fake_client, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    for name in ("model", "data", "plugins"):
+        (tmp_path / name).mkdir()
+    for file in ("data/train.jsonl", "data/held.jsonl", "plugins/reward.py", "chat.jinja"):
+        (tmp_path / file).write_text("")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "model: {path: model}\n"
+        "task:\n"
+        "  - {name: math, options: {dataset: data/train.jsonl, eval_dataset: ./data/held.jsonl}}\n"
+        "  - {name: arithmetic}\n"
+        "reward: {verifier: 'plugins/reward.py:score'}\n"
+        "trainer: {output_dir: /shared/runs}\n"
+    )
+    assert main(["submit", str(job), "--set", "task.chat_template=chat.jinja", "--no-follow"]) == 0
+    sent = yaml.safe_load(fake_client.instances[0].submitted["config_text"])
+    assert sent["model"]["path"] == str(tmp_path / "model")
+    options = sent["task"]["options"]["tasks"][0]["options"]
+    assert options["dataset"] == str(tmp_path / "data/train.jsonl")
+    assert options["eval_dataset"] == str(tmp_path / "data/held.jsonl")
+    assert sent["task"]["chat_template"] == str(tmp_path / "chat.jinja")
+    assert sent["reward"]["verifier"] == f"{tmp_path / 'plugins/reward.py'}:score"
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note.startswith("groupflow: note: relative paths sent as absolute ones")
+    assert f"task[0].options.dataset={tmp_path / 'data/train.jsonl'}" in note
+
+
+@pytest.mark.parametrize(
+    "override, culprit",
+    [
+        ("task.options={dataset: data/train.jsonl}", "task.options.dataset: data/train.jsonl"),
+        ("model.path=./models/mine", "model.path: ./models/mine"),
+        ("task.chat_template=chat.jinja", "task.chat_template: chat.jinja"),
+        ("agent.environment=envs/env.py:make", "agent.environment: envs/env.py"),
+        ("trainer.resume=runs/x/checkpoints/step_4", "trainer.resume: runs/x/checkpoints/step_4"),
+    ],
+)
+def test_submit_refuses_a_relative_input_path_that_is_not_here(
+    no_cluster, tmp_path, monkeypatch, capsys, override, culprit
+):
+    monkeypatch.chdir(tmp_path)
+    name = ["--set", "task.name=math"] if override.startswith("task.options") else []
+    assert main(["submit", *SHARED, *name, "--set", override, "--no-follow"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"groupflow: error: {culprit} is relative and not found in {tmp_path}")
+
+
+def test_submit_leaves_what_may_be_a_hub_id(fake_client, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hub = ["--set", "model.path=Qwen/Qwen2.5-0.5B-Instruct"]
+    assert main(["submit", *SHARED, *hub, "--no-follow"]) == 0
+    sent = yaml.safe_load(fake_client.instances[0].submitted["config_text"])
+    assert sent["model"]["path"] == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def test_ship_code_uploads_one_groupflow_package(tmp_path):
@@ -213,7 +278,7 @@ def test_without_ship_code_nothing_is_uploaded_but_the_config(tmp_path):
 
 def test_address_defaults_to_ray_address(fake_client, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "http://ray-head:8265")
-    main(["submit", "--no-follow"])
+    main(["submit", *SHARED, "--no-follow"])
     assert fake_client.instances[0].address == "http://ray-head:8265"
 
 
@@ -230,7 +295,7 @@ def test_address_falls_back_to_loopback(fake_client):
 )
 def test_follow_prints_the_logs_and_exits_with_the_job(fake_client, capsys, status, code):
     fake_client.final_status = status
-    assert main(["submit"]) == code
+    assert main(["submit", *SHARED]) == code
     captured = capsys.readouterr()
     assert captured.out == "raysubmit_fake\nstep 1/2 reward=0.1\nstep 2/2 reward=0.2\n"
     assert f"raysubmit_fake {status.value}" in captured.err
