@@ -58,7 +58,7 @@ def job_file(tmp_path, model: str, dataset: str, **extra: str) -> str:
 
 def test_a_users_model_and_dataset_are_checked_and_reported(user_model, tmp_path, capsys):
     data = gsm8k_layout(tmp_path / "train.jsonl", 200, long_rows=1)
-    job = job_file(tmp_path, user_model, data, rollout="{max_model_len: 200}")
+    job = job_file(tmp_path, user_model, data, rollout="{max_model_len: 200, sampling: {max_tokens: 16}}")
     assert main(["train", job, "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"model: {user_model} (qwen2, ") and "vocab " in out[0]
@@ -104,7 +104,8 @@ def test_the_quickstart_dry_run_builds_and_checks_its_model(tmp_path, monkeypatc
     ],
 )
 def test_a_bad_input_is_one_line_and_exit_2(user_model, tmp_path, capsys, override, culprit):
-    job = job_file(tmp_path, user_model, gsm8k_layout(tmp_path / "train.jsonl", 20))
+    data = gsm8k_layout(tmp_path / "train.jsonl", 20)
+    job = job_file(tmp_path, user_model, data, rollout="{sampling: {max_tokens: 16}}")
     assert main(["train", job, "--dry-run", "--set", override]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("groupflow: error: "), err
