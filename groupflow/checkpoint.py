@@ -96,7 +96,8 @@ class Checkpointing:
 
     store: CheckpointStore
     model_config_json: dict  # the model's config.json, so that a resume can check the model
-    add_tokenizer: Callable[[Path], None]  # completes a Hugging Face save with the tokenizer
+    # completes a Hugging Face save: tokenizer, chat template... (groupflow/saved_model.py)
+    add_tokenizer: Callable[[Path], None]
 
 
 def step_dir_name(step: int) -> str:

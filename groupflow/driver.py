@@ -10,7 +10,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from contextlib import ExitStack
@@ -28,7 +27,7 @@ from groupflow.actors.placement import startup_placement
 from groupflow.actors.reward import RewardPool
 from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import make_transport
-from groupflow.adapters import MERGED_DIR, adapter_shape
+from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import (
     CheckpointError,
     Checkpointing,
@@ -54,12 +53,11 @@ from groupflow.rollout.agent import Agent
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.sample_log import SampleLog
+from groupflow.saved_model import complete_saved_model
 from groupflow.scaling import Scaler, limits_for, policy_for
 from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class RunError(RuntimeError):
@@ -125,16 +123,6 @@ def fresh_run_dir(run_dir: Path) -> Path:
         log.info("kept the earlier run %s as %s", run_dir, kept)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
-
-
-def copy_tokenizer(model_path: str, model_dir: Path) -> None:
-    """The base model's tokenizer beside a saved policy (and its merged model, with LoRA), so
-    that each directory loads alone."""
-    merged = model_dir / MERGED_DIR
-    for into in [model_dir, merged] if merged.is_dir() else [model_dir]:
-        for name in TOKENIZER_FILES:
-            if (Path(model_path) / name).is_file():
-                shutil.copy(Path(model_path) / name, into / name)
 
 
 @dataclass
@@ -350,7 +338,7 @@ def start_job(run: OpenRun) -> TrainingJob:
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
                 read_model_config(run.model_path),
-                partial(copy_tokenizer, run.model_path),
+                partial(complete_saved_model, run.model_path, chat_template=cfg.task.chat_template),
             ),
         )
         undo.pop_all()
@@ -405,7 +393,7 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
     log.info("held-out greedy accuracy after training: %.3f", final)
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
-    copy_tokenizer(run.model_path, model_dir)
+    complete_saved_model(run.model_path, model_dir, run.cfg.task.chat_template)
     summary = {
         "steps": run.cfg.trainer.steps,
         "warm_start_accuracy": warm_accuracy,
