@@ -391,6 +391,7 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
     final_scores = job.evaluate()
     final = final_scores["eval_accuracy"]
     log.info("held-out greedy accuracy after training: %.3f", final)
+    export_held_out(run, final_scores)
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
     complete_saved_model(run.model_path, model_dir, run.cfg.task.chat_template)
@@ -398,6 +399,7 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
         "steps": run.cfg.trainer.steps,
         "warm_start_accuracy": warm_accuracy,
         "final_accuracy": final,
+        "warm_start_eval": job.warm_eval,
         "final_eval": final_scores,
         "policy_version": job.version,
         "resumed_from_step": run.resume.state.step if run.resume is not None else None,
@@ -406,7 +408,16 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
         "model_dir": str(model_dir),
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if run.exporter is not None and run.exporter.await_scrape():  # the final scores read
+        log.info("Prometheus has read the final held-out scores")
     return summary
+
+
+def export_held_out(run: OpenRun, scores: dict) -> None:
+    """Held-out scores measured outside a step to Prometheus (the dashboard's accuracy panel
+    has them whatever trainer.eval_every is)."""
+    if run.exporter is not None:
+        run.exporter.observe_held_out(scores)
 
 
 def run(cfg: Config) -> dict:
@@ -418,9 +429,13 @@ def run(cfg: Config) -> dict:
         if opened.resume is not None:
             job.restore(opened.resume.checkpoint, opened.resume.state)
             warm = job.warm_accuracy
+            if warm is not None:  # None: a checkpoint of an older groupflow
+                export_held_out(opened, {"warm_start_accuracy": warm})
         else:
-            warm = job.warm_accuracy = job.evaluate()["eval_accuracy"]
+            job.warm_eval = job.evaluate()
+            warm = job.warm_accuracy = job.warm_eval["eval_accuracy"]
             log.info("held-out greedy accuracy before training: %.3f", warm)
+            export_held_out(opened, {"warm_start_accuracy": warm, **job.warm_eval})
         train(opened, job)
         return finish_run(opened, job, warm)
     finally:
