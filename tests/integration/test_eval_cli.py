@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from groupflow.saved_model import complete_saved_model
+from tests.conftest import CHAT_SYSTEM_PROMPT
 
 pytestmark = pytest.mark.integration
 
@@ -49,15 +50,24 @@ def _adapter(model_dir: str, out, base: str, seed: int):
     return peft_model
 
 
-def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
-    peft_model = _adapter(quickstart_model, tmp_path / "adapter", quickstart_model, seed=0)
+def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(chat_model, tmp_path):
+    """On a chat model, its prompts rendered through its template (chat_template.jinja) after
+    a system turn: the adapter served on its base scores as the model it merges into, saved
+    as groupflow saves a policy (groupflow/saved_model.py), whose own template it renders."""
+    peft_model = _adapter(chat_model, tmp_path / "adapter", chat_model, seed=0)
     merged = tmp_path / "merged"
     peft_model.merge_and_unload().save_pretrained(merged)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(quickstart_model) / name, merged / name)
+    complete_saved_model(chat_model, merged, "auto")
     results = []
-    for model in (tmp_path / "adapter", merged, quickstart_model):
-        proc = _eval("--model", str(model), "--set", "task.eval_size=64")
+    for model in (tmp_path / "adapter", merged, chat_model):
+        proc = _eval(
+            "--model",
+            str(model),
+            "--set",
+            "task.eval_size=64",
+            "--set",  # a system turn needs the saved template (refused without one)
+            f"task.system_prompt={CHAT_SYSTEM_PROMPT}",
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     adapter, merged_score, base = (r["accuracy"] for r in results)
@@ -65,7 +75,7 @@ def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstar
     assert adapter != base, "the adapter must change the answers for this test to see it"
     # the plain model directory: one JSON line of its own
     assert results[2]["prompts"] == 64 and results[2]["task"] == "arithmetic"
-    assert results[2]["model"] == quickstart_model
+    assert results[2]["model"] == chat_model
     # the warm-started model answers some, not all, held-out problems
     assert 0.0 < base < 1.0
 
