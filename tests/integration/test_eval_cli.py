@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from groupflow.saved_model import complete_saved_model
-from tests.conftest import CHAT_SYSTEM_PROMPT
 
 pytestmark = pytest.mark.integration
 
@@ -50,34 +50,49 @@ def _adapter(model_dir: str, out, base: str, seed: int):
     return peft_model
 
 
-def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(chat_model, tmp_path):
-    """On a chat model, its prompts rendered through its template (chat_template.jinja) after
-    a system turn: the adapter served on its base scores as the model it merges into, saved
-    as groupflow saves a policy (groupflow/saved_model.py), whose own template it renders."""
-    peft_model = _adapter(chat_model, tmp_path / "adapter", chat_model, seed=0)
+# The quickstart model's raw prompt ("1-4+5=") rendered from the arithmetic task's chat wording,
+# the system turn left out: a chat template the quickstart model answers under.
+RAW_TEXT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ m.content | replace('Compute ', '') "
+    "| replace('. Reply with the resulting integer only.', '=') }}{% endif %}{% endfor %}"
+)
+
+
+def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
+    """Under a chat template (chat_template.jinja) with a system turn, which needs a template:
+    the adapter served on its base scores as the model it merges into, saved as groupflow saves
+    a policy (groupflow/saved_model.py), whose own template it renders."""
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(quickstart_model, base)
+    tokenizer = AutoTokenizer.from_pretrained(quickstart_model)
+    tokenizer.chat_template = RAW_TEXT_TEMPLATE
+    tokenizer.save_pretrained(base)
+    peft_model = _adapter(str(base), tmp_path / "adapter", str(base), seed=0)
     merged = tmp_path / "merged"
     peft_model.merge_and_unload().save_pretrained(merged)
-    complete_saved_model(chat_model, merged, "auto")
+    complete_saved_model(str(base), merged, "auto")
     results = []
-    for model in (tmp_path / "adapter", merged, chat_model):
+    for model in (tmp_path / "adapter", merged, base):
         proc = _eval(
             "--model",
             str(model),
             "--set",
             "task.eval_size=64",
-            "--set",  # a system turn needs the saved template (refused without one)
-            f"task.system_prompt={CHAT_SYSTEM_PROMPT}",
+            "--set",  # a system turn: refused where the model directory has no template
+            "task.system_prompt=answer with a number",
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    adapter, merged_score, base = (r["accuracy"] for r in results)
+    adapter, merged_score, base_score = (r["accuracy"] for r in results)
     assert adapter == merged_score
-    assert adapter != base, "the adapter must change the answers for this test to see it"
+    assert adapter != base_score, "the adapter must change the answers for this test to see it"
     # the plain model directory: one JSON line of its own
     assert results[2]["prompts"] == 64 and results[2]["task"] == "arithmetic"
-    assert results[2]["model"] == chat_model
+    assert results[2]["model"] == str(base)
     # the warm-started model answers some, not all, held-out problems
-    assert 0.0 < base < 1.0
+    assert 0.0 < base_score < 1.0
 
 
 def test_an_adapter_of_another_model_is_one_line(quickstart_model, tmp_path):
