@@ -144,8 +144,8 @@ class PrometheusExporter:
     def observe_held_out(self, scores: dict) -> None:
         """Export held-out scores measured outside a step (before and after training), under
         the step records' keys (eval_*, warm_start_accuracy)."""
-        self._held_out_at = time.monotonic()
         self._observe(scores)
+        self._held_out_at = time.monotonic()  # a scrape that starts later reads them
 
     def await_scrape(self) -> bool:
         """Wait until a scrape has read the newest held-out scores, if anything scrapes this
