@@ -188,10 +188,27 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "eval_accuracy",
-        "held-out greedy accuracy (when evaluated)",
+        "held-out greedy accuracy (when evaluated: before training, every trainer.eval_every "
+        "steps, after training)",
         "fraction",
         "Accuracy",
         _gauge("groupflow_eval_accuracy"),
+    ),
+    Metric(
+        "eval_task_accuracy",
+        "held-out greedy accuracy of each task of a job of several tasks, by label (when "
+        "evaluated)",
+        "fraction",
+        "Accuracy",
+        Series("groupflow_eval_task_accuracy", "gauge", label="task"),
+    ),
+    # Not a step record's: exported once as the job starts (summary.json has it too).
+    Metric(
+        "warm_start_accuracy",
+        "held-out greedy accuracy before training (a resumed run: its checkpoint's)",
+        "fraction",
+        "Accuracy",
+        _gauge("groupflow_warm_start_accuracy"),
     ),
     Metric(
         "eval_mean_at_n",

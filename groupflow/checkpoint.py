@@ -70,6 +70,8 @@ class DriverState(BaseModel):
     policy_version: int = Field(ge=0)
     stream: StreamState  # the prompt stream's own state (groupflow/prompt_stream.py)
     warm_start_accuracy: float | None
+    # every held-out score before training (per task of a mixture too); {} in older saves
+    warm_start_eval: dict = {}
     counters: dict[str, float]  # running totals reported in the step records
     model_config_json: dict  # the model's config.json: a checkpoint fits one model only
     num_ranks: int = Field(ge=1)  # ZeRO-3 shards are cut for this many ranks
@@ -96,7 +98,8 @@ class Checkpointing:
 
     store: CheckpointStore
     model_config_json: dict  # the model's config.json, so that a resume can check the model
-    add_tokenizer: Callable[[Path], None]  # completes a Hugging Face save with the tokenizer
+    # completes a Hugging Face save: tokenizer, chat template... (groupflow/saved_model.py)
+    add_tokenizer: Callable[[Path], None]
 
 
 def step_dir_name(step: int) -> str:

@@ -10,7 +10,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from contextlib import ExitStack
@@ -28,7 +27,7 @@ from groupflow.actors.placement import startup_placement
 from groupflow.actors.reward import RewardPool
 from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import make_transport
-from groupflow.adapters import MERGED_DIR, adapter_shape
+from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import (
     CheckpointError,
     Checkpointing,
@@ -60,12 +59,11 @@ from groupflow.rollout.agent import Agent
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.sample_log import SampleLog
+from groupflow.saved_model import complete_saved_model
 from groupflow.scaling import Scaler, limits_for, policy_for
 from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class RunError(RuntimeError):
@@ -138,16 +136,6 @@ def fresh_run_dir(run_dir: Path) -> Path:
         log.info("kept the earlier run %s as %s", run_dir, kept)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
-
-
-def copy_tokenizer(model_path: str, model_dir: Path) -> None:
-    """The base model's tokenizer beside a saved policy (and its merged model, with LoRA), so
-    that each directory loads alone."""
-    merged = model_dir / MERGED_DIR
-    for into in [model_dir, merged] if merged.is_dir() else [model_dir]:
-        for name in TOKENIZER_FILES:
-            if (Path(model_path) / name).is_file():
-                shutil.copy(Path(model_path) / name, into / name)
 
 
 @dataclass
@@ -391,7 +379,7 @@ def start_job(run: OpenRun) -> TrainingJob:
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
                 read_model_config(run.model_path),
-                partial(copy_tokenizer, run.model_path),
+                partial(complete_saved_model, run.model_path, chat_template=cfg.task.chat_template),
             ),
         )
         undo.pop_all()
@@ -446,13 +434,15 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
     final_scores = job.evaluate()
     final = final_scores["eval_accuracy"]
     log.info("held-out greedy accuracy after training: %.3f", final)
+    export_held_out(run, final_scores)
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
-    copy_tokenizer(run.model_path, model_dir)
+    complete_saved_model(run.model_path, model_dir, run.cfg.task.chat_template)
     summary = {
         "steps": run.cfg.trainer.steps,
         "warm_start_accuracy": warm_accuracy,
         "final_accuracy": final,
+        "warm_start_eval": job.warm_eval,
         "final_eval": final_scores,
         "policy_version": job.version,
         "resumed_from_step": run.resume.state.step if run.resume is not None else None,
@@ -462,7 +452,16 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
         "nothing_learned": nothing_learned(latest_run(read_records(metrics))),
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if run.exporter is not None and run.exporter.await_scrape():  # the final scores read
+        log.info("Prometheus has read the final held-out scores")
     return summary
+
+
+def export_held_out(run: OpenRun, scores: dict) -> None:
+    """Held-out scores measured outside a step to Prometheus (the dashboard's accuracy panel
+    has them whatever trainer.eval_every is)."""
+    if run.exporter is not None:
+        run.exporter.observe_held_out(scores)
 
 
 def run(cfg: Config) -> dict:
@@ -474,9 +473,13 @@ def run(cfg: Config) -> dict:
         if opened.resume is not None:
             job.restore(opened.resume.checkpoint, opened.resume.state)
             warm = job.warm_accuracy
+            if warm is not None:  # None: a checkpoint of an older groupflow
+                export_held_out(opened, {"warm_start_accuracy": warm})
         else:
-            warm = job.warm_accuracy = job.evaluate()["eval_accuracy"]
+            job.warm_eval = job.evaluate()
+            warm = job.warm_accuracy = job.warm_eval["eval_accuracy"]
             log.info("held-out greedy accuracy before training: %.3f", warm)
+            export_held_out(opened, {"warm_start_accuracy": warm, **job.warm_eval})
         train(opened, job)
         return finish_run(opened, job, warm)
     finally:

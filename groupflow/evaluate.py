@@ -9,6 +9,7 @@ import asyncio
 from groupflow.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
 from groupflow.config import Config, EvalSetConfig
 from groupflow.model_dir import read_model_config
+from groupflow.records import Prompt
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -36,6 +37,16 @@ def sampled_scores(rewards: list[list[float]], k: int) -> tuple[float, float]:
 def greedy_share(rewards: list[list[float]]) -> float:
     """Share of prompts whose (one, greedy) answer gets the full reward."""
     return sum(row[0] >= 1.0 for row in rewards) / len(rewards)
+
+
+def greedy_share_by_task(prompts: list[Prompt], rewards: list[list[float]]) -> dict[str, float]:
+    """greedy_share of each task's prompts in a job of several tasks (a mixture labels each
+    prompt with its task); empty for a job of one task."""
+    by_task: dict[str, list[list[float]]] = {}
+    for prompt, row in zip(prompts, rewards, strict=True):
+        if prompt.task is not None:
+            by_task.setdefault(prompt.task, []).append(row)
+    return {task: greedy_share(rows) for task, rows in by_task.items()}
 
 
 def evaluate_model(cfg: Config, model_path: str) -> dict:
@@ -81,12 +92,15 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         return [sg.rewards for sg in scorer.score_groups(groups)]
 
     try:
+        greedy = rewards(greedy=True)
         result = {
             "model": model_path,
             "task": cfg.task.name,
             "prompts": len(prompts),
-            "accuracy": greedy_share(rewards(greedy=True)),
+            "accuracy": greedy_share(greedy),
         }
+        if by_task := greedy_share_by_task(prompts, greedy):
+            result["task_accuracy"] = by_task
         n = cfg.trainer.eval_samples
         if n:
             k = cfg.trainer.eval_pass_k or n

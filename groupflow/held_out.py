@@ -1,6 +1,6 @@
 """A training job's held-out evaluation: greedy accuracy, and with `trainer.eval_samples` = n
 also mean@n and pass@k of n sampled answers per prompt (groupflow/evaluate.py has the scores),
-of the task's own held-out set and of each `task.eval_sets` set.
+of the task's own held-out set (and of each task of a mixture) and of each `task.eval_sets` set.
 
 The job's engines answer; the reward workers score the task's own set, as in training, so a
 hostile answer cannot stall the driver, and the job's pipeline waits for those scores in its
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from groupflow.config import Config
-from groupflow.evaluate import HeldOutSet, greedy_share, sampled_scores
+from groupflow.evaluate import HeldOutSet, greedy_share, greedy_share_by_task, sampled_scores
 from groupflow.pipeline import Pipeline
 from groupflow.records import Prompt, SampledGroup
 
@@ -35,7 +35,8 @@ class HeldOutEvaluation:
         self.held_out_sets = held_out_sets
 
     def scores(self) -> dict[str, float | dict[str, float]]:
-        """The task's own set's scores (eval_*) and each extra set's (eval_set_*, by name)."""
+        """The task's own set's scores (eval_*, with eval_task_accuracy by task in a mixture)
+        and each extra set's (eval_set_*, by name)."""
         out = {
             f"eval_{key}": value for key, value in self._scores(self.prompts, self._pool).items()
         }
@@ -46,9 +47,12 @@ class HeldOutEvaluation:
 
     def _scores(
         self, prompts: list[Prompt], score: Callable[[list[SampledGroup]], list[list[float]]]
-    ) -> dict[str, float]:
+    ) -> dict[str, float | dict[str, float]]:
         trainer = self.cfg.trainer
-        scores = {"accuracy": greedy_share(score(self._answers(prompts, greedy=True)))}
+        greedy = score(self._answers(prompts, greedy=True))
+        scores: dict[str, float | dict[str, float]] = {"accuracy": greedy_share(greedy)}
+        if by_task := greedy_share_by_task(prompts, greedy):
+            scores["task_accuracy"] = by_task
         if trainer.eval_samples:
             k = trainer.eval_pass_k or trainer.eval_samples
             rewards = score(self._answers(prompts, greedy=False))

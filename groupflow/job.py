@@ -102,6 +102,7 @@ class TrainingJob:
         self.version = 0
         self.first_step = 1
         self.warm_accuracy: float | None = None
+        self.warm_eval: dict = {}  # every held-out score before training (evaluate())
         # Running totals carried over from the checkpoint a job resumed from.
         self._totals_before = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         self._last_save: float | None = None  # seconds the newest save took
@@ -212,6 +213,7 @@ class TrainingJob:
             policy_version=self.version,
             stream=self.stream.state_dict(),
             warm_start_accuracy=self.warm_accuracy,
+            warm_start_eval=self.warm_eval,
             counters=self._running_totals() | self.restarts.state_dict(),
             model_config_json=ckpt.model_config_json,
             num_ranks=self.learner.num_ranks,
@@ -229,6 +231,7 @@ class TrainingJob:
         self.pipeline.sync_engines(wait_for_engines=True)
         self.first_step = state.step + 1
         self.warm_accuracy = state.warm_start_accuracy
+        self.warm_eval = state.warm_start_eval
         self.stream.load_state_dict(state.stream)
         self._totals_before = {k: state.counters.get(k, 0.0) for k in self._totals_before}
         self.restarts.load_state_dict(state.counters)

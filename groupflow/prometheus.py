@@ -7,6 +7,10 @@ figures to the driver in its step results, the job loop folds them into the step
 head node (where a Ray job's driver runs) at `metrics.prometheus_port`. Ray's own per-node
 metrics (CPU, GPU, object store) are scraped separately; see deploy/prometheus.yml.
 
+Held-out scores are exported as they are measured: before training, at each evaluation, and
+after training (`observe_held_out`); a job that ends waits for one more scrape, when something
+scrapes it, so that the final scores are read before the endpoint goes (`await_scrape`).
+
 Every series carries a `job` label with the run name (`trainer.run_name`). Prometheus sets
 its own `job` label on scrape, so the scrape config uses `honor_labels: true` to keep ours.
 """
@@ -21,6 +25,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from groupflow.catalogue import FAMILY_HELP, LIVE_GAUGES, METRICS, Series
 
+# The longest a finished job waits for a scraper to read its final scores: twice the interval
+# seen between its scrapes, at most this (and this when only one scrape was seen).
+MAX_FINAL_SCRAPE_WAIT_S = 60.0
+
 # From a few milliseconds (reward scoring of a small batch) to minutes (generation on an LLM).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 
@@ -30,6 +38,31 @@ _METRIC_CLASSES = {
     "running_total": Counter,
     "histogram": Histogram,
 }
+
+
+class ScrapeClock:
+    """When the endpoint was last scraped (the last two times)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.changed = threading.Condition()
+
+    def note(self) -> None:
+        with self.changed:
+            self.times = [*self.times[-1:], time.monotonic()]
+            self.changed.notify_all()
+
+    def wait_for_scrape_after(self, moment: float) -> bool:
+        """Wait for a scrape that starts after `moment` (when the endpoint has been scraped
+        before, for at most twice the interval seen, capped); whether one came."""
+        with self.changed:
+            if not self.times:
+                return False  # nothing scrapes this job
+            interval = self.times[-1] - self.times[0] if len(self.times) > 1 else None
+            wait = (
+                min(2 * interval, MAX_FINAL_SCRAPE_WAIT_S) if interval else MAX_FINAL_SCRAPE_WAIT_S
+            )
+            return self.changed.wait_for(lambda: self.times[-1] > moment, timeout=wait)
 
 
 def _counter_increment(previous: float, total: float) -> float:
@@ -48,14 +81,8 @@ class PrometheusExporter:
     def __init__(self, job: str, port: int, addr: str = "0.0.0.0"):
         self.job = job
         self.registry = CollectorRegistry()
-        families: dict[str, object] = {}
-        self._series = []  # (record key, series, its family)
-        for metric in METRICS:
-            series = metric.series
-            if series is not None:
-                if series.name not in families:
-                    families[series.name] = self._family(series, metric.help)
-                self._series.append((metric.key, series, families[series.name]))
+        # The live gauges first: the registry reads its metrics in this order, so a scrape is
+        # noted (seconds_since_step) before it reads any score.
         self._live = {
             key: Gauge(
                 g.name,
@@ -65,15 +92,28 @@ class PrometheusExporter:
             )
             for key, g in LIVE_GAUGES.items()
         }
-        self._last_totals: dict[str, float] = {}
+        self._scrapes = ScrapeClock()
         self._step_at = time.monotonic()
-        self._live["seconds_since_step"].labels(job).set_function(
-            lambda: time.monotonic() - self._step_at
-        )
+        self._held_out_at = 0.0  # when held-out scores were last set
+        self._live["seconds_since_step"].labels(job).set_function(self._seconds_since_step)
+        families: dict[str, object] = {}
+        self._series = []  # (record key, series, its family)
+        for metric in METRICS:
+            series = metric.series
+            if series is not None:
+                if series.name not in families:
+                    families[series.name] = self._family(series, metric.help)
+                self._series.append((metric.key, series, families[series.name]))
+        self._last_totals: dict[str, float] = {}
         # prometheus_client's metrics are thread-safe; this guards the running totals, should
         # step records ever arrive from more than one thread.
         self._lock = threading.Lock()
         self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+
+    def _seconds_since_step(self) -> float:
+        """Read at every scrape, which it notes."""
+        self._scrapes.note()
+        return time.monotonic() - self._step_at
 
     def _family(self, series: Series, help_text: str):
         labels = ["job"]
@@ -99,6 +139,20 @@ class PrometheusExporter:
         """Export one step record (the object written to metrics.jsonl); keys absent from
         the record leave their series unchanged."""
         self._step_at = time.monotonic()
+        self._observe(record)
+
+    def observe_held_out(self, scores: dict) -> None:
+        """Export held-out scores measured outside a step (before and after training), under
+        the step records' keys (eval_*, warm_start_accuracy)."""
+        self._observe(scores)
+        self._held_out_at = time.monotonic()  # a scrape that starts later reads them
+
+    def await_scrape(self) -> bool:
+        """Wait until a scrape has read the newest held-out scores, if anything scrapes this
+        endpoint (at most MAX_FINAL_SCRAPE_WAIT_S); whether one did."""
+        return self._scrapes.wait_for_scrape_after(self._held_out_at)
+
+    def _observe(self, record: dict) -> None:
         with self._lock:
             for key, series, family in self._series:
                 if key not in record:

@@ -54,7 +54,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.system_prompt = settings.system_prompt
         self.tools = settings.tools or None
-        self.template = _template(tokenizer, settings.chat_template)
+        self.template = job_chat_template(tokenizer, settings.chat_template)
         self.template_name = _template_name(tokenizer, settings.chat_template)
         if self.template is None and settings.system_prompt is not None:
             raise PromptRenderError(
@@ -228,7 +228,9 @@ def _template_name(tokenizer, choice: str) -> str:
     return f"task.chat_template {choice}"
 
 
-def _template(tokenizer, choice: str) -> str | None:
+def job_chat_template(tokenizer, choice: str) -> str | None:
+    """The template a job renders with (`task.chat_template`): the tokenizer's own, none, or a
+    file's text."""
     if choice == "none":
         return None
     if choice == "auto":

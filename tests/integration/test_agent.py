@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from transformers import AutoTokenizer
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.tools import ToolPoolClient, start_tool_pool
@@ -169,6 +170,23 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
     assert not escaped.exists()
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["final_accuracy"] <= 1.0
+    # The trained policy is a model directory of its own: its tokenizer renders a tool
+    # conversation as the base's did (the template is in chat_template.jinja, which the model
+    # directory once lacked, so that `groupflow eval` of it was refused).
+    conversation = [
+        {"role": "user", "content": "Compute 12*7."},
+        {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+        {"role": "tool", "content": "84"},
+    ]
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    rendered = [
+        AutoTokenizer.from_pretrained(path).apply_chat_template(
+            conversation, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        for path in (tool_model, run / "model")
+    ]
+    assert rendered[0] == rendered[1] and "84" in rendered[1]
+    assert (run / "model" / "chat_template.jinja").is_file()
 
 
 def test_a_dead_tool_worker_is_restarted_and_its_calls_run_again(ray_cluster):

@@ -7,11 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from groupflow.saved_model import complete_saved_model
 from tests.hf_cache import cache_model, offline_env
 
 pytestmark = pytest.mark.integration
@@ -53,29 +53,54 @@ def _adapter(model_dir: str, out, base: str, seed: int):
     return peft_model
 
 
+# The quickstart model's raw prompt ("1-4+5=") rendered from the arithmetic task's chat wording,
+# the system turn left out: a chat template the quickstart model answers under.
+RAW_TEXT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ m.content | replace('Compute ', '') "
+    "| replace('. Reply with the resulting integer only.', '=') }}{% endif %}{% endfor %}"
+)
+
+
 def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
-    # The base model is also named by a hub id, from a Hugging Face cache read offline: the
-    # adapter's base_model_name_or_path, and the plain model evaluated last.
+    """Under a chat template (chat_template.jinja) with a system turn, which needs a template:
+    the adapter served on its base scores as the model it merges into, saved as groupflow saves
+    a policy (groupflow/saved_model.py), whose own template it renders. The base is named by a
+    hub id, from a Hugging Face cache read offline: the adapter's base_model_name_or_path, and
+    the plain model evaluated last."""
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(quickstart_model, base)
+    tokenizer = AutoTokenizer.from_pretrained(quickstart_model)
+    tokenizer.chat_template = RAW_TEXT_TEMPLATE
+    tokenizer.save_pretrained(base)
     hf_home = tmp_path / "hf"
-    snapshot = cache_model(hf_home, "groupflow/quickstart", Path(quickstart_model))
-    peft_model = _adapter(quickstart_model, tmp_path / "adapter", "groupflow/quickstart", seed=0)
+    snapshot = cache_model(hf_home, "groupflow/quickstart", base)
+    peft_model = _adapter(str(base), tmp_path / "adapter", "groupflow/quickstart", seed=0)
     merged = tmp_path / "merged"
     peft_model.merge_and_unload().save_pretrained(merged)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(quickstart_model) / name, merged / name)
+    complete_saved_model(str(base), merged, "auto")
     results = []
     for model in (tmp_path / "adapter", merged, "groupflow/quickstart"):
-        proc = _eval("--model", str(model), "--set", "task.eval_size=64", env=offline_env(hf_home))
+        proc = _eval(
+            "--model",
+            str(model),
+            "--set",
+            "task.eval_size=64",
+            "--set",  # a system turn: refused where the model directory has no template
+            "task.system_prompt=answer with a number",
+            env=offline_env(hf_home),
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    adapter, merged_score, base = (r["accuracy"] for r in results)
+    adapter, merged_score, base_score = (r["accuracy"] for r in results)
     assert adapter == merged_score
-    assert adapter != base, "the adapter must change the answers for this test to see it"
+    assert adapter != base_score, "the adapter must change the answers for this test to see it"
     # the plain model, by its hub id: one JSON line of its own, served from the snapshot
     assert results[2]["prompts"] == 64 and results[2]["task"] == "arithmetic"
     assert results[2]["model"] == str(snapshot)
     # the warm-started model answers some, not all, held-out problems
-    assert 0.0 < base < 1.0
+    assert 0.0 < base_score < 1.0
 
 
 def test_an_adapter_of_another_model_is_one_line(quickstart_model, tmp_path):

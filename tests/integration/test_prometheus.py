@@ -26,7 +26,8 @@ def prometheus(tmp_path):
 
 def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat_model, tmp_path):
     """A job of two tasks on a local chat model (prompts rendered through its template, with a
-    system turn): Prometheus reads its reward, stage latencies and per-task series."""
+    system turn): Prometheus reads its reward, stage latencies and per-task series, and with
+    trainer.eval_every 0 its held-out accuracy before and after training, per task too."""
     job_port, server = prometheus
     codes = []
     job = threading.Thread(
@@ -89,6 +90,27 @@ def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat
         "task sums": 0.0,
         "task long": 0.0,
     }
+    # Held-out scores with eval_every 0 (the default): before training and after; the job
+    # waited for a scrape of the final ones before its endpoint went (a range query: the
+    # series went stale with the endpoint).
+    summary = json.loads((tmp_path / "prom/summary.json").read_text())
+    final, warm = summary["final_eval"], summary["warm_start_eval"]
+
+    def last(series: str) -> dict[str, float]:
+        found = server.query(f'last_over_time({series}{{job="groupflow"}}[10m])')
+        return {s["metric"].get("task", ""): float(s["value"][1]) for s in found}
+
+    assert last("groupflow_eval_accuracy") == {"": summary["final_accuracy"]}
+    assert last("groupflow_warm_start_accuracy") == {"": summary["warm_start_accuracy"]}
+    assert last("groupflow_eval_task_accuracy") == final["eval_task_accuracy"]
+    assert (
+        final["eval_task_accuracy"].keys()
+        == warm["eval_task_accuracy"].keys()
+        == {
+            "sums",
+            "long",
+        }
+    )
     # what the engines generated from: each task's chat wording after the system turn (the toy
     # tokenizer's decode drops spaces)
     rows = [json.loads(line) for line in (tmp_path / "prom/samples/step_1.jsonl").open()]

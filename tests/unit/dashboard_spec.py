@@ -37,6 +37,23 @@ PANEL_ROWS = {
     "Trajectory end reasons": "Agents",
 }
 
+# Panels that stay empty unless the job (or the scrape config) has a feature: each says which
+# when it has no data (its "noValue" text names this setting).
+AGENTS = "agent.tools"
+RAY_SCRAPE = "deploy/prometheus.yml"
+FEATURE_PANELS = {
+    "Turns per trajectory": AGENTS,
+    "Tool use and observation share": AGENTS,
+    "Tool calls, errors and timeouts": AGENTS,
+    "Tool latency p50 / p95": AGENTS,
+    "Trajectory end reasons": AGENTS,
+    "Checkpoints": "trainer.checkpoint_every",
+    "Ray nodes: CPU and GPU use": RAY_SCRAPE,
+    "Actors by node": RAY_SCRAPE,
+    "Object store traffic by node": RAY_SCRAPE,
+    "Object store memory by node": RAY_SCRAPE,
+}
+
 
 def promql_name(series: Series) -> str:
     """A series' name as a PromQL query spells it: counters with _total, histograms by their

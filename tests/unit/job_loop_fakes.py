@@ -357,6 +357,7 @@ def run_job(
     starting=None,
     scaler=None,
     sync_s=0.0,
+    task=None,
 ) -> Run:
     """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
     on from the newest checkpoint, as a restarted driver with new peers would. `starting`
@@ -418,7 +419,7 @@ def run_job(
     transport.corrupt_at = faults.corrupt_sync_at
     job = TrainingJob(
         cfg,
-        CountingTask(),
+        task or CountingTask(),
         generators=pool,
         rewards=rewards,
         learner=learner,
@@ -436,7 +437,8 @@ def run_job(
         newest = CheckpointStore(run_dir).newest()
         job.restore(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
     else:
-        job.warm_accuracy = job.evaluate()["eval_accuracy"]
+        job.warm_eval = job.evaluate()
+        job.warm_accuracy = job.warm_eval["eval_accuracy"]
     sink = Sink()
     try:
         job.train([sink])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from groupflow.catalogue import LIVE_GAUGES, METRICS
-from tests.unit.dashboard_spec import EXPORTED_METRICS, PANEL_ROWS, promql_name
+from tests.unit.dashboard_spec import EXPORTED_METRICS, FEATURE_PANELS, PANEL_ROWS, promql_name
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "groupflow.json"
 METRIC = re.compile(r"groupflow_[a-z_]+")
@@ -136,3 +136,17 @@ def test_panels_use_the_datasource_variable(dashboard):
 def test_panel_ids_are_unique(dashboard):
     ids = [p["id"] for p in flat_panels(dashboard)]
     assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("title", sorted(FEATURE_PANELS))
+def test_a_panel_that_needs_a_feature_says_so_when_empty(dashboard, title):
+    no_value = panels_by_title(dashboard)[title]["fieldConfig"]["defaults"].get("noValue", "")
+    assert FEATURE_PANELS[title] in no_value, (title, no_value)
+
+
+def test_held_out_accuracy_is_drawn_from_before_training_on(dashboard):
+    """Measured before and after training whatever trainer.eval_every is, so the headline
+    panel draws the held-out series beside the training samples' (not only with eval_every)."""
+    accuracy = metric_names(expressions([panels_by_title(dashboard)["Accuracy"]]))
+    assert {"groupflow_eval_accuracy", "groupflow_warm_start_accuracy"} <= accuracy
+    assert "groupflow_eval_task_accuracy" in accuracy  # each task of a mixture

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -23,6 +24,7 @@ from groupflow.weight_format import WeightSyncMismatch
 from tests.unit.job_loop_fakes import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
+    CountingTask,
     Faults,
     Run,
     run_job,
@@ -518,6 +520,29 @@ def test_held_out_scores_greedy_and_sampled_through_the_reward_pool():
     # before training and at step 2: greedy, then sampled
     assert len(held_out) == 4 and all(e[1] == EVAL_CHUNK for e in held_out)
     assert "eval_mean_at_n" not in run.records[0]
+
+
+class TwoTasks(CountingTask):
+    """A mixture's held-out prompts: each labelled with its task, "even" or "odd"."""
+
+    def eval_prompts(self, n):
+        return [replace(p, task=("even", "odd")[p.answer % 2]) for p in super().eval_prompts(n)]
+
+
+def even_answers_pass(prompt, j):
+    return float(prompt.answer % 2 == 0)
+
+
+def test_a_mixture_is_scored_per_task_too_and_a_resume_keeps_the_warm_start_scores(tmp_path):
+    opts = dict(reward=even_answers_pass, task=TwoTasks(), run_dir=tmp_path)
+    overrides = ["trainer.checkpoint_every=1", "trainer.eval_every=1"]
+    run = run_job(steps=2, overrides=overrides, **opts)
+    warm = {"eval_accuracy": 0.5, "eval_task_accuracy": {"even": 1.0, "odd": 0.0}}
+    assert run.job.warm_eval == warm
+    assert run.records[0]["eval_task_accuracy"] == {"even": 1.0, "odd": 0.0}
+    resumed = run_job(steps=3, overrides=overrides, resume=True, **opts)
+    assert resumed.job.warm_eval == warm  # from the checkpoint: summary.json reports it
+    assert "eval_task_accuracy" not in run_job(steps=1).job.warm_eval  # one task: no split
 
 
 class FakeHeldOutSet:

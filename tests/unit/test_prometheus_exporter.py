@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -233,3 +235,43 @@ def test_tool_series_count_per_tool_and_observe_each_call(exporter):
     assert sample(samples, "groupflow_tool_latency_seconds_count") == 6
     assert sample(samples, bucket, le="0.005") == 2
     assert sample(samples, bucket, le="5.0") == 4
+
+
+def test_held_out_scores_outside_a_step_are_exported(exporter):
+    """Before and after training (eval_every 0 too), the held-out scores reach the accuracy
+    panel's series, per task of a mixture as well, and the warm start's stays beside them."""
+    warm = {"eval_accuracy": 0.25, "eval_task_accuracy": {"sums": 0.5, "long": 0.0}}
+    exporter.observe_held_out({"warm_start_accuracy": 0.25, **warm})
+    samples = scrape(exporter.port)
+    assert sample(samples, "groupflow_warm_start_accuracy") == 0.25
+    assert sample(samples, "groupflow_eval_accuracy") == 0.25
+    assert sample(samples, "groupflow_eval_task_accuracy", task="sums") == 0.5
+    assert sample(samples, "groupflow_eval_task_accuracy", task="long") == 0.0
+    assert ("groupflow_step", frozenset({("job", JOB)})) not in samples  # no step was taken
+    exporter.observe_held_out({"eval_accuracy": 0.75, "eval_task_accuracy": {"long": 0.5}})
+    samples = scrape(exporter.port)
+    assert sample(samples, "groupflow_eval_accuracy") == 0.75
+    assert sample(samples, "groupflow_eval_task_accuracy", task="long") == 0.5
+    assert sample(samples, "groupflow_warm_start_accuracy") == 0.25
+
+
+def test_a_finished_job_waits_for_its_scraper_to_read_the_final_scores(exporter):
+    """Only when something scrapes the endpoint, and for twice its interval at most."""
+    started = time.monotonic()
+    assert exporter.await_scrape() is False  # nothing scrapes it: no wait at all
+    assert time.monotonic() - started < 0.1
+    for _ in range(2):  # scraped during the run, every 0.2 s
+        scrape(exporter.port)
+        time.sleep(0.2)
+    exporter.observe_held_out({"eval_accuracy": 0.75})
+    read = []
+    later = threading.Timer(0.1, lambda: read.append(scrape(exporter.port)))
+    later.start()
+    assert exporter.await_scrape() is True
+    later.join()
+    assert sample(read[0], "groupflow_eval_accuracy") == 0.75
+    # a scraper that has gone: the job waits about twice the interval it saw, then ends
+    exporter.observe_held_out({"eval_accuracy": 0.5})
+    started = time.monotonic()
+    assert exporter.await_scrape() is False
+    assert 0.1 < time.monotonic() - started < 2.0
