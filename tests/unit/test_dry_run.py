@@ -58,7 +58,9 @@ def job_file(tmp_path, model: str, dataset: str, **extra: str) -> str:
 
 def test_a_users_model_and_dataset_are_checked_and_reported(user_model, tmp_path, capsys):
     data = gsm8k_layout(tmp_path / "train.jsonl", 200, long_rows=1)
-    job = job_file(tmp_path, user_model, data, rollout="{max_model_len: 200, sampling: {max_tokens: 16}}")
+    job = job_file(
+        tmp_path, user_model, data, rollout="{max_model_len: 200, sampling: {max_tokens: 16}}"
+    )
     assert main(["train", job, "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"model: {user_model} (qwen2, ") and "vocab " in out[0]
