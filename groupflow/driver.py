@@ -53,8 +53,10 @@ from groupflow.reward_workers.tasks.prompt_pool import fit_to_engines, job_promp
 from groupflow.rollout.agent import Agent
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
+from groupflow.run_end import SUMMARY_FILE, read_summary, stopped_line
 from groupflow.sample_log import SampleLog
 from groupflow.scaling import Scaler, limits_for, policy_for
+from groupflow.stopping import StopAborted, StopRequest, stop_on_signals
 from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
@@ -293,9 +295,9 @@ def open_run(cfg: Config) -> OpenRun:
     )
 
 
-def start_job(run: OpenRun) -> TrainingJob:
+def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
     """Start the engines, the reward workers and the learner ranks; on a failure, stop
-    those already started."""
+    those already started. `groupflow stop` reaches `stop` through the job's control actor."""
     cfg = run.cfg
     restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
     with ExitStack() as undo:
@@ -316,6 +318,8 @@ def start_job(run: OpenRun) -> TrainingJob:
         inbox = None if control is None else ActorInbox(control)
         if inbox is not None:
             undo.callback(inbox.close)
+            if stop is not None:
+                stop.poll = inbox.stop_asked
         held_out_sets = []
         for eval_set in cfg.task.eval_sets:
             held_out_sets.append(HeldOutSet(eval_set, cfg.reward.plugin_timeout_s))
@@ -346,6 +350,7 @@ def start_job(run: OpenRun) -> TrainingJob:
                 gauges=run.exporter,
                 log=log.info,
             ),
+            stop=stop,
             sample_log=SampleLog(run.run_dir, cfg.trainer, _tokenizer(run.model_path).decode),
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
@@ -397,44 +402,86 @@ def train(run: OpenRun, job: TrainingJob) -> None:
         tracker.close()
 
 
-def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
-    """Plots, the final evaluation, the model and summary.json; returns the summary."""
+def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float | None) -> dict:
+    """Plots, the final evaluation, the model and summary.json; returns the summary. A run
+    stopped early (groupflow/stopping.py) has no final evaluation: its summary says where
+    it stopped, and the model is the policy of the last step trained."""
     write_plots(run.run_dir / "metrics.jsonl", run.run_dir)
-    final_scores = job.evaluate()
-    final = final_scores["eval_accuracy"]
-    log.info("held-out greedy accuracy after training: %.3f", final)
+    final_scores = None
+    if not job.stopped:
+        final_scores = job.evaluate()
+        log.info("held-out greedy accuracy after training: %.3f", final_scores["eval_accuracy"])
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
     copy_tokenizer(run.model_path, model_dir)
+    every = run.cfg.trainer.checkpoint_every
+    newest = CheckpointStore(run.run_dir).newest() if every else None
     summary = {
         "steps": run.cfg.trainer.steps,
+        "step_reached": job.last_step,
+        "stopped": job.stopped,
+        "stopped_by": job.stop.source if job.stopped else None,
         "warm_start_accuracy": warm_accuracy,
-        "final_accuracy": final,
+        "final_accuracy": None if final_scores is None else final_scores["eval_accuracy"],
         "final_eval": final_scores,
         "policy_version": job.version,
         "resumed_from_step": run.resume.state.step if run.resume is not None else None,
         "prompts_left_out": run.prompts_left_out,
         "wall_time_s": time.monotonic() - run.started,  # of this process
+        "run_dir": str(run.run_dir),
         "model_dir": str(model_dir),
+        "checkpoint": None if newest is None else str(newest),
+        "checkpoint_every": every,
     }
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def run(cfg: Config) -> dict:
-    """Run one training job; returns the summary also written to summary.json."""
+def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resume: str) -> dict:
+    """A stopped run's files (finish_run) and the line saying what was written, also told to
+    `groupflow stop` through the control actor. A stop before any step was trained by this
+    process writes nothing: summary.json, model/ and the plots stay as they were."""
+    if job.last_step < job.first_step:
+        summary = read_summary(run.run_dir) or {}
+        line = f"stopped before step {job.first_step} was trained: nothing written"
+    else:
+        summary = finish_run(run, job, warm)
+        line = stopped_line(summary, how_to_resume)
+    log.warning("%s", line)
+    if job.scaler is not None and job.scaler.inbox is not None:
+        job.scaler.inbox.ended(line)
+    return {**summary, "end_line": line}
+
+
+def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> dict:
+    """Run one training job; returns the summary written to summary.json. Once training
+    has begun, Ctrl-C, SIGTERM and `groupflow stop` stop it early (groupflow/stopping.py);
+    the summary returned then has `end_line`: what was written, and `how_to_resume`."""
+    stop = StopRequest(cfg.trainer.stop_timeout_s)
     opened = open_run(cfg)
     job = None
     try:
-        job = start_job(opened)
+        job = start_job(opened, stop)
         if opened.resume is not None:
             job.restore(opened.resume.checkpoint, opened.resume.state)
             warm = job.warm_accuracy
         else:
             warm = job.warm_accuracy = job.evaluate()["eval_accuracy"]
             log.info("held-out greedy accuracy before training: %.3f", warm)
-        train(opened, job)
-        return finish_run(opened, job, warm)
+        with stop_on_signals(stop):
+            train(opened, job)
+            if job.stopped:
+                return end_stopped(opened, job, warm, how_to_resume)
+            return finish_run(opened, job, warm)
+    except StopAborted as err:
+        newest = CheckpointStore(opened.run_dir).newest()
+        log.warning(
+            "%s; %s", err, f"the newest checkpoint is {newest}" if newest else "no checkpoint"
+        )
+        raise
+    except KeyboardInterrupt:
+        log.warning("interrupted before training began: nothing written")
+        raise
     finally:
         if job is not None:
             job.shutdown()

@@ -57,6 +57,10 @@ ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
 # the list (tests/unit/test_packaging.py checks this copy against it).
 SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
+# How long `groupflow stop` waits for the job to end: the step in flight (its samples within
+# trainer.stop_timeout_s), its learning, a checkpoint and the model's save.
+STOP_TIMEOUT_S = 900.0
+NOW_TIMEOUT_S = 30.0  # for `stop --now`: the job looks for it every few seconds
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
@@ -109,6 +113,38 @@ def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_stop_command(subparsers: argparse._SubParsersAction) -> None:
+    stop = subparsers.add_parser(
+        "stop",
+        help="stop a running job, keeping its work",
+        description="Ask a running job to stop, as Ctrl-C does: it finishes the step in "
+        "flight (abandoned when its samples are not in within trainer.stop_timeout_s), then "
+        "writes its checkpoint (with trainer.checkpoint_every), model, plots and summary.json, "
+        "and ends. Prints what it wrote and how to resume. RUN is a run name "
+        "(trainer.run_name), a run directory, or the job id `groupflow submit` printed. A job "
+        "not ended within --timeout, or not reachable yet (still starting), is stopped "
+        "through the Ray Jobs API (a run trained here: its driver is sent SIGTERM), which "
+        "writes nothing more.",
+    )
+    stop.add_argument("job_id", metavar="RUN", help="run name, run directory, or job id")
+    stop.add_argument(
+        "--now",
+        "--force",
+        action="store_true",
+        help="end at once, writing nothing more (the newest checkpoint stays the newest)",
+    )
+    stop.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=STOP_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for the job to end (default {STOP_TIMEOUT_S:g}) before "
+        "stopping it through the Ray Jobs API",
+    )
+    _add_address(stop)
+    _add_live_args(stop)
+
+
 def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `submit`, `status`, `logs`, `stop` and `scale` to the `groupflow` command's
     subparsers."""
@@ -144,7 +180,6 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
             "learner ranks",
         ),
         ("logs", "print a job's logs"),
-        ("stop", "stop a running job"),
     ):
         p = subparsers.add_parser(name, help=text, description=text)
         if name == "status":
@@ -155,6 +190,7 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
         _add_address(p)
         if name == "logs":
             p.add_argument("--follow", action="store_true", help="keep printing until it ends")
+    _add_stop_command(subparsers)
     _add_scale_command(subparsers)
 
 
@@ -326,13 +362,36 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop(args: argparse.Namespace) -> int:
-    client = _client(args.address)
-    if client.stop_job(args.job_id):
-        print(f"stop requested for {args.job_id}")
+def _stop_through_jobs_api(address: str | None, job_id: str) -> int:
+    client = _client(address)
+    if client.stop_job(job_id):
+        print(f"stopped {job_id} through the Ray Jobs API (SIGTERM, then SIGKILL)")
     else:
-        status = client.get_job_status(args.job_id)
-        print(f"{args.job_id} had already ended ({status.value})")
+        status = client.get_job_status(job_id)
+        print(f"{job_id} had already ended ({status.value})")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """Through the job's control actor (groupflow/live.py `stop`), so that it ends as
+    Ctrl-C ends it; the Jobs API (or a local driver's SIGTERM) when that cannot be had."""
+    from groupflow import live
+
+    dashboard = _dashboard(args.address)
+    target = live.locate(args.job_id, Path(args.runs), _client, dashboard, args.ray_address)
+    try:
+        actor = live.connect(target)
+    except live.LiveError as err:  # still starting: it has no control actor yet
+        print(f"{first_line(err)}; stopping it at once")
+        actor = None
+    timeout_s = NOW_TIMEOUT_S if args.now else args.timeout
+    if actor is not None:
+        if live.stop(actor, args.now, timeout_s):
+            return 0
+        print(f"the job has not ended in {timeout_s:g}s; stopping it at once")
+    if target.job_id is not None:
+        return _stop_through_jobs_api(args.address, target.job_id)
+    print(live.signal_driver(target))
     return 0
 
 

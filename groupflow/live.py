@@ -1,5 +1,5 @@
-"""`groupflow scale` and the live part of `groupflow status`: reach a running job's control
-actor (groupflow/actors/control.py) from another process.
+"""`groupflow scale`, `groupflow stop` and the live part of `groupflow status`: reach a running
+job's control actor (groupflow/actors/control.py) from another process.
 
 Finding the job's Ray cluster:
 - A job trained here (`groupflow train`) writes runs/<run>/cluster.json while it runs: the
@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ class Target:
     job_id: str | None = None
     auth_mode: str | None = None  # the cluster's RAY_AUTH_MODE, when the run recorded it
     host: str | None = None  # where the run's driver is, when the run recorded it
+    pid: int | None = None  # the run's driver, when the run recorded it
 
 
 def local_target(name: str, runs_dir: Path) -> Target | None:
@@ -191,7 +193,13 @@ def local_target(name: str, runs_dir: Path) -> Target | None:
             raise LiveError(
                 f"run {record.run} is not running (its driver, pid {record.pid}, has ended)"
             )
-        return Target(record.run, record.gcs_address, auth_mode=record.auth_mode, host=record.host)
+        return Target(
+            record.run,
+            record.gcs_address,
+            auth_mode=record.auth_mode,
+            host=record.host,
+            pid=record.pid,
+        )
     return None
 
 
@@ -391,3 +399,47 @@ def print_live(actor, out=print) -> None:
     age = time.time() - status.updated_unix
     if age > 60:
         out(f"(reported {age:.0f}s ago: a step is taking long)")
+
+
+def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
+    """Ask the job to stop (groupflow/stopping.py) and wait for it to end, printing the line
+    that says what it wrote. False when it has not ended within `timeout_s`."""
+    import ray
+
+    ray.get(actor.stop.remote(now), timeout=30)
+    if now:
+        out("stop --now requested: the job ends at once, writing nothing more")
+    else:
+        out(
+            "stop requested: the job finishes its step in flight (abandoned when its samples "
+            "are late: trainer.stop_timeout_s), then writes its checkpoint, model, plots and "
+            "summary"
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = ray.get(actor.end_line.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            out("the job has ended")
+            return True
+        except ray.exceptions.GetTimeoutError:
+            continue
+        if line is not None:
+            out(line)
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def signal_driver(target: Target) -> str:
+    """A local run's driver sent SIGTERM (a second stop: it aborts at once); what was done."""
+    if target.pid is None or target.host != socket.gethostname():
+        raise LiveError(
+            f"run {target.run}: its driver runs on {target.host or 'another machine'}; "
+            "stop it there"
+        )
+    try:
+        os.kill(target.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return f"run {target.run} has ended"
+    return f"sent SIGTERM to the driver of run {target.run} (pid {target.pid}): it aborts at once"
