@@ -125,6 +125,7 @@ class TrainingJob:
         checkpoint of the last step trained is saved if checkpointing is on."""
         for step in range(self.first_step, self.cfg.trainer.steps + 1):
             if self._stop_asked():
+                self.stopped = True
                 break
             try:
                 record = self._step(step)
@@ -154,8 +155,7 @@ class TrainingJob:
         """Whether to end the job before its next step (only ever before the last step)."""
         if self.stop is None or self.last_step >= self.cfg.trainer.steps:
             return False
-        self.stopped = self.stopped or self.stop.check()
-        return self.stopped
+        return self.stop.check()
 
     def _heartbeat(self) -> None:
         """While the loop waits: the live series, and a stop asked meanwhile; a step still
