@@ -17,6 +17,7 @@ EPILOG = """examples:
   groupflow train job.yaml --set learner.optimizer.lr=1e-5 --set rollout.group_size=8
   groupflow train --set algorithm.preset=stapo --set trainer.steps=50
   groupflow train job.yaml --resume                 go on from the run's newest checkpoint
+  groupflow stop quickstart                         end it after its step in flight, keeping its work
   groupflow scale quickstart --engines 2             two engines for the running job `quickstart`
   groupflow status quickstart                       its live engines, reward workers, learner ranks
 """

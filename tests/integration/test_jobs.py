@@ -73,9 +73,12 @@ def _first_step(metrics: Path, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
-def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tmp_path):
+def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_path):
     """Submitted, found by run name and by job id while it runs, its reward workers scaled
-    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it)."""
+    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it), then
+    stopped by `groupflow stop` through its control actor: it finishes the step in flight,
+    saves a checkpoint (off schedule: checkpoint_every is beyond the job's steps), the model,
+    plots and summary.json, and the command prints what was written."""
     address, env = ray_head
     proc = _groupflow(
         [
@@ -89,6 +92,8 @@ def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tm
             "task.eval_size=16",
             "--set",
             f"trainer.output_dir={tmp_path}",
+            "--set",
+            "trainer.checkpoint_every=100",
         ],
         env,
     )
@@ -108,13 +113,29 @@ def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tm
     assert "reward workers: 3 live, target 3" in live and "learner ranks: 2" in live
     zero = _groupflow(["scale", "quickstart", "--address", address, "--engines", "0"], env)
     assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
+    stop = _groupflow(["stop", job_id, "--address", address], env)
+    assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
+    run = tmp_path / "quickstart"
+    said = stop.stdout.splitlines()
+    assert said[0].startswith("stop requested: the job finishes its step in flight"), said
+    stopped = re.fullmatch(
+        rf"stopped at step (\d) of 8 \(groupflow stop\): wrote checkpoint "
+        rf"{run}/checkpoints/step_(\d), model {run}/model, plots and summary.json in {run}; "
+        r"resume with: groupflow submit CONFIG .*",
+        said[-1],
+    )
+    assert stopped and stopped[1] == stopped[2], said
+    reached = int(stopped[1])
     follow = _groupflow(["logs", job_id, "--follow", "--address", address], env)
     assert follow.returncode == 0
     status = _groupflow(["status", job_id, "--address", address], env)
     assert "SUCCEEDED" in status.stdout
-    assert (tmp_path / "quickstart" / "summary.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["stopped"], summary["step_reached"]) == (True, reached)
+    assert summary["stopped_by"] == "groupflow stop"
+    assert (run / "model" / "config.json").is_file() and (run / "reward.png").is_file()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, reached + 1)) and reached < 8
     workers = [r["num_reward_workers"] for r in records]
     assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
     assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)
