@@ -406,7 +406,10 @@ def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
     that says what it wrote. False when it has not ended within `timeout_s`."""
     import ray
 
-    ray.get(actor.stop.remote(now), timeout=30)
+    try:
+        ray.get(actor.stop.remote(now), timeout=30)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+        raise LiveError(f"the job did not take the stop request ({first_line(err)})") from None
     if now:
         out("stop --now requested: the job ends at once, writing nothing more")
     else:
