@@ -453,12 +453,19 @@ def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resum
     return {**summary, "end_line": line}
 
 
+_NOTHING_TRAINED = "interrupted before training began: nothing trained, nothing saved"
+
+
 def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> dict:
     """Run one training job; returns the summary written to summary.json. Once training
     has begun, Ctrl-C, SIGTERM and `groupflow stop` stop it early (groupflow/stopping.py);
     the summary returned then has `end_line`: what was written, and `how_to_resume`."""
     stop = StopRequest(cfg.trainer.stop_timeout_s)
-    opened = open_run(cfg)
+    try:
+        opened = open_run(cfg)
+    except KeyboardInterrupt:
+        log.warning(_NOTHING_TRAINED)
+        raise
     job = None
     try:
         job = start_job(opened, stop)
@@ -480,7 +487,7 @@ def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> 
         )
         raise
     except KeyboardInterrupt:
-        log.warning("interrupted before training began: nothing written")
+        log.warning(_NOTHING_TRAINED)
         raise
     finally:
         if job is not None:

@@ -435,7 +435,8 @@ def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
 
 
 def signal_driver(target: Target) -> str:
-    """A local run's driver sent SIGTERM (a second stop: it aborts at once); what was done."""
+    """A local run's driver sent SIGTERM (after a stop asked through the control actor, it
+    aborts at once; groupflow/stopping.py); what was done."""
     if target.pid is None or target.host != socket.gethostname():
         raise LiveError(
             f"run {target.run}: its driver runs on {target.host or 'another machine'}; "
@@ -445,4 +446,4 @@ def signal_driver(target: Target) -> str:
         os.kill(target.pid, signal.SIGTERM)
     except ProcessLookupError:
         return f"run {target.run} has ended"
-    return f"sent SIGTERM to the driver of run {target.run} (pid {target.pid}): it aborts at once"
+    return f"sent SIGTERM to the driver of run {target.run} (pid {target.pid})"
