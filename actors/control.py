@@ -14,6 +14,7 @@ the same way (`stop`); the driver looks for it between steps and while a step wa
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 # Seconds the driver waits for the control actor's answer between steps: it is a dict lookup
 # on an idle actor, so only a lost node makes it slow, and then the job goes on without it.
 _POLL_TIMEOUT_S = 5.0
+# How long a stopped job waits for `groupflow stop` to read its last line (the command asks
+# every live.POLL_S), and how often it looks.
+_READ_WAIT_S = 10.0
+_READ_POLL_S = 0.2
 
 
 def _node_totals() -> list[dict[str, float]]:
@@ -46,6 +51,7 @@ class JobControl:
         self._status: dict | None = None
         self._stop: str | None = None  # None, "stop", or "now" (groupflow/stopping.py)
         self._end_line: str | None = None
+        self._end_line_read = False
 
     def request(self, engines: int | None, reward_workers: int | None) -> str | None:
         """Check and keep a request (a newer one replaces one not yet taken); the reason
@@ -86,7 +92,11 @@ class JobControl:
 
     def end_line(self) -> str | None:
         """What the stopped job wrote (its driver's last line), once it has."""
+        self._end_line_read = self._end_line is not None
         return self._end_line
+
+    def end_line_read(self) -> bool:
+        return self._end_line_read
 
 
 def start_control(run_name: str, limits: ScaleLimits):
@@ -136,13 +146,16 @@ class ActorInbox:
             log.warning("control actor did not answer (%s); no stop request seen", err)
             return None
 
-    def ended(self, line: str) -> None:
-        """The line saying how the job ended, for `groupflow stop` to print; awaited, as the
-        actor ends with the job right after."""
+    def ended(self, line: str, reader: bool) -> None:
+        """Leave the line saying how the job ended for `groupflow stop` to print and, when
+        that command asked for the stop (`reader`), wait for it to read the line, up to
+        _READ_WAIT_S: the actor ends with the job right after."""
+        deadline = time.monotonic() + _READ_WAIT_S
         try:
             ray.get(self.actor.end.remote(line), timeout=_POLL_TIMEOUT_S)
+            while reader and time.monotonic() < deadline:
+                if ray.get(self.actor.end_line_read.remote(), timeout=_POLL_TIMEOUT_S):
+                    return
+                time.sleep(_READ_POLL_S)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             pass  # `groupflow stop` then says the job ended, without the line
-
-    def close(self) -> None:
-        ray.kill(self.actor)

@@ -56,7 +56,7 @@ from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.run_end import SUMMARY_FILE, read_summary, stopped_line
 from groupflow.sample_log import SampleLog
 from groupflow.scaling import Scaler, limits_for, policy_for
-from groupflow.stopping import StopAborted, StopRequest, stop_on_signals
+from groupflow.stopping import STOP_COMMAND, StopAborted, StopRequest, stop_on_signals
 from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
@@ -449,7 +449,7 @@ def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resum
         line = stopped_line(summary, how_to_resume)
     log.warning("%s", line)
     if job.scaler is not None and job.scaler.inbox is not None:
-        job.scaler.inbox.ended(line)
+        job.scaler.inbox.ended(line, reader=job.stop.source == STOP_COMMAND)
     return {**summary, "end_line": line}
 
 

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
+STOP_COMMAND = "groupflow stop"  # the source of a stop asked through the control actor
 # How often a job asks its control actor whether `groupflow stop` asked it to stop.
 POLL_EVERY_S = 2.0
 
@@ -77,7 +78,7 @@ class StopRequest:
             if asked == "now":
                 raise StopAborted("groupflow stop --now: aborted at once, nothing more written")
             if asked == "stop" and not self.asked:
-                self.ask("groupflow stop")
+                self.ask(STOP_COMMAND)
         return self.asked
 
     def overdue(self) -> bool:
