@@ -438,8 +438,8 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float | None) -> d
 
 
 def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resume: str) -> dict:
-    """A stopped run's files (finish_run) and the line saying what was written, also told to
-    `groupflow stop` through the control actor. A stop before any step was trained by this
+    """A stopped run's files (finish_run) and the line saying what was written (the command
+    line prints it), also told to `groupflow stop` through the control actor. A stop before any step was trained by this
     process writes nothing: summary.json, model/ and the plots stay as they were."""
     if job.last_step < job.first_step:
         summary = read_summary(run.run_dir) or {}
@@ -447,7 +447,6 @@ def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resum
     else:
         summary = finish_run(run, job, warm)
         line = stopped_line(summary, how_to_resume)
-    log.warning("%s", line)
     if job.scaler is not None and job.scaler.inbox is not None:
         job.scaler.inbox.ended(line, reader=job.stop.source == STOP_COMMAND)
     return {**summary, "end_line": line}
