@@ -282,3 +282,23 @@ def test_resuming_a_finished_run_says_so_and_starts_nothing(tmp_path, capsys, wi
     assert not ray.is_initialized()
     assert (run / "summary.json").read_bytes() == summary
     assert sorted(p.name for p in tmp_path.rglob("*")) == listing  # not even a lock file
+
+
+def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop():
+    """What `groupflow stop` and the driver leave on the job's control actor (its class,
+    without Ray): a stop, which --now raises to an abort that a later plain stop does not
+    lower, and the job's last line, whose reading the driver waits for."""
+    from groupflow.actors.control import JobControl
+    from groupflow.scaling import ScaleLimits
+
+    control = JobControl(ScaleLimits(True, {}, {}))
+    assert control.stop_asked() is None
+    control.stop(now=False)
+    assert control.stop_asked() == "stop"
+    control.stop(now=True)
+    control.stop(now=False)
+    assert control.stop_asked() == "now"
+    assert control.end_line() is None and not control.end_line_read()
+    control.end("stopped at step 3 of 5")
+    assert not control.end_line_read()
+    assert control.end_line() == "stopped at step 3 of 5" and control.end_line_read()
