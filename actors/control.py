@@ -159,3 +159,6 @@ class ActorInbox:
                 time.sleep(_READ_POLL_S)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             pass  # `groupflow stop` then says the job ended, without the line
+
+    def close(self) -> None:
+        ray.kill(self.actor)
