@@ -302,3 +302,12 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
     control.end("stopped at step 3 of 5")
     assert not control.end_line_read()
     assert control.end_line() == "stopped at step 3 of 5" and control.end_line_read()
+
+
+def test_the_drivers_side_of_the_control_actor_is_a_whole_inbox():
+    """ActorInbox serves the scaler (groupflow.scaling.Inbox) and the stop alike."""
+    from groupflow.actors.control import ActorInbox
+    from groupflow.scaling import Inbox
+
+    wanted = {n for n in vars(Inbox) if not n.startswith("_")} | {"stop_asked", "ended"}
+    assert all(callable(getattr(ActorInbox, name, None)) for name in wanted), wanted
