@@ -62,11 +62,13 @@ class StopRequest:
         if self.asked:
             raise StopAborted(f"{source} while stopping: aborted at once, nothing more written")
         self.source, self.asked_at = source, self.clock()
+        again = "groupflow stop --now" if source == STOP_COMMAND else f"{source} again"
         log.warning(
             "%s: stopping after the step in flight (abandoned if its samples are not in "
-            "within %gs); again to abort at once",
+            "within %gs); %s aborts at once",
             source,
             self.deadline_s,
+            again,
         )
 
     def check(self) -> bool:
