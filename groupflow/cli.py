@@ -7,9 +7,10 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from groupflow.errors import OneLineParser, UsageError, run_reporting_failures
-from groupflow.jobs import JOB_COMMANDS, add_job_commands, run_job_handler
+from groupflow.jobs import JOB_COMMANDS, JOB_CONFIG_NAME, add_job_commands, run_job_handler
 
 EPILOG = """examples:
   groupflow train                                   the built-in quickstart job
@@ -17,6 +18,7 @@ EPILOG = """examples:
   groupflow train --set algorithm.preset=stapo --set trainer.steps=50
   groupflow train job.yaml --resume                 go on from the run's newest checkpoint
   groupflow train job.yaml --dry-run                check the model, tokenizer, template, datasets
+  groupflow stop quickstart                         end it after its step in flight, keeping its work
   groupflow scale quickstart --engines 2             two engines for the running job `quickstart`
   groupflow status quickstart                       its live engines, reward workers, learner ranks
   groupflow list                                    the runs here (and jobs on the cluster)
@@ -173,7 +175,18 @@ def _run_command(argv: list[str]) -> int:
         adapter = path is not None and is_adapter_dir(path)
         print(json.dumps(evaluate_model(cfg, path if adapter else resolve_model_path(cfg))))
         return 0
-    summary = run(cfg)
+    from groupflow.run_end import already_finished, how_to_resume
+
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    finished = already_finished(cfg.trainer.resume, cfg.trainer.steps, run_dir)
+    if finished is not None:  # before anything starts
+        print(finished)
+        return 0
+    submitted = args.config is not None and Path(args.config).name == JOB_CONFIG_NAME
+    summary = run(cfg, how_to_resume(args.config, args.overrides, submitted))
+    if "end_line" in summary:  # stopped early
+        print(summary["end_line"])
+        return 0
     print(
         f"done: held-out accuracy {summary['warm_start_accuracy']:.3f} -> {summary['final_accuracy']:.3f}; "
         f"run directory {cfg.trainer.output_dir}/{cfg.trainer.run_name}"

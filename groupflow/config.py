@@ -976,6 +976,14 @@ class TrainerConfig(Section):
         "there is one; latest: continue from it (there must be one); or a checkpoint directory. "
         "Unset = never for `groupflow train`, auto for `groupflow submit`",
     )
+    stop_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="after a stop (Ctrl-C, SIGTERM, `groupflow stop`), seconds the step in "
+        "flight may still wait for its samples; later it is abandoned and the job ends at the "
+        "step before (a step whose samples are in always finishes)",
+    )
     max_restarts: int = Field(
         3,
         ge=0,

@@ -58,9 +58,11 @@ from groupflow.reward_workers.tasks.prompt_pool import (
 from groupflow.rollout.agent import Agent
 from groupflow.rollout.engine import engine_settings
 from groupflow.rollout.prompt_render import PromptRenderer
+from groupflow.run_end import SUMMARY_FILE, read_summary, stopped_line
 from groupflow.sample_log import SampleLog
 from groupflow.saved_model import complete_saved_model
 from groupflow.scaling import Scaler, limits_for, policy_for
+from groupflow.stopping import STOP_COMMAND, StopAborted, StopRequest, stop_on_signals
 from groupflow.trackers import check_trackers, open_trackers
 
 log = logging.getLogger(__name__)
@@ -322,9 +324,9 @@ def open_run(cfg: Config) -> OpenRun:
     )
 
 
-def start_job(run: OpenRun) -> TrainingJob:
+def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
     """Start the engines, the reward workers and the learner ranks; on a failure, stop
-    those already started."""
+    those already started. `groupflow stop` reaches `stop` through the job's control actor."""
     cfg = run.cfg
     restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
     with ExitStack() as undo:
@@ -345,6 +347,8 @@ def start_job(run: OpenRun) -> TrainingJob:
         inbox = None if control is None else ActorInbox(control)
         if inbox is not None:
             undo.callback(inbox.close)
+            if stop is not None:
+                stop.poll = inbox.stop_asked
         held_out_sets = []
         for eval_set in cfg.task.eval_sets:
             held_out_sets.append(HeldOutSet(eval_set, cfg.reward.plugin_timeout_s))
@@ -375,6 +379,7 @@ def start_job(run: OpenRun) -> TrainingJob:
                 gauges=run.exporter,
                 log=log.info,
             ),
+            stop=stop,
             sample_log=SampleLog(run.run_dir, cfg.trainer, _tokenizer(run.model_path).decode),
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
@@ -427,32 +432,43 @@ def train(run: OpenRun, job: TrainingJob) -> None:
         tracker.close()
 
 
-def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
-    """Plots, the final evaluation, the model and summary.json; returns the summary."""
+def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float | None) -> dict:
+    """Plots, the final evaluation, the model and summary.json; returns the summary. A run
+    stopped early (groupflow/stopping.py) has no final evaluation: its summary says where
+    it stopped, and the model is the policy of the last step trained."""
     metrics = run.run_dir / "metrics.jsonl"
     write_plots(metrics, run.run_dir)
-    final_scores = job.evaluate()
-    final = final_scores["eval_accuracy"]
-    log.info("held-out greedy accuracy after training: %.3f", final)
-    export_held_out(run, final_scores)
+    final_scores = None
+    if not job.stopped:
+        final_scores = job.evaluate()
+        log.info("held-out greedy accuracy after training: %.3f", final_scores["eval_accuracy"])
+        export_held_out(run, final_scores)
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
     complete_saved_model(run.model_path, model_dir, run.cfg.task.chat_template)
+    every = run.cfg.trainer.checkpoint_every
+    newest = CheckpointStore(run.run_dir).newest() if every else None
     summary = {
         "steps": run.cfg.trainer.steps,
+        "step_reached": job.last_step,
+        "stopped": job.stopped,
+        "stopped_by": job.stop.source if job.stopped else None,
         "warm_start_accuracy": warm_accuracy,
-        "final_accuracy": final,
+        "final_accuracy": None if final_scores is None else final_scores["eval_accuracy"],
         "warm_start_eval": job.warm_eval,
         "final_eval": final_scores,
         "policy_version": job.version,
         "resumed_from_step": run.resume.state.step if run.resume is not None else None,
         "prompts_left_out": run.prompts_left_out,
         "wall_time_s": time.monotonic() - run.started,  # of this process
+        "run_dir": str(run.run_dir),
         "model_dir": str(model_dir),
         "nothing_learned": nothing_learned(latest_run(read_records(metrics))),
+        "checkpoint": None if newest is None else str(newest),
+        "checkpoint_every": every,
     }
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if run.exporter is not None and run.exporter.await_scrape():  # the final scores read
+    (run.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    if final_scores is not None and run.exporter is not None and run.exporter.await_scrape():
         log.info("Prometheus has read the final held-out scores")
     return summary
 
@@ -464,12 +480,38 @@ def export_held_out(run: OpenRun, scores: dict) -> None:
         run.exporter.observe_held_out(scores)
 
 
-def run(cfg: Config) -> dict:
-    """Run one training job; returns the summary also written to summary.json."""
-    opened = open_run(cfg)
+def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resume: str) -> dict:
+    """A stopped run's files (finish_run) and the line saying what was written (the command
+    line prints it), also told to `groupflow stop` through the control actor. A stop before
+    any step was trained by this process writes nothing: summary.json, model/ and the plots
+    stay as they were."""
+    if job.last_step < job.first_step:
+        summary = read_summary(run.run_dir) or {}
+        line = f"stopped before step {job.first_step} was trained: nothing written"
+    else:
+        summary = finish_run(run, job, warm)
+        line = stopped_line(summary, how_to_resume)
+    if job.scaler is not None and job.scaler.inbox is not None:
+        job.scaler.inbox.ended(line, reader=job.stop.source == STOP_COMMAND)
+    return {**summary, "end_line": line}
+
+
+_NOTHING_TRAINED = "interrupted before training began: nothing trained, nothing saved"
+
+
+def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> dict:
+    """Run one training job; returns the summary written to summary.json. Once training
+    has begun, Ctrl-C, SIGTERM and `groupflow stop` stop it early (groupflow/stopping.py);
+    the summary returned then has `end_line`: what was written, and `how_to_resume`."""
+    stop = StopRequest(cfg.trainer.stop_timeout_s)
+    try:
+        opened = open_run(cfg)
+    except KeyboardInterrupt:
+        log.warning(_NOTHING_TRAINED)
+        raise
     job = None
     try:
-        job = start_job(opened)
+        job = start_job(opened, stop)
         if opened.resume is not None:
             job.restore(opened.resume.checkpoint, opened.resume.state)
             warm = job.warm_accuracy
@@ -480,8 +522,20 @@ def run(cfg: Config) -> dict:
             warm = job.warm_accuracy = job.warm_eval["eval_accuracy"]
             log.info("held-out greedy accuracy before training: %.3f", warm)
             export_held_out(opened, {"warm_start_accuracy": warm, **job.warm_eval})
-        train(opened, job)
-        return finish_run(opened, job, warm)
+        with stop_on_signals(stop):
+            train(opened, job)
+            if job.stopped:
+                return end_stopped(opened, job, warm, how_to_resume)
+            return finish_run(opened, job, warm)
+    except StopAborted as err:
+        newest = CheckpointStore(opened.run_dir).newest()
+        log.warning(
+            "%s; %s", err, f"the newest checkpoint is {newest}" if newest else "no checkpoint"
+        )
+        raise
+    except KeyboardInterrupt:
+        log.warning(_NOTHING_TRAINED)
+        raise
     finally:
         if job is not None:
             job.shutdown()

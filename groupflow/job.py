@@ -25,6 +25,7 @@ a step that waits.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,8 +50,11 @@ from groupflow.reward_workers.tasks.base import Task
 from groupflow.rollout_figures import rollout_record
 from groupflow.scaling import Scaler
 from groupflow.sequences import group_advantages, train_sequences
+from groupflow.stopping import StepAbandoned, StopRequest
 from groupflow.timing import stage_timer, time_keys
 from groupflow.unscored import UnscoredSteps
+
+log = logging.getLogger(__name__)
 
 
 class StepSink(Protocol):
@@ -77,6 +81,7 @@ class TrainingJob:
         sample_log: Callable[[int, list[ScoredGroup], list[list[float]]], None] | None = None,
         held_out_sets: Sequence[HeldOutSet] = (),
         scaler: Scaler | None = None,
+        stop: StopRequest | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
@@ -92,8 +97,9 @@ class TrainingJob:
             cfg, task, lambda: chunk_size(per_step, self.generators.figures().engines)
         )
         self.live = LiveSeries(generators, rewards, learner, scaler, exporter, clock)
+        self.stop = stop
         self.pipeline = Pipeline(
-            self.stream, generators, rewards, transport, futures, self.live.heartbeat, clock
+            self.stream, generators, rewards, transport, futures, self._heartbeat, clock
         )
         self.evaluation = HeldOutEvaluation(
             cfg, task.eval_prompts(cfg.task.eval_size), self.pipeline, held_out_sets
@@ -101,34 +107,83 @@ class TrainingJob:
         self.unscored = UnscoredSteps(cfg.reward.max_unscored_steps)
         self.version = 0
         self.first_step = 1
+        self.last_step = 0  # the last step trained
+        self.stopped = False  # ended by a stop request before trainer.steps
+        self._waiting_for_samples = False  # a step that a stop may abandon
+        self._stream_state = self.stream.state_dict()  # after the last step trained
         self.warm_accuracy: float | None = None
         self.warm_eval: dict = {}  # every held-out score before training (evaluate())
         # Running totals carried over from the checkpoint a job resumed from.
         self._totals_before = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         self._last_save: float | None = None  # seconds the newest save took
         self._saved_at = time.monotonic()  # when the newest checkpoint was complete
+        self._saved_step: int | None = None  # the step of the newest checkpoint
 
     def train(self, sinks: Sequence[StepSink]) -> None:
-        """Run the steps; each step record goes to every sink (metrics.jsonl, progress)."""
+        """Run the steps; each step record goes to every sink (metrics.jsonl, progress). A
+        stop request (groupflow/stopping.py) ends the loop after the step in flight, or
+        abandons that step when its samples are late; `stopped` then says so, and the
+        checkpoint of the last step trained is saved if checkpointing is on."""
         for step in range(self.first_step, self.cfg.trainer.steps + 1):
-            record = self._step(step)
+            if self._stop_asked():
+                self.stopped = True
+                break
+            try:
+                record = self._step(step)
+            except StepAbandoned:
+                self._waiting_for_samples = False
+                log.warning(
+                    "step %d abandoned: its samples were not in within %gs of the stop",
+                    step,
+                    self.stop.deadline_s,
+                )
+                self.stopped = True
+                break
             if self.scaler is not None:  # the pools change only here, between steps
                 record.update(self.scaler.between_steps(record))
             for sink in sinks:
                 sink.write(record)
             self.live.step_ended(record)
             self.restarts.step_done(step)
+            self.last_step, self._stream_state = step, self.stream.state_dict()
             every = self.cfg.trainer.checkpoint_every
             if self.checkpointing is not None and every > 0 and step % every == 0:
-                self._save_checkpoint(step)
+                self._save_checkpoint(step, draw_next=not self._stop_asked())
+        if self.stopped:
+            self._save_on_stop()
+
+    def _stop_asked(self) -> bool:
+        """Whether to end the job before its next step (only ever before the last step)."""
+        if self.stop is None or self.last_step >= self.cfg.trainer.steps:
+            return False
+        return self.stop.check()
+
+    def _heartbeat(self) -> None:
+        """While the loop waits: the live series, and a stop asked meanwhile; a step still
+        waiting for its samples past the stop's deadline is abandoned."""
+        self.live.heartbeat()
+        if self._stop_asked() and self._waiting_for_samples and self.stop.overdue():
+            raise StepAbandoned
+
+    def _save_on_stop(self) -> None:
+        """Stopped early: draw nothing more, and save the last step trained as a checkpoint
+        if checkpointing is on and it is not saved already."""
+        self.stream.stop_drawing()
+        every = self.cfg.trainer.checkpoint_every
+        if self.checkpointing is None or every == 0 or self.last_step == 0:
+            return
+        if self._saved_step != self.last_step:
+            self._save_checkpoint(self.last_step, draw_next=False)
 
     def _step(self, step: int) -> dict:
         started, times = time.monotonic(), {}
         self.live.step_started(step)
         idle_before = self.generators.figures().idle_engine_s
+        self._waiting_for_samples = True
         taken = self._take_groups(step, times)
         while not self.unscored.trainable(taken.groups):  # never train on nothing
             taken = self._take_groups(step, times)
+        self._waiting_for_samples = False  # from here the step runs to its end
         self.pipeline.feed()  # the next steps' chunks generate while this one learns
         self.live.publish()
         advantages = group_advantages(taken.groups, self.cfg)
@@ -192,12 +247,13 @@ class TrainingJob:
             "reward_timeouts": before["reward_timeouts"] + self.rewards.timeouts,
         }
 
-    def _save_checkpoint(self, step: int) -> None:
+    def _save_checkpoint(self, step: int, draw_next: bool = True) -> None:
         """Save the state after `step`: the ranks write their shards while the engines
-        generate the next step's prompts (drawn first, at staleness 0)."""
+        generate the next step's prompts (drawn first, at staleness 0, unless not
+        `draw_next`). Says where, and how long it took."""
         started = time.monotonic()
         trainer, ckpt = self.cfg.trainer, self.checkpointing
-        if step < trainer.steps:
+        if draw_next and step < trainer.steps:
             self.stream.draw_ahead(self.cfg.rollout.prompts_per_step)
             self.pipeline.feed()
         staging = ckpt.store.staging(step)
@@ -211,7 +267,7 @@ class TrainingJob:
         state = DriverState(
             step=step,
             policy_version=self.version,
-            stream=self.stream.state_dict(),
+            stream=self._stream_state,
             warm_start_accuracy=self.warm_accuracy,
             warm_start_eval=self.warm_eval,
             counters=self._running_totals() | self.restarts.state_dict(),
@@ -219,9 +275,11 @@ class TrainingJob:
             num_ranks=self.learner.num_ranks,
             adapter=adapter_shape(self.cfg.learner.lora),
         )
-        ckpt.store.commit(staging, state, self.cfg.dump_yaml(), trainer.keep_checkpoints)
+        saved = ckpt.store.commit(staging, state, self.cfg.dump_yaml(), trainer.keep_checkpoints)
         self._saved_at = time.monotonic()
         self._last_save = self._saved_at - started
+        self._saved_step = step
+        log.info("checkpoint of step %d saved to %s in %.1fs", step, saved, self._last_save)
 
     def restore(self, checkpoint: Path, state: DriverState) -> None:
         """Continue where `checkpoint` left off: the learner's shards, the engines on its
@@ -230,9 +288,11 @@ class TrainingJob:
         self.version = self.pipeline.version = state.policy_version
         self.pipeline.sync_engines(wait_for_engines=True)
         self.first_step = state.step + 1
+        self.last_step = self._saved_step = state.step
         self.warm_accuracy = state.warm_start_accuracy
         self.warm_eval = state.warm_start_eval
         self.stream.load_state_dict(state.stream)
+        self._stream_state = state.stream
         self._totals_before = {k: state.counters.get(k, 0.0) for k in self._totals_before}
         self.restarts.load_state_dict(state.counters)
 

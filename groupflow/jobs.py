@@ -66,6 +66,10 @@ SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
 RUN_HELP = "run name (trainer.run_name), run directory, or the job id `groupflow submit` printed"
 DRIVER_LOG = "driver.log"  # the driver's log in its run directory
+# How long `groupflow stop` waits for the job to end: the step in flight (its samples within
+# trainer.stop_timeout_s), its learning, a checkpoint and the model's save.
+STOP_TIMEOUT_S = 900.0
+NOW_TIMEOUT_S = 30.0  # for `stop --now`: the job looks for it every few seconds
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
@@ -117,6 +121,36 @@ def _add_scale_command(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_stop_command(subparsers: argparse._SubParsersAction) -> None:
+    stop = subparsers.add_parser(
+        "stop",
+        help="stop a running job, keeping its work",
+        description="Ask a running job to stop, as Ctrl-C does: it finishes the step in "
+        "flight (abandoned when its samples are not in within trainer.stop_timeout_s), then "
+        "writes its checkpoint (with trainer.checkpoint_every), model, plots and summary.json, "
+        "and ends. Prints what it wrote and how to resume. RUN is a run name "
+        "(trainer.run_name), a run directory, or the job id `groupflow submit` printed. A job "
+        "not ended within --timeout, or not reachable yet (still starting), is stopped "
+        "through the Ray Jobs API (a run trained here: its driver is sent SIGTERM), which "
+        "writes nothing more.",
+    )
+    _add_run(stop)
+    stop.add_argument(
+        "--now",
+        "--force",
+        action="store_true",
+        help="end at once, writing nothing more (the newest checkpoint stays the newest)",
+    )
+    stop.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=STOP_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for the job to end (default {STOP_TIMEOUT_S:g}) before "
+        "stopping it through the Ray Jobs API",
+    )
+
+
 def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `submit`, `status`, `logs`, `stop`, `scale` and `list` to the `groupflow` command's
     subparsers."""
@@ -152,7 +186,6 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
             "ranks; once ended, what its run directory holds (no cluster needed)",
         ),
         ("logs", "print a job's logs (a run trained here: its driver.log)"),
-        ("stop", "stop a running job"),
     ):
         p = subparsers.add_parser(name, help=text, description=text)
         _add_run(p)
@@ -167,6 +200,7 @@ def add_job_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_address(listing)
     _add_runs(listing)
+    _add_stop_command(subparsers)
     _add_scale_command(subparsers)
 
 
@@ -352,20 +386,38 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop(args: argparse.Namespace) -> int:
-    from groupflow.live import LiveError
-
-    found = _found(args, need_job=True)
-    if found.job is None:
-        raise LiveError(
-            f"run {found.run_name} is not a submitted job ({found.no_job()}): stop it where "
-            "`groupflow train` runs (Ctrl-C)"
-        )
-    if found.client.stop_job(found.job.id):
-        print(f"stop requested for {found.job.id}")
+def _stop_through_jobs_api(client, job_id: str) -> int:
+    if client.stop_job(job_id):
+        print(f"stopped {job_id} through the Ray Jobs API (SIGTERM, then SIGKILL)")
     else:
-        status = found.client.get_job_status(found.job.id)
-        print(f"{found.job.id} had already ended ({status.value})")
+        status = client.get_job_status(job_id)
+        print(f"{job_id} had already ended ({status.value})")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """Through the job's control actor (groupflow/live.py `stop`), so that it ends as
+    Ctrl-C ends it; the Jobs API (or a local driver's SIGTERM) when that cannot be had."""
+    from groupflow import live
+
+    found = _found(args, need_job=False)
+    submitted = found.job is not None and found.job.running
+    target = actor = None
+    try:
+        target = found.live_target()  # a LiveError when the run is not running
+        actor = live.connect(target)
+    except live.LiveError as err:
+        if target is None and not submitted:
+            raise
+        print(f"{first_line(err)}; stopping it at once")  # e.g. still starting
+    timeout_s = NOW_TIMEOUT_S if args.now else args.timeout
+    if actor is not None:
+        if live.stop(actor, args.now, timeout_s):
+            return 0
+        print(f"the job has not ended in {timeout_s:g}s; stopping it at once")
+    if submitted:
+        return _stop_through_jobs_api(found.client, found.job.id)
+    print(live.signal_driver(target))
     return 0
 
 

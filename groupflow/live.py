@@ -1,5 +1,5 @@
-"""`groupflow scale` and the live part of `groupflow status`: reach a running job's control
-actor (groupflow/actors/control.py) from another process.
+"""`groupflow scale`, `groupflow stop` and the live part of `groupflow status`: reach a running
+job's control actor (groupflow/actors/control.py) from another process.
 
 Which job a command means, and the address of its cluster, is decided before
 (groupflow/run_target.py, groupflow/cluster_address.py). A job trained here (`groupflow train`)
@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import time
 from contextlib import nullcontext
@@ -150,6 +151,7 @@ class Target:
     job_id: str | None = None
     auth_mode: str | None = None  # the cluster's RAY_AUTH_MODE, when the run recorded it
     host: str | None = None  # where the run's driver is, when the run recorded it
+    pid: int | None = None  # the run's driver, when the run recorded it
 
 
 def _use_token_auth() -> None:
@@ -297,3 +299,51 @@ def print_live(actor, out=print) -> None:
     age = time.time() - status.updated_unix
     if age > 60:
         out(f"(reported {age:.0f}s ago: a step is taking long)")
+
+
+def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
+    """Ask the job to stop (groupflow/stopping.py) and wait for it to end, printing the line
+    that says what it wrote. False when it has not ended within `timeout_s`."""
+    import ray
+
+    try:
+        ray.get(actor.stop.remote(now), timeout=30)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+        raise LiveError(f"the job did not take the stop request ({first_line(err)})") from None
+    if now:
+        out("stop --now requested: the job ends at once, writing nothing more")
+    else:
+        out(
+            "stop requested: the job finishes its step in flight (abandoned when its samples "
+            "are late: trainer.stop_timeout_s), then writes its checkpoint, model, plots and "
+            "summary"
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = ray.get(actor.end_line.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            out("the job has ended")
+            return True
+        except ray.exceptions.GetTimeoutError:
+            continue
+        if line is not None:
+            out(line)
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def signal_driver(target: Target) -> str:
+    """A local run's driver sent SIGTERM (after a stop asked through the control actor, it
+    aborts at once; groupflow/stopping.py); what was done."""
+    if target.pid is None or target.host != socket.gethostname():
+        raise LiveError(
+            f"run {target.run}: its driver runs on {target.host or 'another machine'}; "
+            "stop it there"
+        )
+    try:
+        os.kill(target.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return f"run {target.run} has ended"
+    return f"sent SIGTERM to the driver of run {target.run} (pid {target.pid})"

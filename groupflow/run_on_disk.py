@@ -22,9 +22,9 @@ import yaml
 
 from groupflow.checkpoint import CONFIG_FILE, CheckpointStore
 from groupflow.live import CLUSTER_FILE, RunRecord, pid_alive, read_run_record
+from groupflow.run_end import SUMMARY_FILE
 
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CLUSTER_FILE)
 TAIL_BYTES = 1 << 20  # the end of metrics.jsonl read for its last step (a record is a few KiB)
 

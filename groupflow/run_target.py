@@ -82,7 +82,11 @@ class FoundRun:
         if local is not None and local.state == "running" and local.record is not None:
             record = local.record
             return Target(
-                record.run, record.gcs_address, auth_mode=record.auth_mode, host=record.host
+                record.run,
+                record.gcs_address,
+                auth_mode=record.auth_mode,
+                host=record.host,
+                pid=record.pid,
             )
         if self.job is not None and self.job.running:
             if self.job.run is None:

@@ -71,11 +71,14 @@ def _first_step(metrics: Path, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
-def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tmp_path):
+def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_path):
     """Submitted, found by run name and by job id while it runs, its reward workers scaled
-    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it). The
-    cluster address is RAY_ADDRESS set to the dashboard's URL, as Ray's docs tell users, and
-    nothing else: scale and status join the GCS address the dashboard reports."""
+    from 2 to 3 (each step in metrics.jsonl once, with the workers that served it), then
+    stopped by `groupflow stop` through its control actor: it finishes the step in flight,
+    saves a checkpoint (off schedule: checkpoint_every is beyond the job's steps), the model,
+    plots and summary.json, and the command prints what was written. The cluster address is
+    RAY_ADDRESS set to the dashboard's URL, as Ray's docs tell users, and nothing else: scale,
+    status and stop join the GCS address the dashboard reports."""
     address, head_env, _ = ray_head
     env = {**head_env, "RAY_ADDRESS": address}
     proc = _groupflow(
@@ -83,11 +86,13 @@ def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tm
             "submit",
             "--no-follow",
             "--set",
-            "trainer.steps=8",
+            "trainer.steps=30",
             "--set",
             "task.eval_size=16",
             "--set",
             f"trainer.output_dir={tmp_path}",
+            "--set",
+            "trainer.checkpoint_every=100",
         ],
         env,
     )
@@ -109,16 +114,33 @@ def test_submitted_quickstart_succeeds_and_scales(ray_head, quickstart_model, tm
     assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed, re.M), listed
     zero = _groupflow(["scale", job_id, "--engines", "0"], env)
     assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
+    stop = _groupflow(["stop", "quickstart", *elsewhere], env)
+    assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
+    run = tmp_path / "quickstart"
+    said = stop.stdout.splitlines()
+    assert said[0].startswith("stop requested: the job finishes its step in flight"), said
+    at = re.escape(str(run))
+    stopped = re.fullmatch(
+        rf"stopped at step (\d+) of 30 \(groupflow stop\): wrote checkpoint "
+        rf"{at}/checkpoints/step_(\d+), model {at}/model, plots and summary\.json in {at}; "
+        r"resume with: groupflow submit CONFIG .*",
+        said[-1],
+    )
+    assert stopped and stopped[1] == stopped[2], said
+    reached = int(stopped[1])
     follow = _groupflow(["logs", "quickstart", "--follow", *elsewhere], env)
-    assert follow.returncode == 0 and "held-out accuracy" in follow.stdout, follow.stdout[-2000:]
+    assert follow.returncode == 0, follow.stdout[-2000:]
     # ended: the Jobs API's state, and what the run directory holds
     status = _groupflow(["status", "quickstart", "--runs", str(tmp_path)], env).stdout
     assert f"{job_id}  SUCCEEDED  run=quickstart" in status
-    assert "run quickstart  finished  step 8/8  held-out accuracy " in status, status
-    assert f"model: {tmp_path / 'quickstart' / 'model'}" in status
-    assert (tmp_path / "quickstart" / "summary.json").is_file()
+    assert f"run quickstart  stopped  step {reached}/30  held-out accuracy " in status, status
+    assert f"model: {run / 'model'}" in status
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["stopped"], summary["step_reached"]) == (True, reached)
+    assert summary["stopped_by"] == "groupflow stop"
+    assert (run / "model" / "config.json").is_file() and (run / "reward.png").is_file()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, reached + 1)) and reached < 30
     workers = [r["num_reward_workers"] for r in records]
     assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
     assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)

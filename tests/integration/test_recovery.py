@@ -75,11 +75,11 @@ TRAIN = [
     "--set",
     "trainer.run_name=recovery",
     "--set",
-    "trainer.steps=4",
+    "trainer.steps=5",
     "--set",
     "trainer.checkpoint_every=1",
     "--set",
-    "trainer.save_hf_every=2",
+    "trainer.save_hf_every=5",
     "--set",
     "task.eval_size=32",
     "--set",
@@ -107,12 +107,15 @@ def _kill_our_worker(title: str) -> float:
     return time.monotonic()
 
 
-def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
-    ray_cluster, quickstart_model, tmp_path
+def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_ctrl_c(
+    ray_cluster, quickstart_model, tmp_path, capsys
 ):
     """One job on the shared cluster, its own driver process: an engine is SIGKILLed in the
-    middle of step 2's generation, a learner rank in the middle of step 3's learning, then
-    the driver once step 3's checkpoint is complete; `--resume` finishes it. Every step is in
+    middle of step 2's generation, a learner rank in the middle of step 3's learning; the
+    driver gets Ctrl-C (SIGINT) once step 3 is recorded, so it stops gracefully after step
+    3 (or step 4, if that had begun): it writes the checkpoint, model, plots and
+    summary.json (stopped) and says so, with the resume command. `--resume` finishes it;
+    a second `--resume` says the run is finished and starts nothing. Every step is in
     metrics.jsonl once and the held-out accuracy is a number."""
     run = tmp_path / "recovery"
     driver = DriverProcess(TRAIN, tmp_path)
@@ -134,27 +137,56 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
         rank_killed = _kill_our_worker("ray::LearnerRankActor.train_step")
         driver.wait_for(lambda: run_records(run)[-1]["learner_restarts"] == 1)
         rank_back = time.monotonic()
-        driver.wait_for(lambda: store.newest().name == "step_3")
+        # step 3 is recorded: the stop ends the job after it, or after step 4 if that began
+        driver.process.send_signal(signal.SIGINT)
+        driver_stopped = time.monotonic()
+        assert driver.process.wait(timeout=300) == 0, driver.log()[-4000:]
     finally:
         driver.kill()
-    driver_killed = time.monotonic()
+    stopped = json.loads((run / "summary.json").read_text())
+    reached = stopped["step_reached"]
+    assert reached in (3, 4) and (stopped["stopped"], stopped["final_accuracy"]) == (True, None)
     records = run_records(run)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["engine_restarts"] for r in records] == [0, 1, 1]
-    assert [r["learner_restarts"] for r in records] == [0, 0, 1]
+    assert [r["step"] for r in records] == list(range(1, reached + 1))
+    assert [r["engine_restarts"] for r in records] == [0, 1, 1, 1][:reached]
+    assert [r["learner_restarts"] for r in records] == [0, 0, 1, 1][:reached]
+    log = driver.log()
+    assert "Ctrl-C: stopping after the step in flight" in log
+    for step in range(1, reached + 1):
+        saved = f"checkpoint of step {step} saved to {run / 'checkpoints' / f'step_{step}'} in "
+        assert saved in log
+    (end,) = [line for line in log.splitlines() if line.startswith("stopped at step")]
+    assert end.startswith(
+        f"stopped at step {reached} of 5 (Ctrl-C): wrote checkpoint "
+        f"{run / 'checkpoints' / f'step_{reached}'}, model {run / 'model'}, plots and "
+        f"summary.json in {run}; resume with: groupflow train --set trainer.run_name=recovery "
+    ), end
+    address = ray.get_runtime_context().gcs_address  # DriverProcess joins this cluster
+    assert end.endswith(
+        f" --set trainer.output_dir={tmp_path} --set cluster.address={address} --resume"
+    )
+    assert (run / "model" / "config.json").is_file() and (run / "reward.png").is_file()
+    assert not (run / "cluster.json").exists()
 
-    assert main(["train", *TRAIN, "--set", f"trainer.output_dir={tmp_path}", "--resume"]) == 0
+    resume = ["train", *TRAIN, "--set", f"trainer.output_dir={tmp_path}", "--resume"]
+    assert main(resume) == 0
     records = run_records(run)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert [r["policy_version"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
     assert records[-1]["engine_restarts"] == 1 and records[-1]["learner_restarts"] == 1
-    summary = json.loads((run / "summary.json").read_text())
-    assert math.isfinite(summary["final_accuracy"]) and summary["resumed_from_step"] == 3
-    assert [p.name for p in store.complete()] == ["step_3", "step_4"]
-    # step 4's Hugging Face copy is the policy the job ended with
+    summary_text = (run / "summary.json").read_text()
+    summary = json.loads(summary_text)
+    assert math.isfinite(summary["final_accuracy"]) and summary["resumed_from_step"] == reached
+    assert not summary["stopped"] and summary["step_reached"] == 5
+    assert [p.name for p in store.complete()] == ["step_4", "step_5"]
+    capsys.readouterr()
+    assert main(resume) == 0  # finished: nothing to do, nothing started or written
+    assert capsys.readouterr().out.startswith("run recovery already finished its 5 steps (")
+    assert (run / "summary.json").read_text() == summary_text
+    # step 5's Hugging Face copy is the policy the job ended with
     from transformers import AutoModelForCausalLM
 
-    hf = run / "checkpoints" / "step_4" / "hf"
+    hf = run / "checkpoints" / "step_5" / "hf"
     assert (hf / "tokenizer.json").is_file()  # so that `groupflow eval --model` takes it
     saved = AutoModelForCausalLM.from_pretrained(hf)
     final = AutoModelForCausalLM.from_pretrained(run / "model").state_dict()
@@ -162,6 +194,6 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
     print(
         f"\nengine killed in step 2: step 2 recorded {engine_back - engine_killed:.1f}s later "
         f"(a normal step: {records[0]['time_step_s']:.1f}s); learner rank killed in step 3: "
-        f"step 3 recorded again {rank_back - rank_killed:.1f}s later; driver killed: the "
-        f"resumed job ended {time.monotonic() - driver_killed:.1f}s later"
+        f"step 3 recorded again {rank_back - rank_killed:.1f}s later; driver stopped: the "
+        f"resumed job ended {time.monotonic() - driver_stopped:.1f}s later"
     )

@@ -358,10 +358,12 @@ def run_job(
     scaler=None,
     sync_s=0.0,
     task=None,
+    stop=None,
 ) -> Run:
     """A job of `steps` steps; with run_dir, it checkpoints there, and with resume it goes
     on from the newest checkpoint, as a restarted driver with new peers would. `starting`
-    stands in for Ray's StartingActors, and `scaler(pool, rewards)` builds the job's Scaler."""
+    stands in for Ray's StartingActors, `scaler(pool, rewards)` builds the job's Scaler and
+    `stop(clock)` its StopRequest."""
     cfg = build_config(
         {},
         [
@@ -431,6 +433,7 @@ def run_job(
         else Checkpointing(CheckpointStore(run_dir), MODEL_CONFIG, lambda path: None),
         held_out_sets=held_out_sets,
         scaler=None if scaler is None else scaler(pool, rewards),
+        stop=None if stop is None else stop(clock),
         clock=lambda: clock.now,
     )
     if resume:

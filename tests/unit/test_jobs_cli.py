@@ -313,8 +313,41 @@ def test_logs_and_stop(fake_client, capsys):
     assert capsys.readouterr().out == "all the logs\n"
     assert main(["logs", "raysubmit_fake", "--follow"]) == 0
     assert "step 2/2" in capsys.readouterr().out
-    assert main(["stop", "raysubmit_fake"]) == 0
+
+
+def test_stop_of_a_job_without_its_control_actor_goes_through_the_jobs_api(
+    fake_client, monkeypatch, capsys
+):
+    """A submitted job still starting has no control actor for a graceful stop yet: it is
+    stopped through the Jobs API at once, saying so."""
+    from groupflow import live
+
+    running = SimpleNamespace(
+        submission_id="raysubmit_fake",
+        job_id=None,
+        status=JobStatus.RUNNING,
+        metadata={"groupflow_run": "unit"},
+        start_time=1,
+    )
+    monkeypatch.setattr(FakeJobClient, "list_jobs", lambda self: [running], raising=False)
+
+    def starting(target):
+        raise live.LiveError(f"run {target.run} is not running (no control actor on its cluster)")
+
+    monkeypatch.setattr(live, "connect", starting)
+    assert main(["stop", "unit", "--runs", "/nonexistent"]) == 0
     assert fake_client.instances[-1].stopped == ["raysubmit_fake"]
+    assert capsys.readouterr().out == (
+        "run unit is not running (no control actor on its cluster); stopping it at once\n"
+        "stopped raysubmit_fake through the Ray Jobs API (SIGTERM, then SIGKILL)\n"
+    )
+
+
+def test_stop_takes_now_and_a_timeout():
+    args = parse(["stop", "quickstart", "--now", "--timeout", "30"])
+    assert (args.job_id, args.now, args.timeout) == ("quickstart", True, 30.0)
+    assert parse(["stop", "quickstart", "--force"]).now
+    assert not parse(["stop", "quickstart"]).now
 
 
 def test_status_of_a_failed_job_shows_the_error_not_the_whole_log(fake_client, monkeypatch, capsys):
