@@ -181,6 +181,9 @@ class RefusingJobsClient:
     def stop_job(self, job_id):
         raise RuntimeError("Request failed with status code 500: internal")
 
+    def _do_request(self, *args, **kwargs):  # the dashboard's node summary (cluster_address)
+        raise RuntimeError("Request failed with status code 500: internal")
+
 
 @pytest.mark.parametrize("argv", [["status", "raysubmit_x"], ["stop", "raysubmit_x"]])
 def test_a_refusal_of_the_jobs_api_is_one_line(monkeypatch, tmp_path, capsys, argv):

@@ -320,7 +320,7 @@ def test_stop_of_a_job_without_its_control_actor_goes_through_the_jobs_api(
 ):
     """A submitted job still starting has no control actor for a graceful stop yet: it is
     stopped through the Jobs API at once, saying so."""
-    from groupflow import live
+    from groupflow import live, run_target
 
     running = SimpleNamespace(
         submission_id="raysubmit_fake",
@@ -334,6 +334,7 @@ def test_stop_of_a_job_without_its_control_actor_goes_through_the_jobs_api(
     def starting(target):
         raise live.LiveError(f"run {target.run} is not running (no control actor on its cluster)")
 
+    monkeypatch.setattr(run_target, "join_address", lambda address, client: "127.0.0.1:6379")
     monkeypatch.setattr(live, "connect", starting)
     assert main(["stop", "unit", "--runs", "/nonexistent"]) == 0
     assert fake_client.instances[-1].stopped == ["raysubmit_fake"]
@@ -345,7 +346,7 @@ def test_stop_of_a_job_without_its_control_actor_goes_through_the_jobs_api(
 
 def test_stop_takes_now_and_a_timeout():
     args = parse(["stop", "quickstart", "--now", "--timeout", "30"])
-    assert (args.job_id, args.now, args.timeout) == ("quickstart", True, 30.0)
+    assert (args.run, args.now, args.timeout) == ("quickstart", True, 30.0)
     assert parse(["stop", "quickstart", "--force"]).now
     assert not parse(["stop", "quickstart"]).now
 

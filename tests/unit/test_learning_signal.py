@@ -103,7 +103,7 @@ def test_groupflow_train_ends_with_the_line_of_a_run_that_learned_nothing(
     from groupflow.cli import main
 
     summary = {"warm_start_accuracy": 0.0, "final_accuracy": 0.0, "nothing_learned": line}
-    monkeypatch.setattr(groupflow.driver, "run", lambda cfg: summary)
+    monkeypatch.setattr(groupflow.driver, "run", lambda cfg, how_to_resume: summary)
     assert main(["train", "--set", "trainer.run_name=flat"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "done: held-out accuracy 0.000 -> 0.000; run directory runs/flat"

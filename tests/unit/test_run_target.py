@@ -148,14 +148,25 @@ def no_cluster(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
 
 
-def test_logs_and_stop_take_a_run_name(cluster, tmp_path, capsys):
+def test_logs_and_stop_take_a_run_name(cluster, monkeypatch, tmp_path, capsys):
+    """stop by run name: the running job of that name (through the Jobs API here, its
+    control actor refusing); an ended job is not stopped again, one line, exit 1."""
     cluster.jobs.append(submitted("raysubmit_new", "exp", "RUNNING", 2))
     assert main(["logs", "exp", "--runs", str(tmp_path)]) == 0
     assert capsys.readouterr().out == "logs of raysubmit_new\n"
+    monkeypatch.setattr(run_target, "join_address", lambda address, client: "10.0.0.5:6379")
+
+    def refuse(target):
+        raise live.LiveError(f"no control actor of run {target.run} at {target.ray_address}")
+
+    monkeypatch.setattr(live, "connect", refuse)
     assert main(["stop", "exp", "--runs", str(tmp_path)]) == 0
     assert cluster.stopped == ["raysubmit_new"]
-    assert main(["stop", "raysubmit_old", "--runs", str(tmp_path)]) == 0
-    assert cluster.stopped == ["raysubmit_new", "raysubmit_old"]
+    capsys.readouterr()
+    assert main(["stop", "raysubmit_old", "--runs", str(tmp_path)]) == 1
+    assert cluster.stopped == ["raysubmit_new"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "raysubmit_old is not running (SUCCEEDED)" in err, err
     # the address came from $RAY_ADDRESS, the dashboard's URL
     assert set(cluster.addresses) == {"http://127.0.0.1:8265"}
 
@@ -229,10 +240,12 @@ def test_a_run_neither_here_nor_on_the_cluster_is_one_line(no_cluster, tmp_path,
 
 def test_a_run_trained_here_has_no_job_to_stop_or_log(no_cluster, tmp_path, capsys):
     make_run(tmp_path, "local", 2)
-    for verb in ("stop", "logs"):
-        assert main([verb, "local", "--runs", str(tmp_path)]) == 1
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "no Ray cluster answers at" in err, err
+    assert main(["stop", "local", "--runs", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run local is not running (failed; " in err, err
+    assert main(["logs", "local", "--runs", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no Ray cluster answers at" in err, err
     (tmp_path / "local" / "driver.log").write_text("step 1/8\nstep 2/8\n")
     assert main(["logs", "local", "--runs", str(tmp_path)]) == 0
     assert capsys.readouterr().out == "step 1/8\nstep 2/8\n"
