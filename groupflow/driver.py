@@ -39,6 +39,7 @@ from groupflow.checkpoint import (
     rewind_metrics,
 )
 from groupflow.config import Config, ray_client_refusal
+from groupflow.driver_log import DriverLog
 from groupflow.evaluate import HeldOutSet
 from groupflow.job import TrainingJob
 from groupflow.learner.lora import check_target_modules
@@ -297,6 +298,12 @@ def start_job(run: OpenRun) -> TrainingJob:
     """Start the engines, the reward workers and the learner ranks; on a failure, stop
     those already started."""
     cfg = run.cfg
+    log.info(
+        "starting the actors: engines %d, reward workers %d, learner ranks %d",
+        cfg.rollout.num_engines,
+        cfg.reward.num_workers,
+        cfg.learner.num_ranks,
+    )
     restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
     with ExitStack() as undo:
         generators = start_generator_pool(cfg, run.model_path, restarts)
@@ -422,22 +429,25 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float) -> dict:
 
 
 def run(cfg: Config) -> dict:
-    """Run one training job; returns the summary also written to summary.json."""
-    opened = open_run(cfg)
-    job = None
-    try:
-        job = start_job(opened)
-        if opened.resume is not None:
-            job.restore(opened.resume.checkpoint, opened.resume.state)
-            warm = job.warm_accuracy
-        else:
-            warm = job.warm_accuracy = job.evaluate()["eval_accuracy"]
-            log.info("held-out greedy accuracy before training: %.3f", warm)
-        train(opened, job)
-        return finish_run(opened, job, warm)
-    finally:
-        if job is not None:
-            job.shutdown()
-            if job.scaler is not None:
-                job.scaler.close()
-        opened.close()
+    """Run one training job; returns the summary also written to summary.json. What the
+    driver says is also kept in runs/<name>/driver.log (groupflow/driver_log.py)."""
+    with DriverLog() as driver_log:
+        opened = open_run(cfg)
+        job = None
+        try:
+            driver_log.open(opened.run_dir)
+            job = start_job(opened)
+            if opened.resume is not None:
+                job.restore(opened.resume.checkpoint, opened.resume.state)
+                warm = job.warm_accuracy
+            else:
+                warm = job.warm_accuracy = job.evaluate()["eval_accuracy"]
+                log.info("held-out greedy accuracy before training: %.3f", warm)
+            train(opened, job)
+            return finish_run(opened, job, warm)
+        finally:
+            if job is not None:
+                job.shutdown()
+                if job.scaler is not None:
+                    job.scaler.close()
+            opened.close()
