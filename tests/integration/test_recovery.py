@@ -151,6 +151,16 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_a_dead_driver(
     summary = json.loads((run / "summary.json").read_text())
     assert math.isfinite(summary["final_accuracy"]) and summary["resumed_from_step"] == 3
     assert [p.name for p in store.complete()] == ["step_3", "step_4"]
+    # driver.log holds the killed driver's lines and the resumed one's after them (issue 37)
+    driver_log = (run / "driver.log").read_text().splitlines()
+    steps = [
+        line.split(": ", 1)[1].split(" ")[1]
+        for line in driver_log
+        if "groupflow.run: step " in line
+    ]
+    assert steps == ["1/4", "2/4", "3/4", "4/4"]
+    assert sum("driver started" in line for line in driver_log) == 2
+    assert any("resuming after step 3" in line for line in driver_log)
     # step 4's Hugging Face copy is the policy the job ended with
     from transformers import AutoModelForCausalLM
 
