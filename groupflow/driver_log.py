@@ -67,7 +67,7 @@ class _RunLogHandler(logging.Handler):
         with self.lock:
             stream.writelines(self.held)
             if self.dropped:
-                stream.write(f"({self.dropped} lines of the run's start not kept)\n")
+                stream.write(f"(and {self.dropped} more of the run's first lines, not kept)\n")
             stream.flush()
             self.held, self.stream = [], stream
 

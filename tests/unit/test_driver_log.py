@@ -49,6 +49,24 @@ def test_the_lines_before_the_run_directory_exists_are_kept_and_later_ones_follo
     ]
 
 
+def test_the_lines_held_are_bounded(tmp_path, monkeypatch):
+    import groupflow.driver_log as driver_log_module
+
+    monkeypatch.setattr(driver_log_module, "HELD_LINES", 3)
+    with DriverLog() as driver_log:  # its first line, and two of the three below, are held
+        for n in range(3):
+            log.info("line %d", n)
+        driver_log.open(tmp_path)
+        log.info("after")
+    lines = (tmp_path / FILE_NAME).read_text().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines[1:3]] == [
+        "INFO groupflow.driver: line 0",
+        "INFO groupflow.driver: line 1",
+    ]
+    assert lines[3] == "(and 1 more of the run's first lines, not kept)"
+    assert lines[4].endswith("INFO groupflow.driver: after")
+
+
 def test_a_resumed_run_appends_to_the_log(tmp_path):
     for step in (1, 2):
         with DriverLog() as driver_log:
