@@ -158,3 +158,10 @@ def test_the_warm_start_says_how_far_it_has_got_off_a_terminal(monkeypatch, capl
     ]
     assert lines[-1].startswith("warm start: 3/3 steps in ")
     assert "loss " in lines[0] and "elapsed" in lines[0] and "left" in lines[0]
+
+
+def test_a_resumed_runs_bar_starts_at_its_step():
+    with ProgressReporter(load_config(None, ["trainer.steps=60"])) as progress:
+        progress.interactive = True  # as on a terminal
+        progress.write(_record(41))
+        assert (progress.bar.n, progress.bar.total) == (41, 60)
