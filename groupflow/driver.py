@@ -47,6 +47,7 @@ from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.model_dir import read_model_config
 from groupflow.plots import write_plots
+from groupflow.progress import PhaseProgress, heartbeat
 from groupflow.prometheus import PrometheusExporter
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
@@ -305,7 +306,8 @@ def start_job(run: OpenRun) -> TrainingJob:
         cfg.learner.num_ranks,
     )
     restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
-    with ExitStack() as undo:
+    # one heartbeat for the whole start: each of its waits may be short, together they are not
+    with heartbeat(PhaseProgress("starting the actors")) as progress, ExitStack() as undo:
         generators = start_generator_pool(cfg, run.model_path, restarts)
         undo.callback(generators.shutdown)
         rewards = RewardPool(cfg)
@@ -314,11 +316,15 @@ def start_job(run: OpenRun) -> TrainingJob:
         placed = partial(
             startup_placement, cfg, generators.engines, rewards.workers, generators.tool_workers
         )
+        progress.update(note="waiting for the learner ranks")
         learner = LearnerGroup(cfg, run.model_path, placed)
         undo.callback(learner.shutdown)
-        wait_started("engine", [e.__ray_ready__.remote() for e in generators.engines])
-        wait_started("reward worker", [w.__ray_ready__.remote() for w in rewards.workers])
-        wait_started("tool worker", [w.__ray_ready__.remote() for w in generators.tool_workers])
+        for what, actors in (
+            ("engine", generators.engines),
+            ("reward worker", rewards.workers),
+            ("tool worker", generators.tool_workers),
+        ):
+            wait_started(what, [a.__ray_ready__.remote() for a in actors], progress)
         control = start_control(cfg.trainer.run_name, limits_for(cfg))
         inbox = None if control is None else ActorInbox(control)
         if inbox is not None:
