@@ -30,18 +30,28 @@ from ray.exceptions import RayError
 
 from groupflow.actors.placement import has_node, live_nodes
 from groupflow.peers import Futures, Handle, PeerDied
-from groupflow.placement import NOTE_AFTER_S, describe_cluster, describe_demand
+from groupflow.placement import NOTE_AFTER_S, POLL_S, describe_cluster, describe_demand
+from groupflow.progress import PhaseProgress
 from groupflow.scaling import PoolState
 from groupflow.start_errors import StartError, start_failure
 
 log = logging.getLogger(__name__)
 
 
-def wait_started(what: str, refs: Sequence[ray.ObjectRef]) -> list:
+def wait_started(
+    what: str, refs: Sequence[ray.ObjectRef], progress: PhaseProgress | None = None
+) -> list:
     """The values of `refs`, calls that end an actor's start (its constructor, a rank's
     init); an actor that failed fails the job with one line: its own error and its node,
-    not Ray's "the actor died" (groupflow/start_errors.py)."""
+    not Ray's "the actor died" (groupflow/start_errors.py). `progress` (the job's start,
+    groupflow/progress.py) is told how many are up."""
+    pending = list(refs)
     try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            ray.get(done)  # a failed start fails the wait at once
+            if progress is not None:
+                progress.update(note=f"{what}s {len(refs) - len(pending)}/{len(refs)} up")
         return ray.get(list(refs))
     except RayError as err:
         raise StartError(start_failure(what, str(err))) from None

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="run a training job",
         description="Run a training job on a local Ray cluster or on cluster.address. "
-        "Writes runs/<trainer.run_name>/: config.resolved.yaml, metrics.jsonl, model/, summary.json "
+        "Writes runs/<trainer.run_name>/: config.resolved.yaml, metrics.jsonl, driver.log, model/, "
+        "summary.json "
         "(and checkpoints/ with trainer.checkpoint_every).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

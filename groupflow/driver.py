@@ -38,6 +38,7 @@ from groupflow.checkpoint import (
     rewind_metrics,
 )
 from groupflow.config import Config, ray_client_refusal
+from groupflow.driver_log import DriverLog
 from groupflow.evaluate import HeldOutSet
 from groupflow.hub_model import local_model_path
 from groupflow.job import TrainingJob
@@ -47,6 +48,7 @@ from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
 from groupflow.model_dir import check_context, model_context, read_model_config
 from groupflow.plots import latest_run, read_records, write_plots
+from groupflow.progress import PhaseProgress, heartbeat
 from groupflow.prometheus import PrometheusExporter
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
@@ -328,8 +330,15 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
     """Start the engines, the reward workers and the learner ranks; on a failure, stop
     those already started. `groupflow stop` reaches `stop` through the job's control actor."""
     cfg = run.cfg
+    log.info(
+        "starting the actors: engines %d, reward workers %d, learner ranks %d",
+        cfg.rollout.num_engines,
+        cfg.reward.num_workers,
+        cfg.learner.num_ranks,
+    )
     restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
-    with ExitStack() as undo:
+    # one heartbeat for the whole start: each of its waits may be short, together they are not
+    with heartbeat(PhaseProgress("starting the actors")) as progress, ExitStack() as undo:
         generators = start_generator_pool(cfg, run.model_path, restarts)
         undo.callback(generators.shutdown)
         rewards = RewardPool(cfg)
@@ -338,11 +347,15 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
         placed = partial(
             startup_placement, cfg, generators.engines, rewards.workers, generators.tool_workers
         )
+        progress.update(note="waiting for the learner ranks")
         learner = LearnerGroup(cfg, run.model_path, placed)
         undo.callback(learner.shutdown)
-        wait_started("engine", [e.__ray_ready__.remote() for e in generators.engines])
-        wait_started("reward worker", [w.__ray_ready__.remote() for w in rewards.workers])
-        wait_started("tool worker", [w.__ray_ready__.remote() for w in generators.tool_workers])
+        for what, actors in (
+            ("engine", generators.engines),
+            ("reward worker", rewards.workers),
+            ("tool worker", generators.tool_workers),
+        ):
+            wait_started(what, [a.__ray_ready__.remote() for a in actors], progress)
         control = start_control(cfg.trainer.run_name, limits_for(cfg))
         inbox = None if control is None else ActorInbox(control)
         if inbox is not None:
@@ -502,43 +515,46 @@ _NOTHING_TRAINED = "interrupted before training began: nothing trained, nothing 
 def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> dict:
     """Run one training job; returns the summary written to summary.json. Once training
     has begun, Ctrl-C, SIGTERM and `groupflow stop` stop it early (groupflow/stopping.py);
-    the summary returned then has `end_line`: what was written, and `how_to_resume`."""
+    the summary returned then has `end_line`: what was written, and `how_to_resume`. What
+    the driver says is also kept in runs/<name>/driver.log (groupflow/driver_log.py)."""
     stop = StopRequest(cfg.trainer.stop_timeout_s)
-    try:
-        opened = open_run(cfg)
-    except KeyboardInterrupt:
-        log.warning(_NOTHING_TRAINED)
-        raise
-    job = None
-    try:
-        job = start_job(opened, stop)
-        if opened.resume is not None:
-            job.restore(opened.resume.checkpoint, opened.resume.state)
-            warm = job.warm_accuracy
-            if warm is not None:  # None: a checkpoint of an older groupflow
-                export_held_out(opened, {"warm_start_accuracy": warm})
-        else:
-            job.warm_eval = job.evaluate()
-            warm = job.warm_accuracy = job.warm_eval["eval_accuracy"]
-            log.info("held-out greedy accuracy before training: %.3f", warm)
-            export_held_out(opened, {"warm_start_accuracy": warm, **job.warm_eval})
-        with stop_on_signals(stop):
-            train(opened, job)
-            if job.stopped:
-                return end_stopped(opened, job, warm, how_to_resume)
-            return finish_run(opened, job, warm)
-    except StopAborted as err:
-        newest = CheckpointStore(opened.run_dir).newest()
-        log.warning(
-            "%s; %s", err, f"the newest checkpoint is {newest}" if newest else "no checkpoint"
-        )
-        raise
-    except KeyboardInterrupt:
-        log.warning(_NOTHING_TRAINED)
-        raise
-    finally:
-        if job is not None:
-            job.shutdown()
-            if job.scaler is not None:
-                job.scaler.close()
-        opened.close()
+    with DriverLog() as driver_log:
+        try:
+            opened = open_run(cfg)
+        except KeyboardInterrupt:
+            log.warning(_NOTHING_TRAINED)
+            raise
+        job = None
+        try:
+            driver_log.open(opened.run_dir)
+            job = start_job(opened, stop)
+            if opened.resume is not None:
+                job.restore(opened.resume.checkpoint, opened.resume.state)
+                warm = job.warm_accuracy
+                if warm is not None:  # None: a checkpoint of an older groupflow
+                    export_held_out(opened, {"warm_start_accuracy": warm})
+            else:
+                job.warm_eval = job.evaluate()
+                warm = job.warm_accuracy = job.warm_eval["eval_accuracy"]
+                log.info("held-out greedy accuracy before training: %.3f", warm)
+                export_held_out(opened, {"warm_start_accuracy": warm, **job.warm_eval})
+            with stop_on_signals(stop):
+                train(opened, job)
+                if job.stopped:
+                    return end_stopped(opened, job, warm, how_to_resume)
+                return finish_run(opened, job, warm)
+        except StopAborted as err:
+            newest = CheckpointStore(opened.run_dir).newest()
+            log.warning(
+                "%s; %s", err, f"the newest checkpoint is {newest}" if newest else "no checkpoint"
+            )
+            raise
+        except KeyboardInterrupt:
+            log.warning(_NOTHING_TRAINED)
+            raise
+        finally:
+            if job is not None:
+                job.shutdown()
+                if job.scaler is not None:
+                    job.scaler.close()
+            opened.close()

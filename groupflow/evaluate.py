@@ -9,6 +9,7 @@ import asyncio
 from groupflow.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
 from groupflow.config import Config, EvalSetConfig
 from groupflow.model_dir import read_model_config
+from groupflow.progress import PhaseProgress, heartbeat
 from groupflow.records import Prompt
 
 
@@ -71,44 +72,48 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     # no tool pool here: the python tool's sandboxes start from this process
     python = "python" in cfg.agent_tools()
     run_code = in_process_run_code(cfg.agent.allow_weak_sandbox) if python else None
-    engine = RolloutEngine(settings, run_code)
-    if adapter is not None:
-        engine.load_weights(tensors, version=0)
-    reward = cfg.reward
-    scorer = Scorer(
-        cfg.task.name,
-        cfg.task.options,
-        plugin=reward.verifier,
-        timeout_s=reward.plugin_timeout_s,
-        processes=reward.scorer_processes,
-    )
-
-    loop = asyncio.new_event_loop()  # the engine's requests are coroutines
-
-    def rewards(greedy: bool) -> list[list[float]]:
-        groups = loop.run_until_complete(
-            engine.complete(prompts, cfg.trainer.eval_samples, cfg.rollout.sampling, greedy)
+    # the engine's start and the answers block: a heartbeat says where a long evaluation is
+    with heartbeat(PhaseProgress("evaluation")) as progress:
+        progress.update(note="starting the engine")
+        engine = RolloutEngine(settings, run_code)
+        if adapter is not None:
+            engine.load_weights(tensors, version=0)
+        reward = cfg.reward
+        scorer = Scorer(
+            cfg.task.name,
+            cfg.task.options,
+            plugin=reward.verifier,
+            timeout_s=reward.plugin_timeout_s,
+            processes=reward.scorer_processes,
         )
-        return [sg.rewards for sg in scorer.score_groups(groups)]
-
-    try:
-        greedy = rewards(greedy=True)
-        result = {
-            "model": model_path,
-            "task": cfg.task.name,
-            "prompts": len(prompts),
-            "accuracy": greedy_share(greedy),
-        }
-        if by_task := greedy_share_by_task(prompts, greedy):
-            result["task_accuracy"] = by_task
+        loop = asyncio.new_event_loop()  # the engine's requests are coroutines
         n = cfg.trainer.eval_samples
-        if n:
-            k = cfg.trainer.eval_pass_k or n
-            result[f"mean@{n}"], result[f"pass@{k}"] = sampled_scores(rewards(greedy=False), k)
-        return result
-    finally:
-        scorer.pool.close()
-        loop.close()
+
+        def rewards(greedy: bool) -> list[list[float]]:
+            answers = "greedy answers" if greedy else f"{n} sampled answers"
+            progress.update(note=f"{answers} to {len(prompts)} prompts")
+            groups = loop.run_until_complete(
+                engine.complete(prompts, n, cfg.rollout.sampling, greedy)
+            )
+            return [sg.rewards for sg in scorer.score_groups(groups)]
+
+        try:
+            greedy = rewards(greedy=True)
+            result = {
+                "model": model_path,
+                "task": cfg.task.name,
+                "prompts": len(prompts),
+                "accuracy": greedy_share(greedy),
+            }
+            if by_task := greedy_share_by_task(prompts, greedy):
+                result["task_accuracy"] = by_task
+            if n:
+                k = cfg.trainer.eval_pass_k or n
+                result[f"mean@{n}"], result[f"pass@{k}"] = sampled_scores(rewards(greedy=False), k)
+            return result
+        finally:
+            scorer.pool.close()
+            loop.close()
 
 
 class HeldOutSet:

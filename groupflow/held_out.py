@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from groupflow.config import Config
 from groupflow.evaluate import HeldOutSet, greedy_share, greedy_share_by_task, sampled_scores
 from groupflow.pipeline import Pipeline
+from groupflow.progress import PhaseProgress, heartbeat
 from groupflow.records import Prompt, SampledGroup
 
 EVAL_CHUNK = -1  # the reward pool's batch id for held-out answers (chunks count from 0)
@@ -36,25 +37,35 @@ class HeldOutEvaluation:
 
     def scores(self) -> dict[str, float | dict[str, float]]:
         """The task's own set's scores (eval_*, with eval_task_accuracy by task in a mixture)
-        and each extra set's (eval_set_*, by name)."""
-        out = {
-            f"eval_{key}": value for key, value in self._scores(self.prompts, self._pool).items()
-        }
-        for held_out in self.held_out_sets:
-            for key, value in self._scores(held_out.prompts, held_out.rewards).items():
-                out.setdefault(f"eval_set_{key}", {})[held_out.name] = value
+        and each extra set's (eval_set_*, by name). A long evaluation says where it is
+        (groupflow/progress.py)."""
+        with heartbeat(PhaseProgress("held-out evaluation")) as progress:
+            own = self._scores(self.prompts, self._pool, progress.update, "the task")
+            out = {f"eval_{key}": value for key, value in own.items()}
+            for held_out in self.held_out_sets:
+                of_set = f"eval set {held_out.name}"
+                for key, value in self._scores(
+                    held_out.prompts, held_out.rewards, progress.update, of_set
+                ).items():
+                    out.setdefault(f"eval_set_{key}", {})[held_out.name] = value
         return out
 
     def _scores(
-        self, prompts: list[Prompt], score: Callable[[list[SampledGroup]], list[list[float]]]
+        self,
+        prompts: list[Prompt],
+        score: Callable[[list[SampledGroup]], list[list[float]]],
+        doing: Callable[..., None],
+        of: str,
     ) -> dict[str, float | dict[str, float]]:
         trainer = self.cfg.trainer
+        doing(note=f"greedy answers to {len(prompts)} prompts of {of}")
         greedy = score(self._answers(prompts, greedy=True))
         scores: dict[str, float | dict[str, float]] = {"accuracy": greedy_share(greedy)}
         if by_task := greedy_share_by_task(prompts, greedy):
             scores["task_accuracy"] = by_task
         if trainer.eval_samples:
             k = trainer.eval_pass_k or trainer.eval_samples
+            doing(note=f"{trainer.eval_samples} sampled answers to {len(prompts)} prompts of {of}")
             rewards = score(self._answers(prompts, greedy=False))
             scores["mean_at_n"], scores["pass_at_k"] = sampled_scores(rewards, k)
         return scores

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from groupflow.driver_log import FILE_ONLY
+from groupflow.progress import PhaseProgress
 from groupflow.random_model import random_causal_lm
 
 log = logging.getLogger(__name__)
@@ -111,14 +113,12 @@ def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> Non
         optimizer, lambda s: min(1.0, (s + 1) / cfg["warmup"])
     )
     model.train()
-    # On a terminal a bar; elsewhere (logs, CI, Ray jobs) the start and end lines suffice.
-    bar = tqdm(
-        range(steps),
-        desc="warm start",
-        disable=not (progress and sys.stderr.isatty()),
-        mininterval=2.0,
-    )
-    for _ in bar:
+    # On a terminal a bar, and its lines in driver.log alone; elsewhere (logs, CI, Ray jobs)
+    # the lines.
+    bar_on = progress and sys.stderr.isatty()
+    bar = tqdm(range(steps), desc="warm start", disable=not bar_on, mininterval=2.0)
+    lines = PhaseProgress("warm start", steps, "steps", say=FILE_ONLY.info if bar_on else log.info)
+    for step in bar:
         input_ids, labels, attention = _sft_batch(task, prompts, tokenizer, cfg["batch_size"])
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad()
@@ -126,7 +126,10 @@ def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> Non
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        shown = f"{loss.item():.3f}"
+        bar.set_postfix(loss=shown, refresh=False)
+        lines.update(step + 1, f"loss {shown}")
+    lines.close()
     model.eval()
 
 

@@ -135,6 +135,19 @@ def test_three_steps_with_overlap_write_the_run_directory(
     # the end line of a run that had nothing to learn from, exactly when no step had a spread
     assert (summary["nothing_learned"] is None) == any(r["groups_with_spread"] for r in records)
     assert summary["prompts_left_out"] == {"task": 0, "task.eval_sets long": 0}
+    # the driver's story in the run directory (issue 37), from the run's start (held until the
+    # directory existed) to its end, with a line a step: its elapsed time and ETA
+    driver_log = (run / "driver.log").read_text().splitlines()
+    step_lines = [line.split(": ", 1)[1] for line in driver_log if "groupflow.run: step " in line]
+    assert [line.split(" reward=")[0] for line in step_lines] == [
+        "step 1/3",
+        "step 2/3",
+        "step 3/3",
+    ]
+    assert all(" elapsed=" in line and " eta=" in line for line in step_lines)
+    assert step_lines[-1].endswith(" eta=0:00")
+    for said in ("driver started", "actors up in", "held-out greedy accuracy after training"):
+        assert any(said in line for line in driver_log), said
 
     from transformers import AutoModelForCausalLM
 

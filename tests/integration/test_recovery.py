@@ -179,6 +179,16 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_ctrl_c(
     assert math.isfinite(summary["final_accuracy"]) and summary["resumed_from_step"] == reached
     assert not summary["stopped"] and summary["step_reached"] == 5
     assert [p.name for p in store.complete()] == ["step_4", "step_5"]
+    # driver.log holds the stopped driver's lines and the resumed one's after them (issue 37)
+    driver_log = (run / "driver.log").read_text().splitlines()
+    steps = [
+        line.split(": ", 1)[1].split(" ")[1]
+        for line in driver_log
+        if "groupflow.run: step " in line
+    ]
+    assert steps == [f"{step}/5" for step in range(1, 6)], steps
+    assert sum("driver started" in line for line in driver_log) == 2
+    assert any(f"resuming after step {reached}" in line for line in driver_log)
     capsys.readouterr()
     assert main(resume) == 0  # finished: nothing to do, nothing started or written
     assert capsys.readouterr().out.startswith("run recovery already finished its 5 steps (")
