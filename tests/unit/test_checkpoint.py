@@ -326,7 +326,7 @@ def test_a_submitted_job_resumes_by_itself_unless_its_config_says_otherwise(
             submitted.update(yaml.safe_load(path.read_text()))
             return "raysubmit_1"
 
-    monkeypatch.setattr(jobs, "_client", lambda address: Client())
+    monkeypatch.setattr(jobs, "jobs_client", lambda address: Client())
     overrides = [x for o in ("trainer.output_dir=/shared/runs", *set_resume) for x in ("--set", o)]
     assert main(["submit", *overrides, "--no-follow"]) == 0
     assert submitted["trainer"]["resume"] == sent
