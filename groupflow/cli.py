@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--explain", action="store_true", help="each key's description as a comment above it"
     )
+    show.add_argument(
+        "--check",
+        action="store_true",
+        help="also open what the job names, as `groupflow train --dry-run` does: the model's "
+        "config, its tokenizer and chat template on every prompt, the datasets (docs/validation.md)",
+    )
     add_job_commands(sub)
     # `score` parses its own arguments (reward_workers/score_cli.py); listed here for --help.
     sub.add_parser(
@@ -157,9 +163,7 @@ def _run_command(argv: list[str]) -> int:
     if getattr(args, "model", None):
         overrides.append(f"model.path={args.model}")
     cfg = load_config(args.config, overrides)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    _log_to_terminal()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if getattr(args, "dry_run", False):
         from groupflow.dry_run import dry_run_report
@@ -213,7 +217,18 @@ def _show_config(args: argparse.Namespace) -> int:
     else:
         cfg = build_config({}, args.overrides)
     print(explained_yaml(cfg) if args.explain else cfg.dump_yaml(), end="")
+    if args.check:
+        from groupflow.dry_run import dry_run_report
+
+        _log_to_terminal()
+        print("\n".join(dry_run_report(cfg)))
     return 0
+
+
+def _log_to_terminal() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 class VersionAction(argparse.Action):

@@ -97,6 +97,10 @@ def test_a_users_model_and_dataset_are_checked_and_reported(
         "1 of task, left out"
     )
     assert out[-1].startswith("dry run: ")
+    # `groupflow config --check`: the resolved config, then the same report
+    assert main(["config", job, "--check"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("model:\n") and shown.endswith("\n".join(out[-3:]) + "\n")
     # nothing written (nothing_starts: nothing started)
     assert not (tmp_path / "runs").exists()
 
@@ -124,12 +128,13 @@ def test_the_quickstart_dry_run_builds_and_checks_its_model(
         ("rollout.max_model_len=20", "task: prompt 'q0': "),
     ],
 )
+@pytest.mark.parametrize("command", [["train", "--dry-run"], ["config", "--check"]])
 def test_a_bad_input_is_one_line_and_exit_2(
-    user_model, tmp_path, capsys, override, culprit, nothing_starts
+    user_model, tmp_path, capsys, override, culprit, command, nothing_starts
 ):
     data = gsm8k_layout(tmp_path / "train.jsonl", 20)
     job = job_file(tmp_path, user_model, data, rollout="{sampling: {max_tokens: 16}}")
-    assert main(["train", job, "--dry-run", "--set", override]) == 2
+    assert main([command[0], job, command[1], "--set", override]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("groupflow: error: "), err
     assert culprit in err
