@@ -65,7 +65,6 @@ ENTRYPOINT = f"python -m groupflow.cli train {JOB_CONFIG_NAME}"
 SUBPACKAGES = ("actors", "rollout", "learner", "reward_workers")
 STATUS_POLL_S = 1.0
 RUN_HELP = "run name (trainer.run_name), run directory, or the job id `groupflow submit` printed"
-DRIVER_LOG = "driver.log"  # the driver's log in its run directory
 # How long `groupflow stop` waits for the job to end: the step in flight (its samples within
 # trainer.stop_timeout_s), its learning, a checkpoint and the model's save.
 STOP_TIMEOUT_S = 900.0
@@ -366,6 +365,7 @@ def _follow_file(path: Path, running) -> None:
 
 
 def _logs(args: argparse.Namespace) -> int:
+    from groupflow.driver_log import FILE_NAME as DRIVER_LOG
     from groupflow.live import LiveError
     from groupflow.run_on_disk import read_run
 
