@@ -93,6 +93,8 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
             f"trainer.output_dir={tmp_path}",
             "--set",
             "trainer.checkpoint_every=100",
+            "--set",  # one rank: its start costs as much CPU as the engine's
+            "learner.num_ranks=1",
         ],
         env,
     )
@@ -108,7 +110,7 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     scaled_at = len(metrics.read_text().splitlines())
     live = _groupflow(["status", "quickstart", *elsewhere], env)
     assert f"{job_id}  RUNNING  run=quickstart" in live.stdout, live.stdout + live.stderr
-    assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 2" in live.stdout
+    assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 1" in live.stdout
     listed = _groupflow(["list", "--runs", str(tmp_path)], env).stdout
     assert re.search(r"^quickstart +running ", listed, re.M), listed
     assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed, re.M), listed
@@ -209,11 +211,12 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     port = free_port()
     log_path, run = tmp_path / "driver.log", tmp_path / "lost"
     overrides = {
-        "trainer.steps": 5,
+        "trainer.steps": 3,  # one before the node is lost, two after
         "trainer.run_name": "lost",
         "trainer.output_dir": tmp_path,
         "cluster.address": gcs,
         "task.eval_size": 8,
+        "learner.num_ranks": 1,  # on the head, which is not lost: one rank is enough
         "rollout.num_engines": 2,
         "rollout.resources.num_cpus": 0,  # the engines node has no CPU: nothing else goes there
         "rollout.resources.custom": "{gf_engines: 1}",
@@ -245,7 +248,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
     try:
-        wait_for(lambda: len(steps()) >= 2, 300)
+        wait_for(lambda: len(steps()) >= 1, 300)
         nodes[0].kill()
         wait_for(lambda: "no engine is left: generation waits for it" in log_path.read_text(), 60)
         before = _scrape(port)
@@ -266,7 +269,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         for node in nodes:
             node.stop()
     log = log_path.read_text()
-    assert steps() == [1, 2, 3, 4, 5]
+    assert steps() == [1, 2, 3]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["engine_restarts"] == 2, log[-4000:]
     assert log.count("a replacement is asked for") == 2
