@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,13 @@ def _groupflow(args: list[str], env: dict) -> subprocess.CompletedProcess:
     )
 
 
+def _groupflows(*commands: list[str], env: dict) -> list[subprocess.CompletedProcess]:
+    """`groupflow` commands that do not depend on each other, side by side: each is mostly a
+    process importing Ray on one core while the job trains."""
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        return list(pool.map(lambda args: _groupflow(args, env), commands))
+
+
 def _first_step(metrics: Path, timeout_s: float = 300) -> None:
     """Wait until the job has written its first step (polling the file: each `groupflow`
     process would take CPU from the job on a small machine)."""
@@ -108,13 +116,16 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     assert scale.returncode == 0, scale.stderr[-2000:]
     assert "reward workers: 2 -> 3" in scale.stdout
     scaled_at = len(metrics.read_text().splitlines())
-    live = _groupflow(["status", "quickstart", *elsewhere], env)
+    live, listed, zero = _groupflows(
+        ["status", "quickstart", *elsewhere],
+        ["list", "--runs", str(tmp_path)],
+        ["scale", job_id, "--engines", "0"],
+        env=env,
+    )
     assert f"{job_id}  RUNNING  run=quickstart" in live.stdout, live.stdout + live.stderr
     assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 1" in live.stdout
-    listed = _groupflow(["list", "--runs", str(tmp_path)], env).stdout
-    assert re.search(r"^quickstart +running ", listed, re.M), listed
-    assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed, re.M), listed
-    zero = _groupflow(["scale", job_id, "--engines", "0"], env)
+    assert re.search(r"^quickstart +running ", listed.stdout, re.M), listed.stdout
+    assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed.stdout, re.M), listed.stdout
     assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
     stop = _groupflow(["stop", "quickstart", *elsewhere], env)
     assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
@@ -132,8 +143,14 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     reached = int(stopped[1])
     follow = _groupflow(["logs", "quickstart", "--follow", *elsewhere], env)
     assert follow.returncode == 0, follow.stdout[-2000:]
-    # ended: the Jobs API's state, and what the run directory holds
-    status = _groupflow(["status", "quickstart", "--runs", str(tmp_path)], env).stdout
+    # ended: the Jobs API's state, and what the run directory holds; and an ended job
+    # refuses to scale
+    after, ended = _groupflows(
+        ["status", "quickstart", "--runs", str(tmp_path)],
+        ["scale", job_id, "--reward-workers", "2"],
+        env=env,
+    )
+    status = after.stdout
     assert f"{job_id}  SUCCEEDED  run=quickstart" in status
     assert f"run quickstart  stopped  step {reached}/30  held-out accuracy " in status, status
     assert f"model: {run / 'model'}" in status
@@ -147,7 +164,6 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
     assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)
     # an ended job: one line, exit 1, naming its state
-    ended = _groupflow(["scale", job_id, "--reward-workers", "2"], env)
     assert ended.returncode == 1
     assert ended.stderr == f"groupflow: error: job {job_id} is not running (SUCCEEDED)\n"
 
@@ -207,7 +223,6 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     pool below its target."""
     _, env, gcs = ray_head
     engines_node = [f"--address={gcs}", "--num-cpus=0", '--resources={"gf_engines": 2}']
-    nodes = [RayNode(engines_node, env, "engines")]
     port = free_port()
     log_path, run = tmp_path / "driver.log", tmp_path / "lost"
     overrides = {
@@ -234,6 +249,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         stdout=log_path.open("w"),
         stderr=subprocess.STDOUT,
     )
+    nodes = []
 
     def wait_for(condition, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -248,6 +264,8 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
     try:
+        # The engines' node joins while the driver starts (its engines wait to be placed)
+        nodes.append(RayNode(engines_node, env, "engines"))
         wait_for(lambda: len(steps()) >= 1, 300)
         nodes[0].kill()
         wait_for(lambda: "no engine is left: generation waits for it" in log_path.read_text(), 60)
