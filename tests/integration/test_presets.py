@@ -1,8 +1,11 @@
-"""The algorithm presets end to end through the CLI entry point, one per path, 2 steps each."""
+"""The algorithm presets end to end, one per path: DAPO and STAPO in runs of their own through
+the CLI entry point, 2 steps each; DFPO, Lopti and GSPO on the long-tail runs of
+tests/integration/test_long_tail.py, one each, which would train the default otherwise."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,10 +51,15 @@ def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
 # tests/integration/test_e2e.py, with its riders. (AR, AR+Lopti, Dr. GRPO and 20-Entropy
 # differ from these only inside the credit plan or the advantage estimator.)
 END_TO_END = ["dapo", "dfpo", "gspo", "lopti", "stapo"]
+OWN_RUNS = ["dapo", "stapo"]
+# The long-tail runs' presets, by their staleness bound: DFPO's exact cancellation needs
+# on-policy samples, and GSPO's riders a stale step.
+ON_LONG_TAIL = {0: "dfpo", 1: "lopti", 2: "gspo"}
 
 
 def test_end_to_end_presets_exist():
     assert set(END_TO_END) <= PRESETS.keys()
+    assert sorted([*OWN_RUNS, *ON_LONG_TAIL.values()]) == END_TO_END
 
 
 # Options that ride along on a preset's run, so that each goes through the CLI on the real
@@ -68,7 +76,8 @@ RIDERS = {
         "rollout.sampling.top_k=20",
         "rollout.sampling.min_p=0.01",
         "rollout.sampling.seed=3",
-        "trainer.max_staleness=4",  # both steps' prompts drawn at once, the second one stale
+        # and its long-tail run's trainer.max_staleness=2: the first two steps' prompts are
+        # drawn at once, the second step's stale
     ],
     "stapo": [
         "metrics.loggers=[wandb]",
@@ -86,32 +95,32 @@ RIDERS = {
 }
 
 
-@pytest.mark.parametrize("preset", END_TO_END)
-def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    records = _train_two_steps(
-        tmp_path,
-        preset,
+def preset_settings(preset: str) -> list[str]:
+    """The --set overrides of a preset's run: the preset, two mini-batches a step, its riders,
+    and one learner rank unless a rider asks for more (a rank's start costs about as much CPU
+    as the engine's; the presets' steps are checked against threaded ranks in the unit tests,
+    and the quickstart's two DeepSpeed ranks train in test_e2e.py and test_recovery.py)."""
+    return [
         f"algorithm.preset={preset}",
         "learner.mini_batches_per_step=2",
-        # One rank, unless a rider asks for more: each rank's start costs about as much CPU as
-        # the engine's, and the presets' steps are checked against threaded ranks in the unit
-        # tests (the quickstart's two DeepSpeed ranks train in test_e2e.py and test_recovery.py)
         "learner.num_ranks=1",
         *RIDERS.get(preset, []),
-    )
-    assert len(records) == 2
+    ]
+
+
+def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
+    """What a preset's run shows in its step records and run directory."""
     for r in records:
         assert DIAGNOSTICS <= r.keys(), DIAGNOSTICS - r.keys()
         assert 0.0 <= r["spurious_frac"] <= 1.0 and 0.0 <= r["cancellation_residual"] <= 1.0
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
-        assert r["optimizer_updates"] == 2 * (2 if two_stage else 1)
+        assert r["optimizer_updates"] == 2 * (2 if two_stage else 1), preset
     if preset == "gspo":
-        assert [r["staleness_max"] for r in records] == [0, 1]
+        assert [r["staleness_max"] for r in records[:2]] == [0, 1]
         assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
-        assert list((tmp_path / preset / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
         # tau_p: auto puts under half of the examined tokens below a threshold in (0, 1): STAPO acts
         assert all(0.0 < r["stapo_tau_p"] < 1.0 for r in records)
         assert any(r["spurious_frac"] > 0 and r["stapo_silenced_frac"] > 0 for r in records)
@@ -119,3 +128,11 @@ def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward
         assert all(r["cancellation_residual_whole_group"] < 1e-6 for r in records)
+
+
+@pytest.mark.parametrize("preset", OWN_RUNS)
+def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records = _train_two_steps(tmp_path, preset, *preset_settings(preset))
+    assert len(records) == 2
+    check_preset_run(preset, records, tmp_path / preset)
