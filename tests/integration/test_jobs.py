@@ -18,6 +18,12 @@ import pytest
 from groupflow.pipeline import HEARTBEAT_S
 from tests.integration.prometheus_server import PrometheusServer
 from tests.integration.ray_nodes import FAST_HEALTH_CHECKS, RayNode, free_port
+from tests.integration.test_presets import (
+    ON_LOST_NODE_JOB,
+    ON_SUBMITTED_JOB,
+    check_preset_run,
+    preset_settings,
+)
 
 pytestmark = pytest.mark.integration
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "alerts.yml"
@@ -101,8 +107,8 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
             f"trainer.output_dir={tmp_path}",
             "--set",
             "trainer.checkpoint_every=100",
-            "--set",  # one rank: its start costs as much CPU as the engine's
-            "learner.num_ranks=1",
+            # STAPO and its riders (two learner ranks, wandb offline) ride on this job
+            *[arg for setting in preset_settings(ON_SUBMITTED_JOB) for arg in ("--set", setting)],
         ],
         env,
     )
@@ -123,7 +129,7 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
         env=env,
     )
     assert f"{job_id}  RUNNING  run=quickstart" in live.stdout, live.stdout + live.stderr
-    assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 1" in live.stdout
+    assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 2" in live.stdout
     assert re.search(r"^quickstart +running ", listed.stdout, re.M), listed.stdout
     assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed.stdout, re.M), listed.stdout
     assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
@@ -166,6 +172,7 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     # an ended job: one line, exit 1, naming its state
     assert ended.returncode == 1
     assert ended.stderr == f"groupflow: error: job {job_id} is not running (SUCCEEDED)\n"
+    check_preset_run(ON_SUBMITTED_JOB, records, run)
 
 
 def test_a_config_that_fails_on_the_cluster_ends_failed_with_its_error(ray_head, tmp_path):
@@ -238,7 +245,10 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         "metrics.prometheus_port": port,
         "metrics.prometheus_addr": "127.0.0.1",
     }
-    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    settings = [f"{key}={value}" for key, value in overrides.items()]
+    # DAPO and its riders ride on this job (its dynamic sampling through a lost node, too)
+    settings += preset_settings(ON_LOST_NODE_JOB)
+    args = [arg for setting in settings for arg in ("--set", setting)]
     # deploy/alerts.yml as shipped, but firing at once rather than after its `for:` periods
     rules = tmp_path / "alerts.yml"
     rules.write_text(re.sub(r"\bfor: \w+", "for: 0s", ALERTS.read_text()))
@@ -297,3 +307,4 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     assert "replacement is up" in log
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["final_accuracy"] <= 1.0  # the replacements answered the final eval
+    check_preset_run(ON_LOST_NODE_JOB, records, run)

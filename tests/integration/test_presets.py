@@ -1,15 +1,15 @@
-"""The algorithm presets end to end, one per path: DAPO and STAPO in runs of their own through
-the CLI entry point, 2 steps each; DFPO, Lopti and GSPO on the long-tail runs of
-tests/integration/test_long_tail.py, one each, which would train the default otherwise."""
+"""The algorithm presets end to end, one per path, each with its riders on a job that another
+test starts anyway (a job's start costs far more than a few steps of any preset): DFPO, Lopti
+and GSPO on the long-tail runs (tests/integration/test_long_tail.py), STAPO on the submitted
+quickstart and DAPO on the job that loses a node (tests/integration/test_jobs.py). Here: what
+each preset's run is given (`preset_settings`) and what it must show (`check_preset_run`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from groupflow.cli import main
 from groupflow.presets import PRESETS
 
 pytestmark = pytest.mark.integration
@@ -28,21 +28,6 @@ DIAGNOSTICS = {
 }
 
 
-def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
-    """`groupflow train` for 2 small steps with the given --set overrides; the step records."""
-    common = [
-        f"trainer.output_dir={tmp_path}",
-        f"trainer.run_name={run_name}",
-        "trainer.steps=2",
-        "task.eval_size=16",
-        "rollout.prompts_per_step=16",
-    ]
-    args = ["train"] + [x for o in [*overrides, *common] for x in ("--set", o)]
-    assert main(args) == 0
-    lines = (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
-
-
 # Every preset's learner step is checked against a direct computation on threaded ranks
 # (tests/unit/test_learner_step.py, test_off_policy.py). End to end, one preset per path
 # through the driver and the real DeepSpeed backward: dynamic sampling with asymmetric
@@ -51,15 +36,17 @@ def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
 # tests/integration/test_e2e.py, with its riders. (AR, AR+Lopti, Dr. GRPO and 20-Entropy
 # differ from these only inside the credit plan or the advantage estimator.)
 END_TO_END = ["dapo", "dfpo", "gspo", "lopti", "stapo"]
-OWN_RUNS = ["dapo", "stapo"]
 # The long-tail runs' presets, by their staleness bound: DFPO's exact cancellation needs
 # on-policy samples, and GSPO's riders a stale step.
 ON_LONG_TAIL = {0: "dfpo", 1: "lopti", 2: "gspo"}
+ON_SUBMITTED_JOB = "stapo"  # a job of two learner ranks, between which STAPO all-reduces
+ON_LOST_NODE_JOB = "dapo"
 
 
-def test_end_to_end_presets_exist():
+def test_every_end_to_end_preset_has_a_run():
     assert set(END_TO_END) <= PRESETS.keys()
-    assert sorted([*OWN_RUNS, *ON_LONG_TAIL.values()]) == END_TO_END
+    runs = [*ON_LONG_TAIL.values(), ON_SUBMITTED_JOB, ON_LOST_NODE_JOB]
+    assert sorted(runs) == END_TO_END
 
 
 # Options that ride along on a preset's run, so that each goes through the CLI on the real
@@ -128,11 +115,3 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward
         assert all(r["cancellation_residual_whole_group"] < 1e-6 for r in records)
-
-
-@pytest.mark.parametrize("preset", OWN_RUNS)
-def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    records = _train_two_steps(tmp_path, preset, *preset_settings(preset))
-    assert len(records) == 2
-    check_preset_run(preset, records, tmp_path / preset)
