@@ -31,10 +31,10 @@ def _eval(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 def _evals_side_by_side(
     runs: list[list[str]], env: dict[str, str]
 ) -> list[subprocess.CompletedProcess]:
-    """`groupflow eval` of each argument list, two at a time: an eval is mostly one process
+    """`groupflow eval` of each argument list, all at once: an eval is mostly one process
     importing vLLM and starting its engine on one core, so on 2 cores two of them take about
-    the time of one (and two engines' memory, not more)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    the time of one (three engines' memory is less than test_stack.py's module holds)."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
         return list(pool.map(lambda args: _eval(*args, env=env), runs))
 
 
