@@ -127,7 +127,7 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
         "learner.num_ranks": 1,
         "reward.verifier": f"{REWARD_PLUGINS}:sleeps_past_timeout",
         "reward.plugin_timeout_s": 0.5,
-        "reward.scorer_processes": 4,  # the hung calls wait out their deadline side by side
+        "reward.scorer_processes": 8,  # a step's hung calls wait out their deadline side by side
         "trainer.steps": 2,
         "trainer.log_samples_every": 1,
         "trainer.output_dir": str(tmp_path),
