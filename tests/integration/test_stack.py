@@ -1,4 +1,7 @@
-"""The real stack on the shared local Ray cluster: 2 vLLM engines, 2 DeepSpeed ZeRO-3 ranks."""
+"""The real stack on the shared local Ray cluster: 2 vLLM engines, 2 DeepSpeed ZeRO-3 ranks, on
+the quickstart model as a chat model (tests/conftest.py's chat_model, with a system turn): the
+sampling settings and the chat rendering first, on the fresh engines, then weight syncs and
+learner steps."""
 
 from __future__ import annotations
 
@@ -11,24 +14,28 @@ import torch
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
-from groupflow.config import SamplingConfig, small_model_config
-from groupflow.records import Prompt, TrainSequence
+from groupflow.config import SamplingConfig, build_config, small_model_config
+from groupflow.records import Prompt, ScoredGroup, TrainSequence, Verdict
 from groupflow.reward_workers.tasks import make_task
+from groupflow.sequences import group_advantages, train_sequences
 from groupflow.weight_format import WeightSyncMismatch, bucket_manifest
+from tests.conftest import CHAT_SYSTEM_PROMPT as SYSTEM
 from tests.integration.learner_weights import learner_weights
 
 pytestmark = pytest.mark.integration
 
 SHORT = SamplingConfig(max_tokens=16)  # the quickstart's answers are a few digits
+CHAT = {"task": {"system_prompt": SYSTEM}}  # every prompt rendered with a system turn
 
 
 @pytest.fixture(scope="module")
-def stack(ray_cluster, quickstart_model):
+def stack(ray_cluster, chat_model):
     cfg = small_model_config(
-        {}, ["rollout.num_engines=2", "learner.optimizer.lr=1e-3", "rollout.partial_rollout=true"]
+        CHAT,
+        ["rollout.num_engines=2", "learner.optimizer.lr=1e-3", "rollout.partial_rollout=true"],
     )
-    pool = start_generator_pool(cfg, quickstart_model)
-    learner = LearnerGroup(cfg, quickstart_model)
+    pool = start_generator_pool(cfg, chat_model)
+    learner = LearnerGroup(cfg, chat_model)
     yield cfg, pool.engines, learner
     learner.shutdown()
     pool.shutdown()
@@ -90,6 +97,95 @@ def _expected_vllm_params(hf: dict[str, torch.Tensor], vllm_names) -> dict[str, 
         else:
             out[name] = hf[name]
     return out
+
+
+# ----- sampling settings and chat prompts, on the fresh engines ------------------------------
+
+GROUP = 6
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    task = make_task("arithmetic")
+    return [p for p, _ in zip(task.train_prompts(seed=7), range(6), strict=False)]
+
+
+def _sample(engine, prompts, **sampling):
+    return ray.get(
+        engine.sample.remote(prompts, GROUP, SamplingConfig(**{"max_tokens": 16, **sampling}))
+    )
+
+
+def test_engine_and_learner_see_the_chat_rendering(stack, chat_model, prompts):
+    from transformers import AutoTokenizer
+
+    _, engines, _ = stack
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    groups = _sample(engines[0], prompts)
+    scored = [ScoredGroup(g, [Verdict(float(j % 2), "") for j in range(GROUP)]) for g in groups]
+    cfg = build_config({})
+    seqs = train_sequences(scored, group_advantages(scored, cfg), cfg.algorithm)
+    for g, p in zip(groups, prompts, strict=True):
+        text = f"S({SYSTEM}) U({p.messages[0]['content']}) A("
+        assert g.prompt_ids == tokenizer.encode(text, add_special_tokens=False)
+    for s in seqs:
+        group = groups[s.group_id]
+        assert s.input_ids[: s.prompt_len] == group.prompt_ids  # what the learner trains on
+
+
+def test_a_seed_repeats_the_samples_and_no_seed_does_not(stack, prompts):
+    engine = stack[1][0]
+    seeded = [_sample(engine, prompts, seed=11) for _ in range(2)]
+    ids = [[[r.token_ids for r in g.responses] for g in run] for run in seeded]
+    assert ids[0] == ids[1]
+    # the G responses of one request still differ from each other
+    assert any(len({tuple(t) for t in group}) > 1 for group in ids[0])
+    other = _sample(engine, prompts, seed=12)
+    assert [[r.token_ids for r in g.responses] for g in other] != ids[0]
+
+
+def test_top_k_1_and_min_p_1_leave_only_the_likeliest_token(stack, prompts):
+    for setting in ({"top_k": 1}, {"min_p": 1.0}):
+        for g in _sample(stack[1][0], prompts, **setting):
+            assert len({tuple(r.token_ids) for r in g.responses}) == 1, setting
+
+
+def test_stop_strings_and_the_length_limit_set_the_finish_reason(stack, prompts):
+    engine = stack[1][0]
+    for g in _sample(engine, prompts, stop=["1"], max_tokens=12):
+        for r in g.responses:
+            assert "1" not in r.text[:-1]
+            if r.finish_reason == "stop" and r.text.endswith("1"):
+                continue
+            assert r.finish_reason in {"stop", "length"} and "1" not in r.text
+
+    # greedy evaluation ends its answers where training does: at the stop string, kept
+    def greedy(**sampling):
+        groups = engine.complete.remote(prompts, 1, SamplingConfig(max_tokens=12, **sampling), True)
+        return [g.responses[0].text for g in ray.get(groups)]
+
+    full = greedy()
+    longest = max(full, key=len)
+    stop = longest[len(longest) // 2]  # a character the greedy answers do write
+    assert len(longest) >= 2, full
+    cut = [t[: t.index(stop) + 1] if stop in t else t for t in full]
+    assert greedy(stop=[stop]) == cut and cut != full
+    one = [r for g in _sample(engine, prompts, max_tokens=1) for r in g.responses]
+    assert all(len(r.token_ids) == 1 for r in one)
+    # a one-token answer that is not EOS was cut at the limit
+    assert {r.finish_reason for r in one if r.text} == {"length"}
+
+
+def test_a_prompt_of_a_task_with_its_own_limit_stops_there(stack, prompts):
+    from dataclasses import replace
+
+    short = [replace(p, max_tokens=2) for p in prompts[:3]]
+    groups = _sample(stack[1][0], short + prompts[3:], max_tokens=12)
+    assert all(len(r.token_ids) <= 2 for g in groups[:3] for r in g.responses)
+    assert any(len(r.token_ids) > 2 for g in groups[3:] for r in g.responses)
+
+
+# ----- weight syncs and learner steps ---------------------------------------------------------
 
 
 def test_weight_sync_is_exact_on_every_engine(stack):
@@ -165,8 +261,9 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     old = before[0].policy_version
     weights = {old: learner_weights(learner)}  # what the engines hold (the last test synced them)
     _train(learner, _sample_sequences(engines, seed=5))
-    # Responses of 240 tokens each, still generating when the load lands.
-    long = SamplingConfig(temperature=1.0, max_tokens=240, ignore_eos=True)
+    # Responses of 200 tokens each (after a chat prompt of about 40), still generating when the
+    # load lands.
+    long = SamplingConfig(temperature=1.0, max_tokens=200, ignore_eos=True)
     chunk = engines[0].sample.remote([Prompt(f"long{i}", "1+1=", 2) for i in range(4)], 8, long)
     time.sleep(0.5)
     _sync(ObjectStoreTransport(learner, engines, bucket_bytes=2**20), version=2)
@@ -336,7 +433,7 @@ def test_a_tensor_parallel_engine_samples_what_a_one_device_engine_does_after_a_
     """TP = 2 on this CPU (vLLM's multiprocess executor, a worker per core): after a verified
     sync of trained weights, its greedy answers are the one-device engine's."""
     cfg, engines, learner = stack
-    tp_cfg = small_model_config({}, ["rollout.tensor_parallel_size=2"])
+    tp_cfg = small_model_config(CHAT, ["rollout.tensor_parallel_size=2"])
     tp_pool = start_generator_pool(tp_cfg, learner.model_path)
     try:
         _train(learner, _sample_sequences(engines, seed=7))
