@@ -1,6 +1,6 @@
 """The first code that runs inside the sandbox: set up, drop privileges, guard, run the program.
 
-reward_workers/sandbox.py starts it as `python -I -S -B -c <this file's text> <config json>`
+reward_workers/sandbox/run.py starts it as `python -I -S -B -c <this file's text> <config json>`
 with the program's source on stdin; it is never imported. Standard library only: it may run
 on a different interpreter than the trainer's (one an unprivileged user can read).
 
