@@ -54,11 +54,11 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     """One in-process vLLM engine on the task's held-out prompts; the answers are scored as
     the reward workers score them, in scorer processes killed at their deadline. `model_path`
     is a model directory or a LoRA adapter saved in PEFT's format (served on its base)."""
+    from groupflow.actors.tools import in_process_run_code
     from groupflow.driver import check_prompt_rendering
     from groupflow.reward_workers.scorer import Scorer
     from groupflow.reward_workers.tasks import make_task
     from groupflow.rollout.engine import EngineLora, RolloutEngine, engine_settings
-    from groupflow.rollout.tools import in_process_run_code
 
     adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
     base = model_path if adapter is None else adapter.base

@@ -32,7 +32,7 @@ class ToolUse:
     read), how it ended and how long it took."""
 
     tool: str
-    outcome: str  # "ok" | "error" | "timeout" | "malformed" | "unknown" (rollout/tools.py)
+    outcome: str  # "ok" | "error" | "timeout" | "malformed" | "unknown" (rollout/toolbox.py)
     seconds: float = 0.0
 
 

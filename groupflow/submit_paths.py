@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from groupflow.config import Config, ConfigError, task_option_sets
-from groupflow.reward_workers.plugins import spec_file
 from groupflow.reward_workers.tasks.prompt_pool import DATASET_OPTIONS
+from groupflow.user_code import spec_file
 
 # trainer.resume's values that are not a checkpoint directory
 RESUME_WORDS = ("never", "auto", "latest")

@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 from groupflow.records import Prompt, Response
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
-from groupflow.rollout.tools import RunCode, ToolBox, ToolCallParser, make_tools
+from groupflow.rollout.python_tool import RunCode
+from groupflow.rollout.toolbox import ToolBox, ToolCallParser
+from groupflow.rollout.tools import make_tools
 from groupflow.rollout.trajectory import (
     EnvironmentFactory,
     Generate,
@@ -18,6 +20,7 @@ from groupflow.rollout.trajectory import (
     TurnLimits,
     run_trajectory,
 )
+from groupflow.user_code import UserCodeError, load_user_object
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,7 @@ class Agent:
 
 def user_environment(spec: str, tools: ToolBox) -> EnvironmentFactory:
     """`agent.environment`: a factory called as factory(prompt, tools) for each trajectory."""
-    from groupflow.reward_workers.plugins import load_object
-
-    factory = load_object(spec, "agent.environment")
+    factory = load_user_object(spec, "agent.environment")
     if not callable(factory):
-        raise ValueError(f"agent.environment {spec!r}: is not callable")
+        raise UserCodeError(f"agent.environment {spec!r}: is not callable")
     return lambda prompt: factory(prompt, tools)

@@ -27,7 +27,7 @@ from groupflow.adapters import (
 from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
-from groupflow.rollout.tools import RunCode
+from groupflow.rollout.python_tool import RunCode
 from groupflow.rollout.weight_intake import broadcast, checksummed
 from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest, checksums
 

@@ -44,7 +44,7 @@ class PromptRenderError(ValueError):
 class ChatSettings:
     chat_template: str = "auto"  # "auto" | "none" | a path to a Jinja template file
     system_prompt: str | None = None
-    tools: list[dict] | None = None  # declarations of a multi-turn job's tools (rollout/tools.py)
+    tools: list[dict] | None = None  # declarations of a multi-turn job's tools (rollout/toolbox.py)
 
 
 class PromptRenderer:

@@ -25,8 +25,8 @@ from typing import Protocol
 
 from groupflow.records import Prompt, Response, ToolUse
 from groupflow.rollout.observations import ObservationRenderer
-from groupflow.rollout.tools import ToolBox, ToolCallParser
-from groupflow.rollout.user_code import USER_CODE
+from groupflow.rollout.toolbox import ToolBox, ToolCallParser
+from groupflow.rollout.user_calls import USER_CALLS
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class _OwnTimeout(Exception):
 
 async def _user(fn: Callable, *args):
     try:
-        return await USER_CODE.call(fn, *args)
+        return await USER_CALLS.call(fn, *args)
     except TimeoutError as err:  # the deadline cancels instead: this one is the user's
         raise _OwnTimeout from err
 

@@ -1,5 +1,6 @@
 """Multi-turn trajectories without an engine: token in, token out, limits, end reasons, tools
-and their failures (rollout/trajectory.py, rollout/tools.py, rollout/observations.py)."""
+and their failures (rollout/trajectory.py, rollout/toolbox.py and the built-in tools,
+rollout/observations.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from groupflow.actors.tools import in_process_run_code
 from groupflow.config import build_config
 from groupflow.quickstart import build_tokenizer
 from groupflow.records import Prompt, Response, SampledGroup, ToolUse, Verdict
@@ -18,17 +20,11 @@ from groupflow.reward_workers.tasks.tool_arithmetic import (
     ToolArithmeticTask,
     tool_call_text,
 )
+from groupflow.rollout.calculator_tool import Calculator
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, PromptRenderError
-from groupflow.rollout.tools import (
-    Calculator,
-    PythonTool,
-    ToolBox,
-    ToolCall,
-    ToolCallParser,
-    ToolError,
-    in_process_run_code,
-)
+from groupflow.rollout.python_tool import PythonTool
+from groupflow.rollout.toolbox import ToolBox, ToolCall, ToolCallParser, ToolError
 from groupflow.rollout.trajectory import ToolEnvironment, TurnLimits, run_trajectory
 from groupflow.rollout_figures import agent_figures
 from groupflow.sample_log import sample_rows

@@ -8,7 +8,8 @@ the other trajectories; the caller's `asyncio.wait_for` then bounds it like an a
 thread cannot be stopped: a sync call past its deadline runs on to its end in the background
 (its result is dropped), and while every thread is held by such calls new ones wait for a
 free thread, still within their own deadlines. The pool is its own, not the loop's default
-executor, which the engine's actor uses for its weight intake.
+executor, which the engine's actor uses for its weight intake. (Loading that code from its
+`module:name` is groupflow/user_code.py's.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 THREADS = 8  # sync calls running at once in an engine's process
 
 
-class UserCode:
+class UserCalls:
     def __init__(self, threads: int = THREADS):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="user-code")
 
@@ -42,4 +43,4 @@ def is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-USER_CODE = UserCode()  # one engine per process: one pool per process
+USER_CALLS = UserCalls()  # one engine per process: one pool per process
