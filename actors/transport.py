@@ -15,7 +15,7 @@ rank 0 gathers the next bucket while the current one is in transfer, and each en
 bucket as soon as it has arrived, while the next one arrives.
 
 Both return at once with references the caller waits on. A chunk sent to an engine after a
-sync samples once that sync is loaded (actors/generator.py, `min_version`). The buckets
+sync samples once that sync is loaded (actors/generator_actor.py, `min_version`). The buckets
 are cut once, from learner rank 0's manifest, and handed to the ranks and the engines alike
 (groupflow/weight_format.py). Every load is verified (`check_load`): the engine reports the
 checksum of each tensor it loaded, the ranks theirs of what they sent, and one that differs

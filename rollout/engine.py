@@ -1,7 +1,7 @@
 """A vLLM engine for grouped sampling: one request with n = G per prompt, batched continuously,
 weights loaded while requests run.
 
-No Ray in here; actors/generator.py wraps it and calls it from the actor's event loop.
+No Ray in here; actors/generator_actor.py wraps it and calls it from the actor's event loop.
 """
 
 from __future__ import annotations
