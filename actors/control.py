@@ -19,7 +19,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from groupflow.scaling import (
+from groupflow.scaling_protocol import (
     CONTROL_NAMESPACE,
     LiveStatus,
     ScaleError,
@@ -123,7 +123,7 @@ def start_control(run_name: str, limits: ScaleLimits):
 
 
 class ActorInbox:
-    """The driver's side of the control actor (groupflow.scaling.Inbox)."""
+    """The driver's side of the control actor (groupflow.scaling_protocol.Inbox)."""
 
     def __init__(self, actor):
         self.actor = actor

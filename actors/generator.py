@@ -42,7 +42,7 @@ from groupflow.peers import CHUNKS_PER_ENGINE, Chunk, Futures, GenerationFigures
 from groupflow.records import Prompt, SampledGroup
 from groupflow.recovery import RestartBudget
 from groupflow.rollout.engine import engine_settings
-from groupflow.scaling import PoolState, ray_demand
+from groupflow.scaling_protocol import PoolState, ray_demand
 
 log = logging.getLogger(__name__)
 

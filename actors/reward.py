@@ -35,7 +35,7 @@ from groupflow.config import Config
 from groupflow.peers import Handle, PeerDied
 from groupflow.records import SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
-from groupflow.scaling import PoolState, ray_demand
+from groupflow.scaling_protocol import PoolState, ray_demand
 from groupflow.start_errors import StartError
 
 log = logging.getLogger(__name__)

@@ -71,7 +71,7 @@ def chunk_size(num_prompts: int, num_engines: int) -> int:
 
 class Generation(Protocol):
     """The engines (groupflow.actors.generator.GeneratorPool); scaled through
-    groupflow.scaling.ScalablePool."""
+    groupflow.scaling_protocol.ScalablePool."""
 
     def figures(self) -> GenerationFigures: ...
 
@@ -119,7 +119,7 @@ class Generation(Protocol):
 
 class Scoring(Protocol):
     """The reward workers (groupflow.actors.reward.RewardPool); scaled through
-    groupflow.scaling.ScalablePool."""
+    groupflow.scaling_protocol.ScalablePool."""
 
     num_workers: int
     errors: int

@@ -15,6 +15,7 @@ LOOP_MODULES = (
     "groupflow.prompt_stream",
     "groupflow.peers",
     "groupflow.scaling",
+    "groupflow.scaling_protocol",
 )
 
 
