@@ -24,7 +24,7 @@ from groupflow.actors.futures import RayFutures
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.placement import startup_placement
-from groupflow.actors.reward import RewardPool
+from groupflow.actors.reward import start_reward_pool
 from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import make_transport
 from groupflow.adapters import adapter_shape
@@ -341,7 +341,7 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
     with heartbeat(PhaseProgress("starting the actors")) as progress, ExitStack() as undo:
         generators = start_generator_pool(cfg, run.model_path, restarts)
         undo.callback(generators.shutdown)
-        rewards = RewardPool(cfg)
+        rewards = start_reward_pool(cfg)
         undo.callback(rewards.shutdown)
         # Every pool placed within cluster.placement_timeout_s, or one line naming it.
         placed = partial(
