@@ -19,6 +19,8 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from groupflow.actors.transport_registry import transport_class
+from groupflow.config import Config
 from groupflow.scaling_protocol import (
     CONTROL_NAMESPACE,
     LiveStatus,
@@ -27,6 +29,7 @@ from groupflow.scaling_protocol import (
     ScaleRequest,
     check_request,
     control_actor_name,
+    ray_demand,
 )
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,19 @@ class JobControl:
 
     def end_line_read(self) -> bool:
         return self._end_line_read
+
+
+def limits_for(cfg: Config) -> ScaleLimits:
+    """The checks a request to this job meets."""
+    eng, rew = cfg.rollout.resources, cfg.reward.resources
+    auto = cfg.rollout.autoscale
+    return ScaleLimits(
+        engines_scalable=transport_class(cfg.rollout.weight_transport).elastic,
+        engine_demand=ray_demand(eng.num_cpus, eng.num_gpus, eng.custom),
+        reward_demand=ray_demand(rew.num_cpus, rew.num_gpus, rew.custom),
+        autoscale=None if auto is None else (auto.min_engines, auto.max_engines),
+        transport=cfg.rollout.weight_transport,
+    )
 
 
 def start_control(run_name: str, limits: ScaleLimits):

@@ -36,6 +36,7 @@ from groupflow.actors.futures import RayFutures
 from groupflow.actors.generator_actor import Generator
 from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
 from groupflow.actors.tools import start_tool_pool
+from groupflow.actors.transport_registry import transport_class
 from groupflow.config import Config, SamplingConfig
 from groupflow.device import device_for
 from groupflow.peers import CHUNKS_PER_ENGINE, Chunk, Futures, GenerationFigures, Handle, PeerDied
@@ -308,8 +309,8 @@ def start_generator_pool(
     cfg: Config, model_path: str, restarts: RestartBudget | None = None
 ) -> GeneratorPool:
     """`rollout.num_engines` generator actors, each placed by its declared resources; a dead
-    one is replaced by a new actor with the same settings (with the object-store transport:
-    the collective one's process group cannot take a new member, so a death ends the job).
+    one is replaced by a new actor with the same settings (where the weight transport is
+    `elastic`: one whose members are fixed, a process group, ends the job at a death).
     Replacements are charged to `restarts`, the job's budget shared with the learner (a
     pool on its own gets one of its own)."""
     if restarts is None:
@@ -335,7 +336,7 @@ def start_generator_pool(
         return actor.remote(settings, device, res.cpu_cores, tool_workers)
 
     engines = [start_engine(i) for i in range(cfg.rollout.num_engines)]
-    replaceable = cfg.rollout.weight_transport == "object_store"
+    replaceable = transport_class(cfg.rollout.weight_transport).elastic
     return GeneratorPool(
         engines,
         RayFutures(),

@@ -2,87 +2,28 @@
 groups, a request each, and loads new weights while it runs. The pool that spreads a rollout
 over these actors, in the driver's process, is actors/generator.py.
 
-A chunk sent to an engine after a weight load starts once that load is done (`sample`'s
-`min_version`).
+Weights arrive by the job's transport (actors/transport.py): its engine-side steps run here
+through `weight_sync`. A chunk sent to an engine after a weight load starts once that load is
+done (`sample`'s `min_version`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import threading
-
-import ray
+import inspect
+from collections.abc import Callable
 
 from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.tools import ToolPoolClient
-from groupflow.actors.weight_group import open_weight_group
+from groupflow.actors.transport import SyncHost
 from groupflow.config import SamplingConfig
 from groupflow.device import Device
 from groupflow.records import Prompt, SampledGroup
 from groupflow.rollout.engine import EngineSettings, RolloutEngine
-from groupflow.rollout.weight_intake import broadcast, broken_stream, streamed
-from groupflow.weight_format import LoadedWeights, Manifest
-
-log = logging.getLogger(__name__)
 
 
-class ArrivingBuckets:
-    """A sync's partitions as the learner ranks hand them in: Ray starts an async actor's calls
-    in no guaranteed order, so each carries its bucket index and rank. A bucket is whole once
-    every rank's partition is in; the thread that loads takes whole buckets in order."""
-
-    def __init__(self):
-        self.ranks: int | None = None  # known once the load starts (`expect`)
-        self._parts: dict[int, dict[int, object]] = {}  # bucket -> rank -> reference
-        self._failed_at: int | None = None  # no bucket from here on will be whole
-        self._arrived = threading.Condition()
-
-    def expect(self, ranks: int) -> None:
-        with self._arrived:
-            self.ranks = ranks
-            self._arrived.notify_all()
-
-    def put(self, index: int, rank: int, part: list | None) -> None:
-        """Rank `rank`'s partition of bucket `index` (its reference, in a list), or None: the
-        rank failed there, and sends nothing more."""
-        if part is None:
-            self.fail(index)
-            return
-        with self._arrived:
-            self._parts.setdefault(index, {})[rank] = part[0]
-            self._arrived.notify_all()
-
-    def fail(self, index: int = 0) -> None:
-        """No bucket from `index` on that is not whole yet will be (a rank failed)."""
-        with self._arrived:
-            failed_at = self._failed_at
-            self._failed_at = index if failed_at is None else min(failed_at, index)
-            self._arrived.notify_all()
-
-    def get(self, index: int) -> list | None:
-        """Bucket `index`'s references in rank order once it is whole (taken), or None where
-        a rank failed before it was."""
-        with self._arrived:
-            self._arrived.wait_for(lambda: self._settled(index))
-            parts = self._parts.pop(index, {})
-            return [parts[r] for r in range(self.ranks)] if self._whole(parts) else None
-
-    def wait_first(self) -> None:
-        """Until the first bucket is whole, or a rank failed."""
-        with self._arrived:
-            self._arrived.wait_for(lambda: self._settled(0))
-
-    def _whole(self, parts: dict) -> bool:
-        return self.ranks is not None and len(parts) == self.ranks
-
-    def _settled(self, index: int) -> bool:
-        failed = self._failed_at is not None and index >= self._failed_at
-        return failed or self._whole(self._parts.get(index, {}))
-
-
-class Generator:
+class Generator(SyncHost):
     """An async actor: every call runs in its event loop, so chunks generate side by side (each
     group a request of its own, batched continuously by vLLM) while weights arrive and load.
 
@@ -100,9 +41,6 @@ class Generator:
         run_code = ToolPoolClient(tool_workers).run if tool_workers else None
         self.engine = RolloutEngine(settings, run_code)
         self.device = device
-        self.weight_group = None
-        self._arriving_buckets: dict[str, ArrivingBuckets] = {}  # by sync
-        self._ended_syncs: set[str] = set()
         self._loads_ended = 0  # weight loads done (loaded or failed)
         self._load_ended = asyncio.Condition()
 
@@ -141,55 +79,17 @@ class Generator:
                 lambda: self.engine.policy_version >= version or self._loads_ended > ended
             )
 
-    async def add_weights(self, sync: str, index: int, rank: int, part: list | None) -> None:
-        """Learner rank `rank`'s partition of bucket `index` of sync `sync` (a reference in a
-        list, so that Ray does not fetch it here), or None: the rank failed there. A part of a
-        sync already ended is let go (its load was abandoned)."""
-        if sync not in self._ended_syncs:
-            self._arriving(sync).put(index, rank, part)
-
-    def _arriving(self, sync: str) -> ArrivingBuckets:
-        return self._arriving_buckets.setdefault(sync, ArrivingBuckets())
-
-    async def load_streamed_weights(
-        self, buckets: list[Manifest], version: int, sync: str, pushes: list
-    ) -> LoadedWeights | None:
-        """Load sync `sync` (policy `version`) in one vLLM pass, each bucket as soon as every
-        rank's partition of it has arrived (add_weights), fetching one bucket at a time
-        (rollout/weight_intake.py); the engine samples on until the first bucket is whole.
-        `pushes` are the ranks' handles of their side (LearnerRankActor.push_weights): one
-        that fails (a rank died) ends the load. Returns what was loaded, or None where the
-        learner failed part-way: that failure is the learner's to report (its side of the
-        sync fails, and the job rebuilds it and syncs every engine again), so it must not read
-        as this engine's; the layers not loaded keep their weights
-        (rollout/weight_receiver.py). A failure of the engine's own raises."""
-        arriving = self._arriving(sync)
-        arriving.expect(len(pushes))
-        watching = [asyncio.create_task(_failure_of(push, arriving)) for push in pushes]
-        try:
-            async with self._loading():
-                await asyncio.to_thread(arriving.wait_first)  # sample on until it is in
-                indices = iter(range(len(buckets)))
-                pairs = streamed(
-                    buckets, lambda: arriving.get(next(indices)), ray.get, self.device.kind
-                )
-                return await self.engine.load(pairs, version)
-        except Exception as err:
-            broken = broken_stream(err)
-            if broken is None:
-                raise
-            log.warning(
-                "weight sync %d abandoned, the learner's stream failed: %s", version, broken
-            )
-            return None
-        finally:
-            for task in watching:
-                task.cancel()
-            del self._arriving_buckets[sync]
-            self._ended_syncs.add(sync)
+    async def weight_sync(self, step: Callable, *args):
+        """Run a weight transport's engine-side `step` here, `step(self, *args)`, awaited
+        where it is a coroutine (actors/transport.py: a transport's steps, and what of this
+        actor they use: `engine`, `device`, `loading` and `sync_state`)."""
+        done = step(self, *args)
+        return await done if inspect.isawaitable(done) else done
 
     @contextlib.asynccontextmanager
-    async def _loading(self):
+    async def loading(self):
+        """Around a weight load: once it ends, loaded or failed, the chunks that wait for it
+        sample (`_holds`)."""
         try:
             yield
         finally:
@@ -199,21 +99,5 @@ class Generator:
                 self._loads_ended += 1
                 self._load_ended.notify_all()
 
-    def open_weight_group(self, host: str, port: int, rank: int, world_size: int) -> None:
-        self.weight_group = open_weight_group(host, port, rank, world_size, self.device.backend)
-
-    async def receive_weights(self, buckets: list[Manifest], version: int) -> LoadedWeights:
-        async with self._loading():
-            received = broadcast(self.weight_group, buckets, self.device.kind)
-            return await self.engine.load(received, version)
-
     async def parameters_snapshot(self) -> dict:
         return await self.engine.parameters_snapshot()
-
-
-async def _failure_of(push, arriving: ArrivingBuckets) -> None:
-    """Fail `arriving` if the rank's push fails (its rank died): its parts would never come."""
-    try:
-        await push
-    except Exception:
-        arriving.fail()

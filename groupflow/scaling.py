@@ -25,8 +25,6 @@ from groupflow.scaling_protocol import (
     LiveStatus,
     PoolState,
     ScalablePool,
-    ScaleLimits,
-    ray_demand,
 )
 
 
@@ -208,18 +206,6 @@ class Scaler:
 
 
 # ----- from the job's config ------------------------------------------------------------------
-def limits_for(cfg) -> ScaleLimits:
-    """The checks a request to this job meets (cfg: groupflow.config.Config)."""
-    eng, rew = cfg.rollout.resources, cfg.reward.resources
-    auto = cfg.rollout.autoscale
-    return ScaleLimits(
-        engines_scalable=cfg.rollout.weight_transport == "object_store",
-        engine_demand=ray_demand(eng.num_cpus, eng.num_gpus, eng.custom),
-        reward_demand=ray_demand(rew.num_cpus, rew.num_gpus, rew.custom),
-        autoscale=None if auto is None else (auto.min_engines, auto.max_engines),
-    )
-
-
 def policy_for(cfg) -> AutoscalePolicy | None:
     auto = cfg.rollout.autoscale
     if auto is None:

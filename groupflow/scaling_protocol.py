@@ -39,10 +39,11 @@ class ScaleRequest:
 class ScaleLimits:
     """What a request is checked against, fixed when the job starts."""
 
-    engines_scalable: bool  # False with the collective transport: its group takes no members
+    engines_scalable: bool  # False where the weight transport's members are fixed
     engine_demand: dict[str, float]  # Ray resources of one engine, e.g. {"CPU": 0.5}
     reward_demand: dict[str, float]
     autoscale: tuple[int, int] | None = None  # (min_engines, max_engines) when on
+    transport: str = ""  # rollout.weight_transport, named where it fixes the engines
 
 
 def ray_demand(num_cpus: float, num_gpus: float, custom: Mapping[str, float]) -> dict[str, float]:
@@ -88,8 +89,8 @@ def check_request(
     if request.engines is not None:
         if not limits.engines_scalable:
             raise ScaleError(
-                "--engines: this job uses rollout.weight_transport=collective, whose process "
-                "group cannot take new members; only --reward-workers can change"
+                f"--engines: this job uses rollout.weight_transport={limits.transport}, whose "
+                "members are fixed once it opens; only --reward-workers can change"
             )
         if limits.autoscale is not None:
             low, high = limits.autoscale

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from groupflow.actors.control import limits_for
 from groupflow.config import build_config
-from groupflow.scaling import AutoscalePolicy, Scaler, limits_for, policy_for
+from groupflow.scaling import AutoscalePolicy, Scaler, policy_for
 from groupflow.scaling_protocol import (
     LiveStatus,
     PoolState,
