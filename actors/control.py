@@ -19,7 +19,9 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from groupflow.scaling import (
+from groupflow.actors.transport_registry import transport_class
+from groupflow.config import Config
+from groupflow.scaling_protocol import (
     CONTROL_NAMESPACE,
     LiveStatus,
     ScaleError,
@@ -27,6 +29,7 @@ from groupflow.scaling import (
     ScaleRequest,
     check_request,
     control_actor_name,
+    ray_demand,
 )
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,19 @@ class JobControl:
         return self._end_line_read
 
 
+def limits_for(cfg: Config) -> ScaleLimits:
+    """The checks a request to this job meets."""
+    eng, rew = cfg.rollout.resources, cfg.reward.resources
+    auto = cfg.rollout.autoscale
+    return ScaleLimits(
+        engines_scalable=transport_class(cfg.rollout.weight_transport).elastic,
+        engine_demand=ray_demand(eng.num_cpus, eng.num_gpus, eng.custom),
+        reward_demand=ray_demand(rew.num_cpus, rew.num_gpus, rew.custom),
+        autoscale=None if auto is None else (auto.min_engines, auto.max_engines),
+        transport=cfg.rollout.weight_transport,
+    )
+
+
 def start_control(run_name: str, limits: ScaleLimits):
     """The job's control actor; None when another running job holds the name (the job runs
     on, without `groupflow scale`)."""
@@ -123,7 +139,7 @@ def start_control(run_name: str, limits: ScaleLimits):
 
 
 class ActorInbox:
-    """The driver's side of the control actor (groupflow.scaling.Inbox)."""
+    """The driver's side of the control actor (groupflow.scaling_protocol.Inbox)."""
 
     def __init__(self, actor):
         self.actor = actor

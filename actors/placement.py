@@ -13,7 +13,7 @@ from ray.util.placement_group import PlacementGroup
 
 from groupflow.config import Config, Resources
 from groupflow.placement import Placement, PoolAsk
-from groupflow.scaling import ray_demand
+from groupflow.scaling_protocol import ray_demand
 
 
 def has_node(actor: ray.actor.ActorHandle) -> bool:

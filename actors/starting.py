@@ -32,7 +32,7 @@ from groupflow.actors.placement import has_node, live_nodes
 from groupflow.peers import Futures, Handle, PeerDied
 from groupflow.placement import NOTE_AFTER_S, POLL_S, describe_cluster, describe_demand
 from groupflow.progress import PhaseProgress
-from groupflow.scaling import PoolState
+from groupflow.scaling_protocol import PoolState
 from groupflow.start_errors import StartError, start_failure
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ import torch
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import make_transport
+from groupflow.actors.transport_object_store import load_streamed, push_partitions
+from groupflow.actors.transport_registry import make_transport
 from groupflow.config import Config, small_model_config
 from groupflow.quickstart import quickstart_model_path
 from groupflow.random_model import random_causal_lm
@@ -97,10 +98,10 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
     buckets = bucket_manifest(manifest, bucket_bytes)
     sync = f"engines-alone-{version}"
-    pushes = learner.async_push_weights(buckets, sync, engines)
+    pushes = push_partitions(learner.ranks, buckets, sync, engines)
     ray.get(pushes)  # every partition in the object store and on its way to the engines
     start = time.perf_counter()
-    ray.get([e.load_streamed_weights.remote(buckets, version, sync, pushes) for e in engines])
+    ray.get([e.weight_sync.remote(load_streamed, buckets, version, sync, pushes) for e in engines])
     return time.perf_counter() - start
 
 

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import ray
 
-from groupflow.actors.control import ActorInbox, start_control
+from groupflow.actors.control import ActorInbox, limits_for, start_control
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.placement import startup_placement
-from groupflow.actors.reward import RewardPool
+from groupflow.actors.reward import start_reward_pool
 from groupflow.actors.starting import wait_started
-from groupflow.actors.transport import make_transport
+from groupflow.actors.transport_registry import make_transport, transport_class
 from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import (
     CheckpointError,
@@ -63,7 +63,7 @@ from groupflow.rollout.prompt_render import PromptRenderer
 from groupflow.run_end import SUMMARY_FILE, read_summary, stopped_line
 from groupflow.sample_log import SampleLog
 from groupflow.saved_model import complete_saved_model
-from groupflow.scaling import Scaler, limits_for, policy_for
+from groupflow.scaling import Scaler, policy_for
 from groupflow.stopping import STOP_COMMAND, StopAborted, StopRequest, stop_on_signals
 from groupflow.trackers import check_trackers, open_trackers
 
@@ -341,7 +341,7 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
     with heartbeat(PhaseProgress("starting the actors")) as progress, ExitStack() as undo:
         generators = start_generator_pool(cfg, run.model_path, restarts)
         undo.callback(generators.shutdown)
-        rewards = RewardPool(cfg)
+        rewards = start_reward_pool(cfg)
         undo.callback(rewards.shutdown)
         # Every pool placed within cluster.placement_timeout_s, or one line naming it.
         placed = partial(
@@ -420,10 +420,11 @@ def train(run: OpenRun, job: TrainingJob) -> None:
             break
         except LearnerLost as err:
             lost_at = time.monotonic()
-            if run.cfg.rollout.weight_transport != "object_store":
+            transport = run.cfg.rollout.weight_transport
+            if not transport_class(transport).elastic:
                 raise RunError(
-                    f"{err}; rebuilding the learner needs rollout.weight_transport=object_store "
-                    "(the collective transport's process group cannot take new ranks)"
+                    f"{err}; rebuilding the learner needs new ranks in the weight transport, "
+                    f"and rollout.weight_transport={transport} keeps the members it opened with"
                 ) from err
             checkpoint = store.newest()
             if checkpoint is None:

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from groupflow.actors.generator import chunk_size
 from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import HF_DIR, LEARNER_DIR, Checkpointing, DriverState
 from groupflow.config import Config
@@ -40,7 +39,15 @@ from groupflow.held_out import HeldOutEvaluation
 from groupflow.learner.figures import learner_record
 from groupflow.learner.lr_schedule import lr_at
 from groupflow.live_series import LiveSeries
-from groupflow.peers import Futures, Generation, Learner, PeerDied, Scoring, WeightSync
+from groupflow.peers import (
+    Futures,
+    Generation,
+    Learner,
+    PeerDied,
+    Scoring,
+    WeightSync,
+    chunk_size,
+)
 from groupflow.pipeline import Pipeline
 from groupflow.prometheus import PrometheusExporter
 from groupflow.prompt_stream import PromptStream, StepGroups

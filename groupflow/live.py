@@ -33,7 +33,7 @@ from groupflow.cluster_address import (
     ray_env_hidden,
 )
 from groupflow.errors import UserError, first_line
-from groupflow.scaling import (
+from groupflow.scaling_protocol import (
     CONTROL_NAMESPACE,
     LiveStatus,
     PoolState,

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from groupflow.peers import Generation, Learner, Scoring
 from groupflow.prometheus import PrometheusExporter
-from groupflow.scaling import LiveStatus, Scaler
+from groupflow.scaling import Scaler
+from groupflow.scaling_protocol import LiveStatus
 
 log = logging.getLogger(__name__)
 

@@ -57,9 +57,21 @@ class GenerationFigures:
     serving: int  # engines that take work now (loaded, not retiring, not dead)
 
 
+# Chunks an engine holds at most, generating side by side (their groups batched continuously
+# with each other): when one ends, the other keeps the engine busy while the driver sends the
+# next. The rest wait in the prompt stream, for whichever engine frees up first.
+CHUNKS_PER_ENGINE = 2
+
+
+def chunk_size(num_prompts: int, num_engines: int) -> int:
+    """A step's prompts in CHUNKS_PER_ENGINE chunks per engine: the first chunks are scored
+    while the second generate."""
+    return max(1, num_prompts // (CHUNKS_PER_ENGINE * num_engines))
+
+
 class Generation(Protocol):
     """The engines (groupflow.actors.generator.GeneratorPool); scaled through
-    groupflow.scaling.ScalablePool."""
+    groupflow.scaling_protocol.ScalablePool."""
 
     def figures(self) -> GenerationFigures: ...
 
@@ -107,7 +119,7 @@ class Generation(Protocol):
 
 class Scoring(Protocol):
     """The reward workers (groupflow.actors.reward.RewardPool); scaled through
-    groupflow.scaling.ScalablePool."""
+    groupflow.scaling_protocol.ScalablePool."""
 
     num_workers: int
     errors: int

@@ -6,7 +6,7 @@ the first is overdue) and the engines' weight loads. Whatever it waits on, every
 finishes generating goes to the reward pool at once, every engine with room takes the prompt
 stream's next chunk and scored groups are kept for their chunk, so generation and scoring
 overlap learning and each other. The engines hold at most CHUNKS_PER_ENGINE chunks each
-(actors/generator.py) and the rest wait in the stream; a chunk sent after a weight load starts
+(groupflow/peers.py) and the rest wait in the stream; a chunk sent after a weight load starts
 once the load is done, and a load stops an engine's running requests only for itself (partial
 rollouts) or waits for them (rollout/engine.py). No engine waits for another's load
 (`sync_engines` waits for the learner's side only; the engines' loads are followed here).

@@ -49,7 +49,8 @@ class PendingTransfer(Protocol):
 
 
 class Broadcaster(Protocol):
-    """A process group in which rank 0 is the source of a broadcast (actors/weight_group.py)."""
+    """A process group in which rank 0 is the source of a broadcast (actors/transport_collective.py
+    WeightGroup)."""
 
     def start_broadcast(self, tensor: torch.Tensor) -> PendingTransfer:
         """Start sending `tensor` from rank 0, or receiving into it in place on the others (it

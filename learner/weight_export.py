@@ -1,5 +1,5 @@
 """Parameters out of a ZeRO-3 model, a bucket at a time: each rank's own partitions to Ray's
-object store (actors/transport.py), or full parameters to a broadcast group of inference
+object store (actors/transport_object_store.py), or full parameters to a broadcast group of inference
 engines or to a Hugging Face directory. The buckets and how they travel are the wire format
 (groupflow/weight_format.py); a sync's buckets are cut once, by the transport, and handed to
 the ranks and the engines alike.

@@ -1,7 +1,7 @@
 """A vLLM engine for grouped sampling: one request with n = G per prompt, batched continuously,
 weights loaded while requests run.
 
-No Ray in here; actors/generator.py wraps it and calls it from the actor's event loop.
+No Ray in here; actors/generator_actor.py wraps it and calls it from the actor's event loop.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from groupflow.records import Prompt, Response, SampledGroup
 from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 from groupflow.rollout.python_tool import RunCode
-from groupflow.rollout.weight_intake import broadcast, checksummed
-from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest, checksums
+from groupflow.rollout.weight_intake import checksummed
+from groupflow.weight_format import LoadedWeights, checksums
 
 if TYPE_CHECKING:
     from groupflow.config import SamplingConfig
@@ -366,13 +366,6 @@ class RolloutEngine:
         engine.reset_prefix_cache(reset_running_requests=True)
         self.policy_version = version
         return loaded
-
-    def receive_weights(
-        self, group: Broadcaster, buckets: list[Manifest], version: int, device: str
-    ) -> LoadedWeights:
-        """Receive the buckets from the weight group's rank 0 and load them in one pass: vLLM
-        loads each layer once its tensors have arrived, while the next bucket is in transfer."""
-        return self.load_weights(broadcast(group, buckets, device), version)
 
     async def parameters_snapshot(self) -> dict:
         return (await self._call(self.llm.collective_rpc, "named_parameters_snapshot"))[0]

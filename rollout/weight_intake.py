@@ -4,7 +4,7 @@ by either transport, turned into the (name, tensor) pairs one vLLM load consumes
 handed to vLLM.
 
 No Ray in here: the object-store path is given the functions that take the next bucket's
-references and fetch them (actors/generator.py passes its queue and `ray.get`).
+references and fetch them (actors/transport_object_store.py passes its queue and `ray.get`).
 """
 
 from __future__ import annotations

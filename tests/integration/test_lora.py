@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
+from groupflow.actors.transport_collective import CollectiveTransport
+from groupflow.actors.transport_object_store import ObjectStoreTransport
 from groupflow.adapters import MERGED_DIR
 from groupflow.config import SamplingConfig, small_model_config
 from groupflow.reward_workers.tasks import make_task

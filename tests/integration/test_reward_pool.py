@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from groupflow.actors.reward import RewardPool
+from groupflow.actors.reward import start_reward_pool
 from groupflow.cli import main
 from groupflow.config import small_model_config
 from groupflow.records import Response, SampledGroup
@@ -38,7 +38,7 @@ def _groups(n: int, group_size: int = 4) -> list[SampledGroup]:
 
 def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     cfg = small_model_config({}, ["reward.num_workers=2", f"reward.verifier={PLUGINS}:slow_exact"])
-    pool = RewardPool(cfg)
+    pool = start_reward_pool(cfg)
     # asked first: an actor answers calls in order
     victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
     killed = pool.workers[0]
@@ -68,7 +68,7 @@ def test_batches_wait_for_a_replacement_when_every_worker_was_lost(ray_cluster):
     """The pool's one worker dies in its first of two batches: both (retried) and one
     submitted while no worker is left wait for the replacement and are scored there."""
     cfg = small_model_config({}, ["reward.num_workers=1", f"reward.verifier={PLUGINS}:slow_exact"])
-    pool = RewardPool(cfg)
+    pool = start_reward_pool(cfg)
     victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
     groups = _groups(12)
     pool.submit(groups[:4], chunk_id=0)  # about 0.8 s each: the kill lands in the first

@@ -23,7 +23,7 @@ from groupflow.learner.figures import RankFigures
 from groupflow.peers import PeerDied, SyncHandles
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.recovery import LearnerLost, RestartBudget
-from groupflow.scaling import PoolState
+from groupflow.scaling_protocol import PoolState
 from groupflow.weight_format import WeightSyncMismatch
 
 PROMPTS_PER_STEP = 8

@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from groupflow.actors.generator import CHUNKS_PER_ENGINE
 from groupflow.actors.starting import ASK_AGAIN_S
 from groupflow.catalogue import BY_KEY
 from groupflow.checkpoint import CheckpointStore
 from groupflow.held_out import EVAL_CHUNK
 from groupflow.learning_signal import nothing_learned
+from groupflow.peers import CHUNKS_PER_ENGINE
 from groupflow.pipeline import HEARTBEAT_S
 from groupflow.placement import NOTE_AFTER_S
 from groupflow.prompt_stream import MAX_REFILLS

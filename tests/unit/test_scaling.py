@@ -1,23 +1,22 @@
-"""Scaling a running job (groupflow/scaling.py): request checks, the autoscale policy, the
-Scaler, and the real generator pool growing and shrinking inside the job loop over the fake
-engines of tests/unit/job_loop_fakes.py (no Ray)."""
+"""Scaling a running job (groupflow/scaling.py and its control protocol,
+groupflow/scaling_protocol.py): request checks, the autoscale policy, the Scaler, and the real
+generator pool growing and shrinking inside the job loop over the fake engines of
+tests/unit/job_loop_fakes.py (no Ray)."""
 
 from __future__ import annotations
 
 import pytest
 
+from groupflow.actors.control import limits_for
 from groupflow.config import build_config
-from groupflow.scaling import (
-    AutoscalePolicy,
+from groupflow.scaling import AutoscalePolicy, Scaler, policy_for
+from groupflow.scaling_protocol import (
     LiveStatus,
     PoolState,
     ScaleError,
     ScaleLimits,
-    Scaler,
     ScaleRequest,
     check_request,
-    limits_for,
-    policy_for,
     ray_demand,
 )
 from tests.unit.job_loop_fakes import (

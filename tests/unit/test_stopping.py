@@ -297,7 +297,7 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
     without Ray): a stop, which --now raises to an abort that a later plain stop does not
     lower, and the job's last line, whose reading the driver waits for."""
     from groupflow.actors.control import JobControl
-    from groupflow.scaling import ScaleLimits
+    from groupflow.scaling_protocol import ScaleLimits
 
     control = JobControl(ScaleLimits(True, {}, {}))
     assert control.stop_asked() is None
@@ -313,9 +313,9 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
 
 
 def test_the_drivers_side_of_the_control_actor_is_a_whole_inbox():
-    """ActorInbox serves the scaler (groupflow.scaling.Inbox) and the stop alike."""
+    """ActorInbox serves the scaler (groupflow.scaling_protocol.Inbox) and the stop alike."""
     from groupflow.actors.control import ActorInbox
-    from groupflow.scaling import Inbox
+    from groupflow.scaling_protocol import Inbox
 
     wanted = {n for n in vars(Inbox) if not n.startswith("_")} | {"stop_asked", "ended"}
     assert all(callable(getattr(ActorInbox, name, None)) for name in wanted), wanted

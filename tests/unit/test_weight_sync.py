@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from groupflow import weight_format
-from groupflow.actors.weight_group import open_weight_group
+from groupflow.actors.transport_collective import open_weight_group
 from groupflow.errors import expected_failure
 from groupflow.learner.weight_export import (
     broadcast_weights,
@@ -21,6 +21,7 @@ from groupflow.learner.weight_export import (
 )
 from groupflow.random_model import random_causal_lm
 from groupflow.rollout.engine import RolloutEngine
+from groupflow.rollout.weight_intake import broadcast
 from groupflow.weight_format import (
     LoadedWeights,
     WeightSyncMismatch,
@@ -224,7 +225,6 @@ class RecordingLLM:
 class RecordingEngine:
     """The engine's receiving and loading steps, over a recording stand-in for vLLM."""
 
-    receive_weights = RolloutEngine.receive_weights
     load_weights = RolloutEngine.load_weights
 
     def __init__(self, tensor_parallel_size: int = 1):
@@ -232,6 +232,11 @@ class RecordingEngine:
         self.policy_version = 0
         self.tensor_parallel_size = tensor_parallel_size
         self.lora = None  # the whole model
+
+    def receive_weights(self, group, buckets, version: int, device: str):
+        """The collective transport's engine side (actors/transport_collective.py `receive`):
+        the buckets received as each lands and loaded in one pass."""
+        return self.load_weights(broadcast(group, buckets, device), version)
 
 
 def free_port() -> int:
