@@ -170,16 +170,16 @@ def _run_command(argv: list[str]) -> int:
 
         print("\n".join(dry_run_report(cfg)))
         return 0
-    from groupflow.driver import resolve_model_path, run
-
     if args.command == "eval":
         from groupflow.adapters import is_adapter_dir
         from groupflow.evaluate import evaluate_model
+        from groupflow.run_inputs import resolve_model_path
 
         path = cfg.model.path
         adapter = path is not None and is_adapter_dir(path)
         print(json.dumps(evaluate_model(cfg, path if adapter else resolve_model_path(cfg))))
         return 0
+    from groupflow.driver import run
     from groupflow.run_end import already_finished, how_to_resume
 
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name

@@ -1,32 +1,26 @@
 """One training run from start to end: open it, start the job's peers, train, finish it.
 
-The job loop itself is groupflow/job.py; this module owns what surrounds it: the model path,
-the run directory, the Prometheus endpoint, the Ray connection and the actors' lifetimes.
+The job loop itself is groupflow/job.py; this module tells the story around it: the inputs
+checked (groupflow/run_inputs.py), the run's name held and its directory made
+(groupflow/run_dir.py), the Prometheus endpoint served, Ray joined, the actors started and
+stopped, and what a run leaves behind when it ends.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import socket
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import ray
 
-from groupflow.actors.control import ActorInbox, limits_for, start_control
 from groupflow.actors.futures import RayFutures
-from groupflow.actors.generator import start_generator_pool
-from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.placement import startup_placement
-from groupflow.actors.reward import start_reward_pool
-from groupflow.actors.starting import wait_started
-from groupflow.actors.transport_registry import make_transport, transport_class
+from groupflow.actors.transport_registry import transport_class
 from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import (
     CheckpointError,
@@ -39,107 +33,30 @@ from groupflow.checkpoint import (
 )
 from groupflow.config import Config, ray_client_refusal
 from groupflow.driver_log import DriverLog
-from groupflow.evaluate import HeldOutSet
-from groupflow.hub_model import local_model_path
+from groupflow.errors import RunError
+from groupflow.held_out import HeldOutSet
 from groupflow.job import TrainingJob
-from groupflow.learner.lora import check_target_modules
+from groupflow.job_actors import start_actors
+from groupflow.job_prompts import job_tokenizer
 from groupflow.learning_signal import SpreadWatch, nothing_learned
 from groupflow.live import CLUSTER_FILE, join_ray, write_cluster_file
 from groupflow.metrics import MetricsWriter, ProgressReporter
-from groupflow.model_dir import check_context, model_context, read_model_config
+from groupflow.model_dir import read_model_config
 from groupflow.plots import latest_run, read_records, write_plots
 from groupflow.progress import PhaseProgress, heartbeat
-from groupflow.prometheus import PrometheusExporter
+from groupflow.prometheus import PrometheusExporter, serve_metrics
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
-from groupflow.reward_workers.tasks.prompt_pool import (
-    PromptSource,
-    fit_to_engines,
-    job_prompt_sources,
-)
-from groupflow.rollout.agent import Agent
-from groupflow.rollout.engine import engine_settings
-from groupflow.rollout.prompt_render import PromptRenderer
+from groupflow.run_dir import claim_run_name, fresh_run_dir
 from groupflow.run_end import SUMMARY_FILE, read_summary, stopped_line
+from groupflow.run_inputs import check_inputs
 from groupflow.sample_log import SampleLog
 from groupflow.saved_model import complete_saved_model
 from groupflow.scaling import Scaler, policy_for
 from groupflow.stopping import STOP_COMMAND, StopAborted, StopRequest, stop_on_signals
-from groupflow.trackers import check_trackers, open_trackers
+from groupflow.trackers import open_trackers
 
 log = logging.getLogger(__name__)
-
-
-class RunError(RuntimeError):
-    """A problem with the job's inputs, reported as one line."""
-
-
-def resolve_model_path(cfg: Config) -> str:
-    if cfg.model.path is None:
-        from groupflow.quickstart import ARCHITECTURE, quickstart_model_path
-
-        # A config file's defaults fit a real model: say so before the built-in one is built.
-        check_context(
-            cfg.rollout.max_model_len,
-            ARCHITECTURE["max_position_embeddings"],
-            "the built-in model (model.path unset; `groupflow config --quickstart` shows the "
-            "sizes that fit it)",
-        )
-        return str(
-            quickstart_model_path(
-                cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, cfg.metrics.progress
-            )
-        )
-    path = Path(local_model_path(cfg.model.path))
-    if not (path / "config.json").is_file():
-        raise RunError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
-    check_context(cfg.rollout.max_model_len, model_context(read_model_config(path)), str(path))
-    return str(path)
-
-
-def claim_run_name(output_dir: Path, run_name: str) -> int:
-    """Hold `run_name` under `output_dir` for as long as this process lives: an flock on a
-    lock file beside the run directory (not in it, so that it survives the directory's
-    renaming), which the kernel drops when the holder dies however it dies. Another live job
-    of the same name holds it: this one is refused rather than move the live run's directory
-    from under it. Returns the lock's file descriptor; closing it lets the name go."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise RunError(f"trainer.output_dir: {output_dir} is not a directory")
-    lock_file = output_dir / f".{run_name}.lock"
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise RunError(
-            f"trainer.output_dir: {err.filename or output_dir}: {err.strerror}"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise RunError(
-            f"trainer.run_name: {output_dir / run_name} belongs to a run still training "
-            f"({holder}); choose another run_name or let that run end"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    return fd
-
-
-def fresh_run_dir(run_dir: Path) -> Path:
-    """An empty run directory; an earlier run of the same name is kept, renamed by its time."""
-    if run_dir.exists() and any(run_dir.iterdir()):
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(run_dir.stat().st_mtime))
-        kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
-        n = 1
-        while kept.exists() or kept.is_symlink():  # two runs kept in the same second
-            n += 1
-            kept = run_dir.with_name(f"{run_dir.name}.{stamp}.{n}")
-        run_dir.rename(kept)
-        log.info("kept the earlier run %s as %s", run_dir, kept)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 @dataclass
@@ -212,78 +129,6 @@ class OpenRun:
         os.close(self.lock)
 
 
-def _start_exporter(cfg: Config) -> PrometheusExporter | None:
-    m = cfg.metrics
-    if m.prometheus_port is None:
-        return None
-    try:
-        exporter = PrometheusExporter(cfg.trainer.run_name, m.prometheus_port, m.prometheus_addr)
-    except OSError as err:
-        raise RunError(
-            f"metrics.prometheus_port: cannot serve on "
-            f"{m.prometheus_addr}:{m.prometheus_port} ({err.strerror})"
-        ) from None
-    log.info("Prometheus metrics on http://%s:%d/metrics", m.prometheus_addr, exporter.port)
-    return exporter
-
-
-@cache  # read once: the rendering check and the sample log share it
-def _tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-@dataclass
-class VettedPrompts:
-    """Every prompt the job can draw, rendered and measured (check_prompt_rendering)."""
-
-    renderer: PromptRenderer
-    sources: list[PromptSource]
-    left_out: dict[str, int]  # too long for the engines, by prompt source
-
-
-def vet_prompts(cfg: Config, model_path: str) -> VettedPrompts:
-    """Before any actor starts: the chat settings against the model's tokenizer, the chat
-    template vetted on every prompt the job can draw (rollout/prompt_render.py), and the
-    prompts too long for the engines left out of their datasets, or the job refused
-    (reward_workers/tasks/prompt_pool.py). In a multi-turn job also the tools, their parser,
-    and the template's rendering of tool messages (rollout/agent.py)."""
-    settings = engine_settings(cfg, model_path, 0)
-    agent = None if settings.agent is None else Agent(settings.agent, run_code=None)
-    chat = settings.chat if agent is None else agent.chat(settings.chat)
-    renderer = PromptRenderer(_tokenizer(model_path), chat)
-    if agent is not None:
-        agent.start(renderer)
-    sources = job_prompt_sources(cfg)
-    lengths = renderer.vetted_lengths([p for source in sources for p in source.prompts])
-    rollout = cfg.rollout
-    left_out = fit_to_engines(sources, lengths, rollout.max_model_len, rollout.sampling.max_tokens)
-    return VettedPrompts(renderer, sources, left_out)
-
-
-def check_prompt_rendering(cfg: Config, model_path: str) -> dict[str, int]:
-    """vet_prompts: how many prompts were left out, by prompt source."""
-    return vet_prompts(cfg, model_path).left_out
-
-
-@dataclass
-class CheckedInputs:
-    model_path: str
-    prompts: VettedPrompts
-
-
-def check_inputs(cfg: Config) -> CheckedInputs:
-    """What a run reads and checks before it holds its name, writes anything or touches Ray:
-    the model, LoRA's target modules, the trackers, the tokenizer and chat template on every
-    prompt, the datasets and the task options (`groupflow train --dry-run` stops here)."""
-    model_path = resolve_model_path(cfg)
-    if cfg.learner.lora is not None:
-        check_target_modules(model_path, cfg.learner.lora)
-    check_trackers(cfg)
-    return CheckedInputs(model_path, vet_prompts(cfg, model_path))
-
-
 def open_run(cfg: Config) -> OpenRun:
     """Check the inputs, hold the run name, check the checkpoint to resume from, and only
     then make (or rewind) the run directory; serve metrics and connect to Ray."""
@@ -299,7 +144,7 @@ def open_run(cfg: Config) -> OpenRun:
         lock = claim_run_name(output_dir, cfg.trainer.run_name)
         undo.callback(os.close, lock)
         resume = find_resume(cfg, run_dir, model_path)
-        exporter = _start_exporter(cfg)
+        exporter = serve_metrics(cfg)
         if exporter is not None:
             undo.callback(exporter.close)
             exporter.set_prompts_left_out(prompts_left_out)
@@ -339,29 +184,9 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
     restarts = RestartBudget(cfg.trainer.max_restarts)  # engines and learner ranks share it
     # one heartbeat for the whole start: each of its waits may be short, together they are not
     with heartbeat(PhaseProgress("starting the actors")) as progress, ExitStack() as undo:
-        generators = start_generator_pool(cfg, run.model_path, restarts)
-        undo.callback(generators.shutdown)
-        rewards = start_reward_pool(cfg)
-        undo.callback(rewards.shutdown)
-        # Every pool placed within cluster.placement_timeout_s, or one line naming it.
-        placed = partial(
-            startup_placement, cfg, generators.engines, rewards.workers, generators.tool_workers
-        )
-        progress.update(note="waiting for the learner ranks")
-        learner = LearnerGroup(cfg, run.model_path, placed)
-        undo.callback(learner.shutdown)
-        for what, actors in (
-            ("engine", generators.engines),
-            ("reward worker", rewards.workers),
-            ("tool worker", generators.tool_workers),
-        ):
-            wait_started(what, [a.__ray_ready__.remote() for a in actors], progress)
-        control = start_control(cfg.trainer.run_name, limits_for(cfg))
-        inbox = None if control is None else ActorInbox(control)
-        if inbox is not None:
-            undo.callback(inbox.close)
-            if stop is not None:
-                stop.poll = inbox.stop_asked
+        actors = start_actors(cfg, run.model_path, restarts, progress, undo)
+        if actors.inbox is not None and stop is not None:
+            stop.poll = actors.inbox.stop_asked
         held_out_sets = []
         for eval_set in cfg.task.eval_sets:
             held_out_sets.append(HeldOutSet(eval_set, cfg.reward.plugin_timeout_s))
@@ -369,31 +194,26 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
         job = TrainingJob(
             cfg,
             make_task(cfg.task.name, cfg.task.options),
-            generators=generators,
-            rewards=rewards,
-            learner=learner,
-            transport=make_transport(
-                cfg.rollout.weight_transport,
-                learner,
-                generators.engines,
-                cfg.rollout.weight_bucket_mb,
-            ),
+            generators=actors.generators,
+            rewards=actors.rewards,
+            learner=actors.learner,
+            transport=actors.transport,
             futures=RayFutures(),
             restarts=restarts,
             exporter=run.exporter,
             held_out_sets=held_out_sets,
             scaler=Scaler(
                 cfg.trainer.run_name,
-                generators,
-                rewards,
-                learner.num_ranks,
-                inbox=inbox,
+                actors.generators,
+                actors.rewards,
+                actors.learner.num_ranks,
+                inbox=actors.inbox,
                 policy=policy_for(cfg),
                 gauges=run.exporter,
                 log=log.info,
             ),
             stop=stop,
-            sample_log=SampleLog(run.run_dir, cfg.trainer, _tokenizer(run.model_path).decode),
+            sample_log=SampleLog(run.run_dir, cfg.trainer, job_tokenizer(run.model_path).decode),
             checkpointing=Checkpointing(
                 CheckpointStore(run.run_dir),
                 read_model_config(run.model_path),

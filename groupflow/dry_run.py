@@ -1,19 +1,21 @@
-"""`groupflow train --dry-run`: every check a run makes of its inputs before it starts anything
-(groupflow/driver.py: check_inputs), and a short report of what it found. Nothing is written
-and no Ray is started."""
+"""`groupflow train --dry-run` and `groupflow config --check`: every check a run makes of its
+inputs before it starts anything (groupflow/run_inputs.py: check_inputs), and a short report of
+what it found. Nothing is written and no Ray is started."""
 
 from __future__ import annotations
 
+from groupflow.adapters import meta_model
 from groupflow.config import Config
-from groupflow.reward_workers.tasks.prompt_pool import DATASET_OPTIONS, PooledTask, PromptSource
+from groupflow.job_prompts import PromptSource
+from groupflow.model_dir import read_model_config
+from groupflow.reward_workers.tasks.prompt_pool import DATASET_OPTIONS, PooledTask
+from groupflow.run_inputs import check_inputs
 
 SAMPLE_CHARS = 160  # of the rendered prompt shown
 
 
 def dry_run_report(cfg: Config) -> list[str]:
     """The report's lines; a failed check raises its one-line error, as `train` would."""
-    from groupflow.driver import check_inputs
-
     checked = check_inputs(cfg)
     vetted = checked.prompts
     renderer = vetted.renderer
@@ -53,9 +55,6 @@ def dry_run_report(cfg: Config) -> list[str]:
 
 def model_summary(model_path: str) -> str:
     """'qwen2, 494.0M parameters, vocab 151936' from the config alone (no weights read)."""
-    from groupflow.adapters import meta_model
-    from groupflow.model_dir import read_model_config
-
     config = read_model_config(model_path)
     model = meta_model(model_path)
     params = sum(p.numel() for p in model.parameters())

@@ -19,6 +19,10 @@ class UsageError(UserError):
     """A command line that argparse cannot read."""
 
 
+class RunError(UserError, RuntimeError):
+    """A problem with a training run's inputs or its run directory, reported as one line."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An argument error is an expected failure like any other: one line, exit 2 (argparse
     itself would print the usage first)."""
@@ -55,10 +59,7 @@ AUTH_HINT = (
     "the cluster requires a Ray auth token: set RAY_AUTH_MODE=token, with the token in "
     "RAY_AUTH_TOKEN or ~/.ray/auth_token"
 )
-_DECLARED_ELSEWHERE = (
-    ("ray.exceptions", "AuthenticationError", AUTH_HINT, 1),
-    ("groupflow.driver", "RunError", None, 2),
-)
+_DECLARED_ELSEWHERE = (("ray.exceptions", "AuthenticationError", AUTH_HINT, 1),)
 
 
 def _declared_elsewhere(err: Exception) -> tuple[str, int] | None:

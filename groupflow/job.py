@@ -34,8 +34,7 @@ from typing import Protocol
 from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import HF_DIR, LEARNER_DIR, Checkpointing, DriverState
 from groupflow.config import Config
-from groupflow.evaluate import HeldOutSet
-from groupflow.held_out import HeldOutEvaluation
+from groupflow.held_out import HeldOutEvaluation, HeldOutSet
 from groupflow.learner.figures import learner_record
 from groupflow.learner.lr_schedule import lr_at
 from groupflow.live_series import LiveSeries

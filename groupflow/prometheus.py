@@ -17,6 +17,7 @@ its own `job` label on scrape, so the scrape config uses `honor_labels: true` to
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -24,6 +25,10 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from groupflow.catalogue import FAMILY_HELP, LIVE_GAUGES, METRICS, Series
+from groupflow.config import Config
+from groupflow.errors import RunError
+
+log = logging.getLogger(__name__)
 
 # The longest a finished job waits for a scraper to read its final scores: twice the interval
 # seen between its scrapes, at most this (and this when only one scrape was seen).
@@ -206,3 +211,20 @@ class PrometheusExporter:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def serve_metrics(cfg: Config) -> PrometheusExporter | None:
+    """The job's endpoint at `metrics.prometheus_port` (none when unset); a port that cannot
+    be served is one line naming the key."""
+    m = cfg.metrics
+    if m.prometheus_port is None:
+        return None
+    try:
+        exporter = PrometheusExporter(cfg.trainer.run_name, m.prometheus_port, m.prometheus_addr)
+    except OSError as err:
+        raise RunError(
+            f"metrics.prometheus_port: cannot serve on "
+            f"{m.prometheus_addr}:{m.prometheus_port} ({err.strerror})"
+        ) from None
+    log.info("Prometheus metrics on http://%s:%d/metrics", m.prometheus_addr, exporter.port)
+    return exporter

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 
-import groupflow.driver
+import groupflow.job_actors
 from groupflow.config import small_model_config
 from groupflow.driver import run
 
@@ -39,14 +39,14 @@ def _long_tail():
 @pytest.fixture
 def long_tail_engines(monkeypatch):
     install = _long_tail()
-    start = groupflow.driver.start_generator_pool
+    start = groupflow.job_actors.start_generator_pool
 
     def start_long_tailed(*args, **kwargs):
         pool = start(*args, **kwargs)
         ray.get([e.__ray_call__.remote(lambda _: install()) for e in pool.engines])
         return pool
 
-    monkeypatch.setattr(groupflow.driver, "start_generator_pool", start_long_tailed)
+    monkeypatch.setattr(groupflow.job_actors, "start_generator_pool", start_long_tailed)
 
 
 def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(

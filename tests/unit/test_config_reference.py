@@ -202,8 +202,8 @@ def test_version_prints_groupflow_and_its_stack_on_one_line(capsys):
 
 # ----- defaults past a model's positions ----------------------------------------------------------
 def test_a_context_past_the_models_positions_is_refused_in_one_line_before_any_engine(tmp_path):
-    from groupflow.driver import resolve_model_path
     from groupflow.model_dir import ModelDirError
+    from groupflow.run_inputs import resolve_model_path
 
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 1024}')
     with pytest.raises(ModelDirError, match=r"rollout.max_model_len \(2048\) is past the 1024"):

@@ -1,4 +1,4 @@
-"""`groupflow train --dry-run`: a run's checks of its inputs (driver.check_inputs) and a short
+"""`groupflow train --dry-run`: a run's checks of its inputs (run_inputs.check_inputs) and a short
 report, with no Ray started and nothing written; a bad input is one line, exit 2."""
 
 from __future__ import annotations

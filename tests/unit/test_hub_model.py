@@ -9,7 +9,6 @@ import pytest
 
 from groupflow.adapters import read_adapter_dir
 from groupflow.config import Config
-from groupflow.driver import resolve_model_path
 from groupflow.hub_model import (
     MODEL_FILES,
     PYTORCH_WEIGHTS,
@@ -19,6 +18,7 @@ from groupflow.hub_model import (
     hub_model_id,
     local_model_path,
 )
+from groupflow.run_inputs import resolve_model_path
 from tests.hf_cache import COMMIT, cache_model, read_offline
 
 

@@ -92,7 +92,7 @@ def test_a_task_list_takes_overrides_of_the_task_section():
 
 def test_an_extra_held_out_set_scores_with_its_own_task():
     from groupflow.config import EvalSetConfig
-    from groupflow.evaluate import HeldOutSet
+    from groupflow.held_out import HeldOutSet
     from groupflow.records import Response, SampledGroup
 
     held_out = HeldOutSet(

@@ -219,9 +219,9 @@ def job_config(task: dict | list, **sections):
 
 
 def check(cfg, tokenizer_dir) -> dict[str, int]:
-    from groupflow.driver import check_prompt_rendering
+    from groupflow.job_prompts import vet_prompts
 
-    return check_prompt_rendering(cfg, tokenizer_dir)
+    return vet_prompts(cfg, tokenizer_dir).left_out
 
 
 def test_a_few_rows_too_long_are_left_out_and_logged(tmp_path, tokenizer_dir, caplog):

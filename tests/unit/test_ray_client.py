@@ -7,6 +7,7 @@ import pytest
 
 from groupflow import driver
 from groupflow.config import ConfigError, build_config
+from groupflow.errors import RunError
 
 
 @pytest.mark.parametrize("address", ["ray://head:10001", " RAY://10.0.0.1:10001"])
@@ -27,6 +28,6 @@ def test_a_ray_client_address_in_RAY_ADDRESS_is_refused_before_the_run_opens(mon
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     cfg = build_config({"trainer": {"output_dir": str(tmp_path)}})
-    with pytest.raises(driver.RunError, match=r"^RAY_ADDRESS: ray://head:10001 is a Ray Client"):
+    with pytest.raises(RunError, match=r"^RAY_ADDRESS: ray://head:10001 is a Ray Client"):
         driver.open_run(cfg)
     assert list(tmp_path.iterdir()) == []  # nothing was made

@@ -1,4 +1,4 @@
-"""The run directory (groupflow/driver.py): a fresh one keeps the earlier run, a live run's
+"""The run directory (groupflow/run_dir.py, groupflow/driver.py): a fresh one keeps the earlier run, a live run's
 name is held, a resume is checked whole before the directory is touched, and what cannot be
 written is one line naming the path."""
 
@@ -12,7 +12,9 @@ import pytest
 
 from groupflow.checkpoint import CheckpointStore
 from groupflow.config import ConfigError, build_config
-from groupflow.driver import RunError, claim_run_name, find_resume, fresh_run_dir, prepare_run_dir
+from groupflow.driver import find_resume, prepare_run_dir
+from groupflow.errors import RunError
+from groupflow.run_dir import claim_run_name, fresh_run_dir
 
 
 def test_an_earlier_run_is_kept_under_a_new_name(tmp_path):
