@@ -37,7 +37,7 @@ from groupflow.checkpoint import (
     resume_target,
     rewind_metrics,
 )
-from groupflow.config import Config, ray_client_refusal
+from groupflow.config import Config, check_resolved, ray_client_refusal, resolved_yaml
 from groupflow.driver_log import DriverLog
 from groupflow.evaluate import HeldOutSet
 from groupflow.hub_model import local_model_path
@@ -183,7 +183,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: Resume | None) -> Path:
             log.info("resuming after step %d from %s", resume.state.step, resume.checkpoint)
             run_dir.mkdir(parents=True, exist_ok=True)
             rewind_metrics(run_dir / "metrics.jsonl", resume.state.step)
-        (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
+        (run_dir / "config.resolved.yaml").write_text(resolved_yaml(cfg))
     except OSError as err:
         raise RunError(f"{err.filename or run_dir}: {err.strerror}") from None
     return run_dir
@@ -277,6 +277,7 @@ def check_inputs(cfg: Config) -> CheckedInputs:
     """What a run reads and checks before it holds its name, writes anything or touches Ray:
     the model, LoRA's target modules, the trackers, the tokenizer and chat template on every
     prompt, the datasets and the task options (`groupflow train --dry-run` stops here)."""
+    check_resolved(cfg)
     model_path = resolve_model_path(cfg)
     if cfg.learner.lora is not None:
         check_target_modules(model_path, cfg.learner.lora)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from groupflow.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
-from groupflow.config import Config, EvalSetConfig
+from groupflow.config import Config, EvalSetConfig, check_resolved
 from groupflow.model_dir import read_model_config
 from groupflow.progress import PhaseProgress, heartbeat
 from groupflow.records import Prompt
@@ -60,6 +60,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     from groupflow.rollout.engine import EngineLora, RolloutEngine, engine_settings
     from groupflow.rollout.tools import in_process_run_code
 
+    check_resolved(cfg)
     adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
     base = model_path if adapter is None else adapter.base
     read_model_config(base)

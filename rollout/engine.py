@@ -32,7 +32,7 @@ from groupflow.rollout.weight_intake import broadcast, checksummed
 from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest, checksums
 
 if TYPE_CHECKING:
-    from groupflow.config import SamplingConfig
+    from groupflow.config.rollout import SamplingConfig
 
 
 @dataclass

@@ -25,7 +25,7 @@ from groupflow.reward_workers.tasks.options import check_number
 from groupflow.rollout.prompt_render import too_long, too_long_message
 
 if TYPE_CHECKING:
-    from groupflow.config import Config
+    from groupflow.config.job import Config
 
 logger = logging.getLogger(__name__)
 
