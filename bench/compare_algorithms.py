@@ -29,8 +29,8 @@ import mpmath
 import ray
 
 from groupflow.config import small_model_config
+from groupflow.config.presets import PRESETS
 from groupflow.driver import run
-from groupflow.presets import PRESETS
 
 DIAGNOSTICS = [
     "spurious_frac",

@@ -19,7 +19,7 @@ from groupflow.errors import UserError, first_line
 from groupflow.hub_model import hub_model_id, local_model_path
 
 if TYPE_CHECKING:
-    from groupflow.config import LoraConfig
+    from groupflow.config.learner import LoraConfig
 
 # The ranks vLLM sizes its LoRA slots to (vllm/config/lora.py, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -1,4 +1,4 @@
-"""Every config key told from the schema itself (groupflow/config.py: each field's type, default
+"""Every config key told from the schema itself (groupflow/config/: each field's type, default
 and description): a config as YAML with each key's description as a comment above it
 (`groupflow config --explain`), and the reference table of docs/config.md
 (`groupflow config --reference`; `python -m groupflow.config_reference docs/config.md` writes it

@@ -31,7 +31,7 @@ from groupflow.checkpoint import (
     resume_target,
     rewind_metrics,
 )
-from groupflow.config import Config, ray_client_refusal
+from groupflow.config import Config, ray_client_refusal, resolved_yaml
 from groupflow.driver_log import DriverLog
 from groupflow.errors import RunError
 from groupflow.held_out import HeldOutSet
@@ -100,7 +100,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path, resume: Resume | None) -> Path:
             log.info("resuming after step %d from %s", resume.state.step, resume.checkpoint)
             run_dir.mkdir(parents=True, exist_ok=True)
             rewind_metrics(run_dir / "metrics.jsonl", resume.state.step)
-        (run_dir / "config.resolved.yaml").write_text(cfg.dump_yaml())
+        (run_dir / "config.resolved.yaml").write_text(resolved_yaml(cfg))
     except OSError as err:
         raise RunError(f"{err.filename or run_dir}: {err.strerror}") from None
     return run_dir

@@ -8,7 +8,7 @@ import asyncio
 
 from groupflow.actors.tools import in_process_run_code
 from groupflow.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
-from groupflow.config import Config
+from groupflow.config import Config, check_resolved
 from groupflow.held_out import Scores, held_out_scores
 from groupflow.job_prompts import vet_prompts
 from groupflow.model_dir import read_model_config
@@ -22,6 +22,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     """One in-process vLLM engine on the task's held-out prompts; the answers are scored as
     the reward workers score them, in scorer processes killed at their deadline. `model_path`
     is a model directory or a LoRA adapter saved in PEFT's format (served on its base)."""
+    check_resolved(cfg)
     adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
     base = model_path if adapter is None else adapter.base
     read_model_config(base)

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import HF_DIR, LEARNER_DIR, Checkpointing, DriverState
-from groupflow.config import Config
+from groupflow.config import Config, resolved_yaml
 from groupflow.held_out import HeldOutEvaluation, HeldOutSet
 from groupflow.learner.figures import learner_record
 from groupflow.learner.lr_schedule import lr_at
@@ -281,7 +281,7 @@ class TrainingJob:
             num_ranks=self.learner.num_ranks,
             adapter=adapter_shape(self.cfg.learner.lora),
         )
-        saved = ckpt.store.commit(staging, state, self.cfg.dump_yaml(), trainer.keep_checkpoints)
+        saved = ckpt.store.commit(staging, state, resolved_yaml(self.cfg), trainer.keep_checkpoints)
         self._saved_at = time.monotonic()
         self._last_save = self._saved_at - started
         self._saved_step = step

@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from groupflow.config import SamplingConfig
+from groupflow.config.rollout import SamplingConfig
 from groupflow.records import Prompt, SampledGroup, ScoredGroup, TrainSequence
 
 Handle = Hashable

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from groupflow.config import Config
+from groupflow.config import Config, check_resolved
 from groupflow.errors import RunError
 from groupflow.hub_model import local_model_path
 from groupflow.job_prompts import VettedPrompts, vet_prompts
@@ -52,6 +52,7 @@ class CheckedInputs:
 def check_inputs(cfg: Config) -> CheckedInputs:
     """The model, LoRA's target modules, the trackers, the tokenizer and chat template on every
     prompt, the datasets and the task options; the first failure raises its one-line error."""
+    check_resolved(cfg)
     model_path = resolve_model_path(cfg)
     if cfg.learner.lora is not None:
         check_target_modules(model_path, cfg.learner.lora)

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import torch
 
 from groupflow.adapters import meta_model, wire_name
-from groupflow.config import ConfigError, LoraConfig
+from groupflow.config.base import ConfigError
+from groupflow.config.learner import LoraConfig
 
 _PEFT_PREFIX = "base_model.model."
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from groupflow.config import AlgorithmConfig
+from groupflow.config.algorithm import AlgorithmConfig
 from groupflow.device import to_device
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows

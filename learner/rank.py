@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from groupflow.config import Config
+from groupflow.config.job import Config
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures

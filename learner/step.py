@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from groupflow.config import AlgorithmConfig
+from groupflow.config.algorithm import AlgorithmConfig
 from groupflow.device import to_device
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import (

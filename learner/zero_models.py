@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupflow.config import Config
+from groupflow.config.job import Config
 from groupflow.device import Device
 from groupflow.learner.lora import AdaptersOff, add_adapters
 from groupflow.learner.model_setup import prepare_model

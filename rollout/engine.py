@@ -32,7 +32,7 @@ from groupflow.rollout.weight_intake import checksummed
 from groupflow.weight_format import LoadedWeights, checksums
 
 if TYPE_CHECKING:
-    from groupflow.config import SamplingConfig
+    from groupflow.config.rollout import SamplingConfig
 
 
 @dataclass

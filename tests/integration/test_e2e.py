@@ -95,6 +95,10 @@ def test_three_steps_with_overlap_write_the_run_directory(
     run = tmp_path / "e2e"
     assert (run / "config.resolved.yaml").is_file()
     assert load_config(run / "config.resolved.yaml").model.path == "groupflow/quickstart"
+    # what resolve decided at max_staleness 1 heads the file (docs/config.md, "Resolved")
+    resolved = (run / "config.resolved.yaml").read_text()
+    assert "\n#   rollout.partial_rollout: true (unset: " in resolved
+    assert '\n#   algorithm.off_policy.mode: "tis" (unset: ' in resolved
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from groupflow.cli import main
-from groupflow.presets import PRESETS
+from groupflow.config.presets import PRESETS
 
 pytestmark = pytest.mark.integration
 

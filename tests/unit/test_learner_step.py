@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from groupflow.config import AlgorithmConfig, build_config
+from groupflow.config.presets import PRESETS
 from groupflow.learner.advantages import compute_advantages
 from groupflow.learner.credit import LocalReducer, plans_per_micro_batch
 from groupflow.learner.figures import RankFigures
@@ -30,7 +31,6 @@ from groupflow.learner.step import (
     train_step,
 )
 from groupflow.learner.token_head import install_token_head
-from groupflow.presets import PRESETS
 from groupflow.random_model import random_causal_lm
 from groupflow.records import TrainSequence
 from tests.unit.threaded_ranks import RankReducer, ThreadedRanks

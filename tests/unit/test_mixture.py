@@ -67,7 +67,7 @@ def test_scorer_processes_route_a_mixture_too():
         ([{"name": "nope"}], "unknown task 'nope'"),
         ([{"name": "mixture"}], "unknown task 'mixture'"),
         ([{"name": "arithmetic", "weight": 0}], "positive and finite"),
-        # refused by the schema's rule for every number (groupflow/config.py: Section)
+        # refused by the schema's rule for every number (groupflow/config/base.py: Section)
         (
             [{"name": "arithmetic", "weight": float("inf")}],
             r"^task\.options: numbers must be finite",

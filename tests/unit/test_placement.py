@@ -1,4 +1,4 @@
-"""Placement you can see: a pool's resources merge with its defaults (groupflow/config.py),
+"""Placement you can see: a pool's resources merge with its defaults (groupflow/config/base.py),
 and every pool is placed within the startup deadline or the job fails in one line naming it
 (groupflow/placement.py), on a virtual clock."""
 
