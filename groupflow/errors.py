@@ -19,6 +19,11 @@ class UsageError(UserError):
     """A command line that argparse cannot read."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot resume this job, phrased as one line naming the file or key.
+    Raised by the driver's checkpoint store and by the learner ranks alike."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An argument error is an expected failure like any other: one line, exit 2 (argparse
     itself would print the usage first)."""

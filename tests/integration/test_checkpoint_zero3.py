@@ -32,7 +32,7 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
-    from groupflow.checkpoint import CheckpointError
+    from groupflow.errors import CheckpointError
     from groupflow.config import LearnerConfig, Zero3Config
     from groupflow.learner.auto_threshold import RunningProbabilityThreshold, probability_histogram
     from groupflow.learner.checkpoint import TAG, load_rank_checkpoint, save_rank_checkpoint

@@ -12,7 +12,14 @@ import pytest
 
 from groupflow.checkpoint import CheckpointStore
 from groupflow.config import ConfigError, build_config
-from groupflow.driver import RunError, claim_run_name, find_resume, fresh_run_dir, prepare_run_dir
+from groupflow.driver import (
+    RunError,
+    check_resume,
+    claim_run_name,
+    fresh_run_dir,
+    prepare_run_dir,
+    read_resume,
+)
 
 
 def test_an_earlier_run_is_kept_under_a_new_name(tmp_path):
@@ -101,6 +108,14 @@ def _model(tmp_path: Path) -> str:
 def _edit_state(checkpoint: Path, **changes) -> None:
     state_file = checkpoint / "driver_state.json"
     state_file.write_text(json.dumps(json.loads(state_file.read_text()) | changes))
+
+
+def find_resume(cfg, run: Path, model_path: str):
+    """What a run does with `trainer.resume` before it touches the run directory: the
+    checkpoint read (once), then checked against the job."""
+    resume = read_resume(cfg, CheckpointStore(run))
+    check_resume(cfg, resume, model_path)
+    return resume
 
 
 def _hostile(kind: str, tmp_path: Path, run: Path) -> Path:
