@@ -190,17 +190,17 @@ class Checkpointer:
         (the next step's prompts drawn first unless `draw_next()` says no: a stop is asked)."""
         self._after_step = Parts.model_validate({n: p.state_dict() for n, p in self.parts.items()})
         if self._saving() and step % self.cfg.trainer.checkpoint_every == 0:
-            self.save(step, draw_next())
+            self._save(step, draw_next())
 
     def save_at_stop(self, last_step: int) -> None:
         """A stop: the last step trained is saved, unless it was saved already."""
         if self._saving() and last_step > 0 and self._saved_step != last_step:
-            self.save(last_step, draw_next=False)
+            self._save(last_step, draw_next=False)
 
     def _saving(self) -> bool:
         return self.checkpointing is not None and self.cfg.trainer.checkpoint_every > 0
 
-    def save(self, step: int, draw_next: bool) -> None:
+    def _save(self, step: int, draw_next: bool) -> None:
         """Save the state after `step`: the ranks write their shards while the engines
         generate the next step's prompts (drawn first, at staleness 0, unless not
         `draw_next`). Says where, and how long it took."""
