@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from groupflow.checkpoint import CheckpointError
+from groupflow.errors import CheckpointError
 from groupflow.peers import PeerDied
 
 

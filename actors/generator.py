@@ -73,7 +73,6 @@ class GeneratorPool:
         self.futures = futures
         self.group_size = group_size
         self.sampling = sampling
-        self.version = 0  # the newest weights sent to the engines (weights_sent)
         self.start_engine = start_engine  # a new actor for slot i; None: deaths are fatal
         self.restarts = restarts  # each replacement is charged here
         self._outstanding = [0] * len(engines)  # prompts sent to each engine, not yet taken
@@ -111,15 +110,15 @@ class GeneratorPool:
             len(self._taking_work()),
         )
 
-    def send(self, chunks: Sequence[Chunk]) -> None:
+    def send(self, chunks: Sequence[Chunk], version: int) -> None:
         ready = self._taking_work()
         if ready:  # the chunks of dead engines first: they come first in the stream
-            self._resend_lost()
+            self._resend_lost(version)
         room = sum(max(0, CHUNKS_PER_ENGINE - self._chunks_on[e]) for e in ready)
         for chunk in chunks[:room]:
-            self._send(chunk)
+            self._send(chunk, version)
 
-    def _send(self, chunk: Chunk) -> None:
+    def _send(self, chunk: Chunk, version: int) -> None:
         self._count_idle()
         ready = self._taking_work()
         chunk.engine = min(ready, key=lambda e: (self._chunks_on[e], self._outstanding[e]))
@@ -131,7 +130,7 @@ class GeneratorPool:
             self.join_seconds.append(seconds)
             log.info("a new engine took its first chunk %.1fs after it was asked for", seconds)
         chunk.handle = chunk.actor.sample.remote(
-            chunk.prompts, self.group_size, self.sampling, self.version
+            chunk.prompts, self.group_size, self.sampling, version
         )
         chunk.sent = self._clock()
         self._chunks[chunk.handle] = chunk
@@ -216,28 +215,32 @@ class GeneratorPool:
             return [self.engines[slot] for slot in sorted(self._unloaded)]
         return [e for slot, e in enumerate(self.engines) if slot not in self.slots.vacant()]
 
-    def weights_sent(self, version: int) -> None:
-        """Call once the load of `version` has been sent to the engines (to every engine
-        that awaited one): chunks sent from now on wait for it, and new engines take work."""
-        self.version = version
+    def weights_sent(self) -> None:
+        """Call once the current weights have been sent to the engines (to every engine
+        that awaited them): new engines take work."""
         self._unloaded.clear()
 
-    def _resend_lost(self) -> None:
-        """Send the lost chunks again, to engines with the current weights; each gets its
-        new handle."""
+    def _resend_lost(self, version: int) -> None:
+        """Send the lost chunks again, to engines with the current weights (`version`); each
+        gets its new handle."""
         lost, self._lost = self._lost, []
         for chunk in lost:
-            self._send(chunk)
+            self._send(chunk, version)
 
     def complete(
-        self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
+        self,
+        prompts: list[Prompt],
+        n: int,
+        sampling: SamplingConfig,
+        greedy: bool,
+        version: int,
     ) -> list[SampledGroup] | None:
         serving = [self.engines[slot] for slot in self._taking_work()]
         if not serving:
             return None
         k = len(serving)
         calls = [
-            e.complete.remote(prompts[i::k], n, sampling, greedy, self.version)
+            e.complete.remote(prompts[i::k], n, sampling, greedy, version)
             for i, e in enumerate(serving)
         ]
         groups: list = [None] * len(prompts)

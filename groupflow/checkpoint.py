@@ -6,17 +6,20 @@ runs/<name>/checkpoints/
     learner/                 DeepSpeed's own checkpoint: ZeRO-3 model and optimizer shards,
                              one file per rank, written by the ranks (learner/checkpoint.py)
     hf/                      the policy in Hugging Face format (trainer.save_hf_every)
-    driver_state.json        DriverState: the job's position and counters, and a manifest
+    driver_state.json        the driver's state (groupflow/checkpointer.py) and a manifest
     config.resolved.yaml     the config the run had when it saved
   .staging-step_<N>/         a save in progress; a crash leaves it behind and it is ignored
 
 The manifest (every file's size and SHA-256) is written last, just before the rename. Before
 anything of a checkpoint is loaded, every file is checked against it (a file cut short, changed
 or added after the save is refused), and every pickle in it (DeepSpeed's shards, the ranks'
-RNG states and STAPO thresholds) is opened by torch's weights-only unpickler, which admits
-tensors, plain containers and the few DeepSpeed classes named in `_deepspeed_globals` and runs
-no code: the hashes catch accidents, the restricted unpickler is the wall against a crafted
-file (whoever can rewrite a shard can rewrite the manifest too). The ranks load through the same unpickler.
+RNG states and STAPO thresholds) is opened by the restricted unpickler
+(groupflow/safe_pickle.py), which runs no code: the hashes catch accidents, the restricted
+unpickler is the wall against a crafted file (whoever can rewrite a shard can rewrite the
+manifest too). The ranks load through the same unpickler.
+
+A driver holds one store for its run (groupflow/driver.py): the resume, the saves, the
+rebuild of a lost learner and the summary all go through it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from groupflow.prompt_stream import StreamState
+from groupflow.errors import CheckpointError
+from groupflow.safe_pickle import restricted_load
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +52,7 @@ STAGING_PREFIX = ".staging-"
 _STEP_DIR = re.compile(r"step_(\d+)")
 PICKLE_SUFFIX = ".pt"  # torch.save's files: DeepSpeed's shards, the ranks' own states
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot resume this job, phrased as one line naming the file or key."""
+_State = TypeVar("_State", bound=BaseModel)
 
 
 class FileRecord(BaseModel):
@@ -61,35 +64,17 @@ class FileRecord(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class DriverState(BaseModel):
-    """What the driver needs to go on where a checkpoint left off."""
+class Provenance(BaseModel):
+    """What a checkpoint fits: the model it was trained from, the ranks its ZeRO-3 shards are
+    cut for, and the adapters' shape (LoRA)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid")
 
-    step: int = Field(ge=0)  # the last step trained
-    policy_version: int = Field(ge=0)
-    stream: StreamState  # the prompt stream's own state (groupflow/prompt_stream.py)
-    warm_start_accuracy: float | None
-    # every held-out score before training (per task of a mixture too); {} in older saves
-    warm_start_eval: dict = {}
-    counters: dict[str, float]  # running totals reported in the step records
     model_config_json: dict  # the model's config.json: a checkpoint fits one model only
     num_ranks: int = Field(ge=1)  # ZeRO-3 shards are cut for this many ranks
     # With LoRA, the adapters' shape (groupflow/adapters.py `adapter_shape`): the checkpoint
     # holds them, not the model. None: the whole model.
     adapter: dict | None = None
-    # relative path -> size and hash of every other file of the checkpoint
-    files: dict[str, FileRecord] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _stream_of_older_saves(cls, data):
-        """Checkpoints saved before the stream had a state of its own kept its position as
-        `prompts_consumed`: the same state, read as the stream's."""
-        if isinstance(data, dict) and "prompts_consumed" in data and "stream" not in data:
-            data = dict(data)
-            data["stream"] = {"consumed": data.pop("prompts_consumed")}
-        return data
 
 
 @dataclass
@@ -110,6 +95,7 @@ class CheckpointStore:
     """The checkpoints of one run directory."""
 
     def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
         self.root = run_dir / CHECKPOINTS
 
     def staging(self, step: int) -> Path:
@@ -123,12 +109,15 @@ class CheckpointStore:
             raise _save_failed(step, err, path) from None
         return path
 
-    def commit(self, staging: Path, state: DriverState, config_yaml: str, keep: int) -> Path:
-        """Add the driver's files and the manifest, make the checkpoint appear whole under its
-        final name, and drop all but the newest `keep`. The ranks have finished writing. A
-        save that fails (a full disk) is cleared away and raised as one line; the previous
+    def commit(
+        self, staging: Path, step: int, state: BaseModel, config_yaml: str, keep: int
+    ) -> Path:
+        """Add the driver's files and the manifest, make the checkpoint of `step` appear whole
+        under its final name, and drop all but the newest `keep`. The ranks have finished
+        writing; `state` is the driver's, its `files` filled with the manifest here. A save
+        that fails (a full disk) is cleared away and raised as one line; the previous
         checkpoint stays the newest."""
-        final = self.root / step_dir_name(state.step)
+        final = self.root / step_dir_name(step)
         try:
             (staging / CONFIG_FILE).write_text(config_yaml)
             state = state.model_copy(update={"files": _manifest(staging)})
@@ -138,7 +127,7 @@ class CheckpointStore:
             _sync_dir(self.root)
         except OSError as err:
             shutil.rmtree(staging, ignore_errors=True)
-            raise _save_failed(state.step, err, staging) from None
+            raise _save_failed(step, err, staging) from None
         self.prune(keep)
         return final
 
@@ -156,6 +145,27 @@ class CheckpointStore:
     def newest(self) -> Path | None:
         done = self.complete()
         return done[-1] if done else None
+
+    def target(self, resume: str | None) -> Path | None:
+        """The checkpoint `trainer.resume` asks for, or None for a fresh run."""
+        if resume in (None, "never"):
+            return None
+        if resume in ("auto", "latest"):
+            newest = self.newest()
+            if newest is None and resume == "latest":
+                raise CheckpointError(f"trainer.resume: no complete checkpoint under {self.root}")
+            return newest
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"trainer.resume: {path} is not a checkpoint directory")
+        # Resuming rewinds this run's metrics.jsonl to the checkpoint's step: only a checkpoint
+        # of this run may do that.
+        if path.resolve().parent != self.root.resolve():
+            raise CheckpointError(
+                f"trainer.resume: {path} is not a checkpoint of the run {self.run_dir} "
+                f"(its checkpoints are in {self.root})"
+            )
+        return path
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` checkpoints; drop older ones and abandoned staging dirs.
@@ -233,35 +243,6 @@ def verify_files(path: Path, files: dict[str, FileRecord]) -> None:
             raise CheckpointError(f"{f}: not in the checkpoint when it was saved")
 
 
-def _deepspeed_globals() -> list:
-    """The classes, besides tensors and plain containers, that DeepSpeed's ZeRO-3 checkpoint
-    holds (runtime/zero/stage3.py `_rigid_state_dict`): the stage and the loss scaler."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
-
-
-def restricted_load(path: Path, map_location=None, mmap: bool = False):
-    """torch.load of a checkpoint's pickle that runs no code: torch's weights-only unpickler,
-    opened to DeepSpeed's few classes. A file it refuses is CheckpointError naming it."""
-    import pickle
-    import zipfile
-
-    import torch
-
-    try:
-        with torch.serialization.safe_globals(_deepspeed_globals()):
-            # only torch.save's zip format can be mapped; a legacy one is read
-            mmap = mmap and zipfile.is_zipfile(path)
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
-        lines = str(err).strip().splitlines() or [type(err).__name__]
-        # torch names the offending global on a later line of a long message
-        reason = next((ln for ln in lines if "unsupported" in ln.lower()), lines[0]).strip()
-        raise CheckpointError(f"{path}: refused, not plain tensors and data ({reason})") from None
-
-
 def check_pickles(path: Path, files: dict[str, FileRecord]) -> None:
     """Open every pickle of the checkpoint with the restricted unpickler, its tensors mapped
     rather than read: a crafted file is refused before any rank loads the checkpoint."""
@@ -270,36 +251,39 @@ def check_pickles(path: Path, files: dict[str, FileRecord]) -> None:
             restricted_load(path / name, map_location="cpu", mmap=True)
 
 
-def read_checkpoint(
-    path: Path, model_config_json: dict, num_ranks: int, adapter: dict | None = None
-) -> DriverState:
-    """The driver state of the checkpoint at `path`, if it can resume a job of this model, rank
-    count and adapter shape (LoRA; None: the whole model is trained); otherwise
-    CheckpointError naming the file or the config key."""
+def read_state(path: Path, model: type[_State]) -> _State:
+    """The driver's state file of the checkpoint at `path`, read as `model`; CheckpointError
+    naming the file where it is missing or not such a state."""
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing (not a complete groupflow checkpoint)")
     try:
-        state = DriverState.model_validate_json(state_file.read_text())
+        return model.model_validate_json(state_file.read_text())
     except ValueError as err:
         raise CheckpointError(f"{state_file}: unreadable ({_first_error(err)})") from None
-    verify_files(path, state.files)
-    if not any(name.startswith(f"{LEARNER_DIR}/") for name in state.files):
+
+
+def check_fit(path: Path, files: dict[str, FileRecord], saved: Provenance, now: Provenance) -> None:
+    """That the checkpoint at `path`, with the manifest `files`, saved for `saved`, can resume
+    a job of `now`: every file as it was saved, the learner's state there, the same model,
+    rank count and adapter shape (LoRA; None: the whole model is trained), and every pickle
+    plain data. Otherwise CheckpointError naming the file or the config key."""
+    verify_files(path, files)
+    if not any(name.startswith(f"{LEARNER_DIR}/") for name in files):
         raise CheckpointError(f"{path / LEARNER_DIR}: no learner state in the checkpoint")
-    changed = _first_difference(state.model_config_json, model_config_json)
+    changed = _first_difference(saved.model_config_json, now.model_config_json)
     if changed is not None:
         raise CheckpointError(
             f"model.path: {path} was trained from another model (config.json {changed})"
         )
-    if state.num_ranks != num_ranks:
+    if saved.num_ranks != now.num_ranks:
         raise CheckpointError(
-            f"learner.num_ranks: {num_ranks}, but {path} holds ZeRO-3 shards of "
-            f"{state.num_ranks} ranks"
+            f"learner.num_ranks: {now.num_ranks}, but {path} holds ZeRO-3 shards of "
+            f"{saved.num_ranks} ranks"
         )
-    if state.adapter != adapter:
-        raise CheckpointError(f"learner.lora: {_adapter_words(adapter, path, state.adapter)}")
-    check_pickles(path, state.files)
-    return state
+    if saved.adapter != now.adapter:
+        raise CheckpointError(f"learner.lora: {_adapter_words(now.adapter, path, saved.adapter)}")
+    check_pickles(path, files)
 
 
 def _adapter_words(now: dict | None, path: Path, saved: dict | None) -> str:
@@ -330,29 +314,6 @@ def _first_difference(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
     return None
-
-
-def resume_target(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint `trainer.resume` asks for, or None for a fresh run."""
-    if resume in (None, "never"):
-        return None
-    store = CheckpointStore(run_dir)
-    if resume in ("auto", "latest"):
-        newest = store.newest()
-        if newest is None and resume == "latest":
-            raise CheckpointError(f"trainer.resume: no complete checkpoint under {store.root}")
-        return newest
-    path = Path(resume)
-    if not path.is_dir():
-        raise CheckpointError(f"trainer.resume: {path} is not a checkpoint directory")
-    # Resuming rewinds this run's metrics.jsonl to the checkpoint's step: only a checkpoint
-    # of this run may do that.
-    if path.resolve().parent != store.root.resolve():
-        raise CheckpointError(
-            f"trainer.resume: {path} is not a checkpoint of the run {run_dir} "
-            f"(its checkpoints are in {store.root})"
-        )
-    return path
 
 
 def rewind_metrics(path: Path, step: int) -> None:

@@ -180,16 +180,11 @@ def _run_command(argv: list[str]) -> int:
         print(json.dumps(evaluate_model(cfg, path if adapter else resolve_model_path(cfg))))
         return 0
     from groupflow.driver import run
-    from groupflow.run_end import already_finished, how_to_resume
+    from groupflow.run_end import how_to_resume
 
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
-    finished = already_finished(cfg.trainer.resume, cfg.trainer.steps, run_dir)
-    if finished is not None:  # before anything starts
-        print(finished)
-        return 0
     submitted = args.config is not None and Path(args.config).name == JOB_CONFIG_NAME
     summary = run(cfg, how_to_resume(args.config, args.overrides, submitted))
-    if "end_line" in summary:  # stopped early
+    if "end_line" in summary:  # stopped early, or finished already: nothing started
         print(summary["end_line"])
         return 0
     print(

@@ -23,17 +23,16 @@ from groupflow.actors.futures import RayFutures
 from groupflow.actors.transport_registry import transport_class
 from groupflow.adapters import adapter_shape
 from groupflow.checkpoint import (
-    CheckpointError,
     Checkpointing,
     CheckpointStore,
-    DriverState,
-    read_checkpoint,
-    resume_target,
+    Provenance,
+    check_fit,
     rewind_metrics,
 )
+from groupflow.checkpointer import Resume, find_resume, read_checkpoint
 from groupflow.config import Config, ray_client_refusal, resolved_yaml
 from groupflow.driver_log import DriverLog
-from groupflow.errors import RunError
+from groupflow.errors import CheckpointError, RunError
 from groupflow.held_out import HeldOutSet
 from groupflow.job import TrainingJob
 from groupflow.job_actors import start_actors
@@ -48,7 +47,7 @@ from groupflow.prometheus import PrometheusExporter, serve_metrics
 from groupflow.recovery import LearnerLost, RestartBudget
 from groupflow.reward_workers.tasks import make_task
 from groupflow.run_dir import claim_run_name, fresh_run_dir
-from groupflow.run_end import SUMMARY_FILE, read_summary, stopped_line
+from groupflow.run_end import SUMMARY_FILE, already_finished, read_summary, stopped_line
 from groupflow.run_inputs import check_inputs
 from groupflow.sample_log import SampleLog
 from groupflow.saved_model import complete_saved_model
@@ -59,35 +58,34 @@ from groupflow.trackers import open_trackers
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Resume:
-    """The checkpoint a run continues from."""
-
-    checkpoint: Path
-    state: DriverState
-
-
-def find_resume(cfg: Config, run_dir: Path, model_path: str) -> Resume | None:
-    """The checkpoint `trainer.resume` names, checked against this job's model and ranks,
-    or None for a fresh run. Reads only: a refused checkpoint leaves the run as it was."""
+def read_resume(cfg: Config, store: CheckpointStore) -> Resume | None:
+    """The checkpoint `trainer.resume` names, with its driver state (the one read of it), or
+    None for a fresh run."""
     try:
-        checkpoint = resume_target(cfg.trainer.resume, run_dir)
-        if checkpoint is None:
-            return None
-        state = read_checkpoint(
-            checkpoint,
-            read_model_config(model_path),
-            cfg.learner.num_ranks,
-            adapter_shape(cfg.learner.lora),
-        )
+        return find_resume(cfg.trainer.resume, store)
     except CheckpointError as err:
         raise RunError(str(err)) from None
-    if state.step > cfg.trainer.steps:
+
+
+def check_resume(cfg: Config, resume: Resume, model_path: str) -> None:
+    """That `resume` can go on with this job: its model, ranks and adapters, its files
+    (groupflow/checkpoint.py `check_fit`) and steps left to train. Reads only: a refused
+    checkpoint leaves the run as it was."""
+    now = Provenance(
+        model_config_json=read_model_config(model_path),
+        num_ranks=cfg.learner.num_ranks,
+        adapter=adapter_shape(cfg.learner.lora),
+    )
+    saved = resume.state
+    try:
+        check_fit(resume.checkpoint, saved.files, saved.provenance, now)
+    except CheckpointError as err:
+        raise RunError(str(err)) from None
+    if saved.step > cfg.trainer.steps:
         raise RunError(
-            f"trainer.steps: {cfg.trainer.steps}, but {checkpoint} was saved after step "
-            f"{state.step}"
+            f"trainer.steps: {cfg.trainer.steps}, but {resume.checkpoint} was saved after step "
+            f"{saved.step}"
         )
-    return Resume(checkpoint, state)
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path, resume: Resume | None) -> Path:
@@ -116,6 +114,7 @@ class OpenRun:
     exporter: PrometheusExporter | None
     started_ray: bool  # this process started a local cluster, so it stops it
     started: float
+    store: CheckpointStore  # the run's checkpoints: its one store
     resume: Resume | None
     lock: int  # the held run name (claim_run_name)
     prompts_left_out: dict[str, int]  # by prompt source, too long for the engines at vetting
@@ -129,9 +128,10 @@ class OpenRun:
         os.close(self.lock)
 
 
-def open_run(cfg: Config) -> OpenRun:
-    """Check the inputs, hold the run name, check the checkpoint to resume from, and only
-    then make (or rewind) the run directory; serve metrics and connect to Ray."""
+def open_run(cfg: Config, store: CheckpointStore, resume: Resume | None) -> OpenRun:
+    """Check the inputs, hold the run name, check the checkpoint to resume from (`resume`,
+    of `store`), and only then make (or rewind) the run directory; serve metrics and connect
+    to Ray."""
     if cfg.cluster.address is None and not ray.is_initialized():  # ray.init reads RAY_ADDRESS
         refusal = ray_client_refusal(os.environ.get("RAY_ADDRESS"))
         if refusal is not None:
@@ -143,7 +143,8 @@ def open_run(cfg: Config) -> OpenRun:
     with ExitStack() as undo:
         lock = claim_run_name(output_dir, cfg.trainer.run_name)
         undo.callback(os.close, lock)
-        resume = find_resume(cfg, run_dir, model_path)
+        if resume is not None:
+            check_resume(cfg, resume, model_path)
         exporter = serve_metrics(cfg)
         if exporter is not None:
             undo.callback(exporter.close)
@@ -165,6 +166,7 @@ def open_run(cfg: Config) -> OpenRun:
         exporter,
         started_ray,
         time.monotonic(),
+        store,
         resume,
         lock,
         prompts_left_out,
@@ -215,7 +217,7 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
             stop=stop,
             sample_log=SampleLog(run.run_dir, cfg.trainer, job_tokenizer(run.model_path).decode),
             checkpointing=Checkpointing(
-                CheckpointStore(run.run_dir),
+                run.store,
                 read_model_config(run.model_path),
                 partial(complete_saved_model, run.model_path, chat_template=cfg.task.chat_template),
             ),
@@ -230,7 +232,7 @@ def train(run: OpenRun, job: TrainingJob) -> None:
     from the newest checkpoint and the job goes on from there, metrics.jsonl rewound to it
     (a restart of the job's budget: groupflow/recovery.py)."""
     metrics = run.run_dir / "metrics.jsonl"
-    store = CheckpointStore(run.run_dir)
+    store = run.store
     trackers = open_trackers(run.cfg, run.run_dir)
     watch = SpreadWatch()
     while True:
@@ -274,24 +276,24 @@ def finish_run(run: OpenRun, job: TrainingJob, warm_accuracy: float | None) -> d
     write_plots(metrics, run.run_dir)
     final_scores = None
     if not job.stopped:
-        final_scores = job.evaluate()
+        final_scores = job.evaluation.scores()
         log.info("held-out greedy accuracy after training: %.3f", final_scores["eval_accuracy"])
         export_held_out(run, final_scores)
     model_dir = run.run_dir / "model"
     job.learner.save_pretrained(str(model_dir))
     complete_saved_model(run.model_path, model_dir, run.cfg.task.chat_template)
     every = run.cfg.trainer.checkpoint_every
-    newest = CheckpointStore(run.run_dir).newest() if every else None
+    newest = run.store.newest() if every else None
     summary = {
         "steps": run.cfg.trainer.steps,
         "step_reached": job.last_step,
         "stopped": job.stopped,
-        "stopped_by": job.stop.source if job.stopped else None,
+        "stopped_by": job.stopping.request.source if job.stopped else None,
         "warm_start_accuracy": warm_accuracy,
         "final_accuracy": None if final_scores is None else final_scores["eval_accuracy"],
-        "warm_start_eval": job.warm_eval,
+        "warm_start_eval": job.evaluation.before_training,
         "final_eval": final_scores,
-        "policy_version": job.version,
+        "policy_version": job.pipeline.version,
         "resumed_from_step": run.resume.state.step if run.resume is not None else None,
         "prompts_left_out": run.prompts_left_out,
         "wall_time_s": time.monotonic() - run.started,  # of this process
@@ -326,7 +328,7 @@ def end_stopped(run: OpenRun, job: TrainingJob, warm: float | None, how_to_resum
         summary = finish_run(run, job, warm)
         line = stopped_line(summary, how_to_resume)
     if job.scaler is not None and job.scaler.inbox is not None:
-        job.scaler.inbox.ended(line, reader=job.stop.source == STOP_COMMAND)
+        job.scaler.inbox.ended(line, reader=job.stopping.request.source == STOP_COMMAND)
     return {**summary, "end_line": line}
 
 
@@ -336,12 +338,19 @@ _NOTHING_TRAINED = "interrupted before training began: nothing trained, nothing 
 def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> dict:
     """Run one training job; returns the summary written to summary.json. Once training
     has begun, Ctrl-C, SIGTERM and `groupflow stop` stop it early (groupflow/stopping.py);
-    the summary returned then has `end_line`: what was written, and `how_to_resume`. What
-    the driver says is also kept in runs/<name>/driver.log (groupflow/driver_log.py)."""
+    the summary returned then has `end_line`: what was written, and `how_to_resume`; so does
+    a resume of a run that finished its steps already, which starts nothing. What the driver
+    says is also kept in runs/<name>/driver.log (groupflow/driver_log.py)."""
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    store = CheckpointStore(run_dir)
+    resume = read_resume(cfg, store)
+    finished = already_finished(cfg.trainer.resume, cfg.trainer.steps, run_dir, resume)
+    if finished is not None:
+        return {"end_line": finished}
     stop = StopRequest(cfg.trainer.stop_timeout_s)
     with DriverLog() as driver_log:
         try:
-            opened = open_run(cfg)
+            opened = open_run(cfg, store, resume)
         except KeyboardInterrupt:
             log.warning(_NOTHING_TRAINED)
             raise
@@ -351,21 +360,21 @@ def run(cfg: Config, how_to_resume: str = "groupflow train CONFIG --resume") -> 
             job = start_job(opened, stop)
             if opened.resume is not None:
                 job.restore(opened.resume.checkpoint, opened.resume.state)
-                warm = job.warm_accuracy
+                warm = job.evaluation.before_training.get("eval_accuracy")
                 if warm is not None:  # None: a checkpoint of an older groupflow
                     export_held_out(opened, {"warm_start_accuracy": warm})
             else:
-                job.warm_eval = job.evaluate()
-                warm = job.warm_accuracy = job.warm_eval["eval_accuracy"]
+                warm_eval = job.evaluation.score_before()
+                warm = warm_eval["eval_accuracy"]
                 log.info("held-out greedy accuracy before training: %.3f", warm)
-                export_held_out(opened, {"warm_start_accuracy": warm, **job.warm_eval})
+                export_held_out(opened, {"warm_start_accuracy": warm, **warm_eval})
             with stop_on_signals(stop):
                 train(opened, job)
                 if job.stopped:
                     return end_stopped(opened, job, warm, how_to_resume)
                 return finish_run(opened, job, warm)
         except StopAborted as err:
-            newest = CheckpointStore(opened.run_dir).newest()
+            newest = opened.store.newest()
             log.warning(
                 "%s; %s", err, f"the newest checkpoint is {newest}" if newest else "no checkpoint"
             )

@@ -23,6 +23,11 @@ class RunError(UserError, RuntimeError):
     """A problem with a training run's inputs or its run directory, reported as one line."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot resume this job, phrased as one line naming the file or key.
+    Raised by the driver's checkpoint store and by the learner ranks alike."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An argument error is an expected failure like any other: one line, exit 2 (argparse
     itself would print the usage first)."""

@@ -10,6 +10,9 @@ stall the driver, and the job's pipeline waits for those scores in its one wait,
 flowing meanwhile; each extra set has a scorer of its own (`HeldOutSet`). `groupflow eval`
 (groupflow/evaluate.py) answers on one engine in its own process and scores in scorer
 processes, with the same `held_out_scores`.
+
+Its checkpoint state is the scores before training, which summary.json reports beside the
+final ones however often the run was resumed.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class HeldOutEvaluation:
         self.pipeline = pipeline
         self.generators = pipeline.generators
         self.held_out_sets = held_out_sets
+        self.before_training: dict = {}  # every score before the first step (score_before)
 
     def scores(self) -> Scores:
         """The task's own set's scores (eval_*, with eval_task_accuracy by task in a mixture)
@@ -159,15 +163,25 @@ class HeldOutEvaluation:
         asked again (each death is a restart: the job's budget bounds this)."""
         while True:
             self.pipeline.wait_for_engines()  # new engines get the weights first
-            groups = self.generators.complete(
-                prompts, self.cfg.trainer.eval_samples, self.cfg.rollout.sampling, greedy
-            )
+            n, sampling = self.cfg.trainer.eval_samples, self.cfg.rollout.sampling
+            groups = self.generators.complete(prompts, n, sampling, greedy, self.pipeline.version)
             if groups is not None:
                 return groups
 
     def _pool(self, groups: list[SampledGroup]) -> list[list[float]]:
         self.pipeline.rewards.submit(groups, EVAL_CHUNK)
         return [sg.rewards for sg in self.pipeline.scores_of(EVAL_CHUNK)]
+
+    def score_before(self) -> dict[str, float | dict[str, float]]:
+        """`scores` before the first step, kept as `before_training`."""
+        self.before_training = self.scores()
+        return self.before_training
+
+    def state_dict(self) -> dict:
+        return self.before_training
+
+    def load_state_dict(self, state: dict) -> None:
+        self.before_training = state
 
     def close(self) -> None:
         for held_out in self.held_out_sets:

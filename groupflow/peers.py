@@ -75,10 +75,11 @@ class Generation(Protocol):
 
     def figures(self) -> GenerationFigures: ...
 
-    def send(self, chunks: Sequence[Chunk]) -> None:
+    def send(self, chunks: Sequence[Chunk], version: int) -> None:
         """Send `chunks`, in order, each to the engine with the least work, as many as the
-        engines with the current weights have room for (each holds a few chunks at most, so
-        that a weight load waits behind little work); sets each sent chunk's handle."""
+        engines with the current weights (policy `version`, the pipeline's) have room for
+        (each holds a few chunks at most, so that a weight load waits behind little work);
+        sets each sent chunk's handle."""
 
     def in_flight(self) -> list[Handle]:
         """What the job loop waits on for this peer: the chunks submitted and not yet taken,
@@ -100,19 +101,19 @@ class Generation(Protocol):
         those that wait for the current weights before they take work (replacements and new
         engines)."""
 
-    def weights_sent(self, version: int) -> None:
-        """After the load of `version` was sent to the engines (every engine that awaited
-        one): chunks sent from now on are sampled by it, and the engines that awaited it take
-        work."""
+    def weights_sent(self) -> None:
+        """After the current weights were sent to the engines (every engine that awaited
+        them): the engines that awaited them take work."""
 
     def drop_lost(self) -> None:
         """Forget the lost chunks (their rollouts were abandoned)."""
 
     def complete(
-        self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool
+        self, prompts: list[Prompt], n: int, sampling: SamplingConfig, greedy: bool, version: int
     ) -> list[SampledGroup] | None:
-        """A group per prompt, in order (blocking): one greedy answer, or n sampled ones;
-        None where no engine takes work or one died answering (it is `lost`: ask again)."""
+        """A group per prompt, in order (blocking), by policy `version`: one greedy answer,
+        or n sampled ones; None where no engine takes work or one died answering (it is
+        `lost`: ask again)."""
 
     def shutdown(self) -> None: ...
 

@@ -14,8 +14,12 @@ rollouts) or waits for them (rollout/engine.py). No engine waits for another's l
 An engine that dies is lost to the generator pool, which sends the chunks it held to the
 engines still there and asks for a replacement; the loop waits on the replacement's start with
 everything else, and sends it the current weights as soon as it is up and the learner is
-between steps (`version` is set). Nothing here waits on one actor alone: a replacement that
-has no node to go to holds up nothing but the work that needs it.
+between steps. Nothing here waits on one actor alone: a replacement that has no node to go to
+holds up nothing but the work that needs it.
+
+The pipeline owns the policy version, the job's one count of it: the learner's updates move
+it on (`learning`), a rebuild from a checkpoint sets it back (`restored`), and every chunk and
+held-out answer it has the engines sample carries it.
 
 Every HEARTBEAT_S of waiting, the loop calls `heartbeat` (the job publishes its live status
 and Prometheus series there, and says what a long wait is waiting for), so that a stalled
@@ -26,7 +30,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from groupflow.peers import Chunk, Futures, Generation, Handle, PeerDied, Scoring, WeightSync
@@ -54,15 +59,39 @@ class Pipeline:
         self.rewards = rewards
         self.transport = transport
         self.futures = futures
-        # The learner's version while it is between steps, when its parameters are that
-        # version and can be sent to an engine; None while it trains or is rebuilt.
-        self.version: int | None = 0
+        self.version = 0  # the policy version: updates of the learner that landed
+        # The learner is between steps: its parameters are `version` and can be sent to an
+        # engine (not while it trains or is rebuilt).
+        self._sendable = True
         self._engine_loads: dict[Handle, Any] = {}  # loads not finished -> their engine
         self.heartbeat = heartbeat
         self._clock = clock
         self._beat_at = clock()
-        self.loads_verified = 0  # engine loads checked against the learner's checksums
+        self._loads_verified = 0  # engine loads checked against the learner's checksums
         self._scored: dict[int, list[ScoredGroup]] = defaultdict(list)  # by rollout id
+
+    @contextmanager
+    def learning(self) -> Iterator[None]:
+        """Around one learner update: no weights are sent while it runs, and the policy
+        version moves on when it lands. An update that raises (a lost rank) leaves the
+        version as it was and sends nothing until the learner is `restored`."""
+        self._sendable = False
+        yield
+        self.version += 1
+        self._sendable = True
+
+    def restored(self, version: int) -> None:
+        """The learner was loaded at `version` (a checkpoint's): every engine is sent it, and
+        waited for."""
+        self.version = version
+        self._sendable = True
+        self.sync_engines(wait_for_engines=True)
+
+    def step_figures(self) -> dict[str, int]:
+        """The pipeline's part of a step record: the engine loads checked against the
+        learner's checksums since the last record."""
+        verified, self._loads_verified = self._loads_verified, 0
+        return {"weight_sync_verified": verified}
 
     def wait_for(self, handles: Sequence[Handle]) -> list[Any]:
         """The values of `handles` (blocking), the traffic flowing meanwhile."""
@@ -87,9 +116,15 @@ class Pipeline:
     def feed(self) -> None:
         """Send the stream's waiting chunks to the engines with room (new engines get the
         weights first, if the learner can send them)."""
-        if self.version is not None:
+        if self._sendable:
             self.heal()
-        self.generators.send(self.stream.waiting())
+        self.generators.send(self.stream.waiting(), self.version)
+
+    def draw_ahead(self, prompts: int) -> None:
+        """Let the stream's next `prompts` prompts be drawn, and send them (the next step's,
+        generating while a checkpoint is saved)."""
+        self.stream.draw_ahead(prompts)
+        self.feed()
 
     def heal(self) -> None:
         """Send the engines that came up (replacements, new engines) the current weights."""
@@ -111,7 +146,7 @@ class Pipeline:
         the weights when it is up."""
         gen = self.generators
         handles = self.transport.async_sync(self.version, gen.engines_to_sync(only_awaiting))
-        gen.weights_sent(self.version)
+        gen.weights_sent()
         self._engine_loads.update(zip(handles.engines, handles.receivers, strict=True))
         try:
             self.wait_for(handles.learner)
@@ -122,8 +157,8 @@ class Pipeline:
 
     def abandon(self) -> None:
         """The learner is lost: draw and send nothing more, let the rollouts in flight finish
-        and drop them. No weights are sent until `version` is set again."""
-        self.version = None
+        and drop them. No weights are sent until the learner is `restored`."""
+        self._sendable = False
         self.stream.stop_drawing()
         while self.generators.figures().queued_prompts or self.rewards.pending_groups():
             self._pump(())
@@ -163,7 +198,7 @@ class Pipeline:
                 self.transport.forget(load)
                 self.generators.lost(engine, str(err))
                 continue
-            self.loads_verified += self.transport.check_load(load, loaded)
+            self._loads_verified += self.transport.check_load(load, loaded)
         # A peer that died fails its handle at once; the others may never finish (ranks
         # blocked in a collective with the dead one).
         self.futures.get([h for h in ready if h in waiting and h not in chunks | batches | loads])

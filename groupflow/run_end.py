@@ -7,7 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from groupflow.checkpoint import STATE_FILE, CheckpointError, DriverState, resume_target
+from groupflow.checkpointer import Resume
 
 SUMMARY_FILE = "summary.json"
 
@@ -29,30 +29,21 @@ def _finished_steps(summary: dict | None) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
-def _checkpoint_step(checkpoint: Path) -> int | None:
-    try:
-        return DriverState.model_validate_json((checkpoint / STATE_FILE).read_text()).step
-    except (OSError, ValueError):
-        return None  # the resume checks the checkpoint, and says what is wrong with it
-
-
-def already_finished(resume: str | None, steps: int, run_dir: Path) -> str | None:
-    """With a resume asked (`trainer.resume`): one line saying the run finished its `steps`
-    already, when the checkpoint to resume from is at `steps`, or when it resumes the newest
-    and summary.json says the run finished them; None when there is training to do (a
-    fresh run, a stopped run, or `trainer.steps` raised). Reads only."""
+def already_finished(
+    resume: str | None, steps: int, run_dir: Path, found: Resume | None
+) -> str | None:
+    """With a resume asked (`trainer.resume`, which found the checkpoint `found`): one line
+    saying the run finished its `steps` already, when that checkpoint is at `steps`, or when
+    it resumes the newest and summary.json says the run finished them; None when there is
+    training to do (a fresh run, a stopped run, or `trainer.steps` raised). Reads only."""
     if resume in (None, "never"):
         return None
-    try:
-        checkpoint = resume_target(resume, run_dir)
-    except CheckpointError:
-        return None  # the run itself refuses it, naming the key
-    at_steps = checkpoint is not None and _checkpoint_step(checkpoint) == steps
+    at_steps = found is not None and found.state.step == steps
     newest = resume in ("auto", "latest")
     done = _finished_steps(read_summary(run_dir))
     if not at_steps and not (newest and done is not None and done >= steps):
         return None
-    where = checkpoint if at_steps else run_dir / SUMMARY_FILE
+    where = found.checkpoint if at_steps else run_dir / SUMMARY_FILE
     return (
         f"run {run_dir.name} already finished its {steps} steps ({where}): nothing to resume, "
         f"nothing started; to train on, raise trainer.steps (--set trainer.steps=N)"

@@ -88,6 +88,35 @@ class StopRequest:
         return self.asked_at is not None and self.clock() - self.asked_at > self.deadline_s
 
 
+class LoopStop:
+    """A stop request (None: a job nobody stops) as the job loop meets it: before each step
+    but never after the last (`asked`), and while a step waits for its samples
+    (`waiting_for`), which it abandons once the stop is overdue (`check_waiting`)."""
+
+    def __init__(self, request: StopRequest | None, steps: int):
+        self.request = request
+        self.steps = steps
+        self.waiting_for: int | None = None  # a step waiting for its samples
+
+    def asked(self, last_step: int) -> bool:
+        """Whether to end the job before the step after `last_step`."""
+        if self.request is None or last_step >= self.steps:
+            return False
+        return self.request.check()
+
+    def check_waiting(self, last_step: int) -> None:
+        """While the loop waits: StepAbandoned for a step still waiting for its samples past
+        the stop's deadline."""
+        if self.asked(last_step) and self.waiting_for is not None and self.request.overdue():
+            log.warning(
+                "step %d abandoned: its samples were not in within %gs of the stop",
+                self.waiting_for,
+                self.request.deadline_s,
+            )
+            self.waiting_for = None
+            raise StepAbandoned
+
+
 _SIGNAL_WORDS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from groupflow.actors.generator import GeneratorPool
 from groupflow.actors.starting import Replacements
-from groupflow.checkpoint import Checkpointing, CheckpointStore, read_checkpoint
+from groupflow.checkpoint import Checkpointing, CheckpointStore
+from groupflow.checkpointer import read_checkpoint
 from groupflow.config import build_config
 from groupflow.job import TrainingJob
 from groupflow.learner.figures import RankFigures
@@ -440,8 +441,7 @@ def run_job(
         newest = CheckpointStore(run_dir).newest()
         job.restore(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
     else:
-        job.warm_eval = job.evaluate()
-        job.warm_accuracy = job.warm_eval["eval_accuracy"]
+        job.evaluation.score_before()
     sink = Sink()
     try:
         job.train([sink])

@@ -538,11 +538,13 @@ def test_a_mixture_is_scored_per_task_too_and_a_resume_keeps_the_warm_start_scor
     overrides = ["trainer.checkpoint_every=1", "trainer.eval_every=1"]
     run = run_job(steps=2, overrides=overrides, **opts)
     warm = {"eval_accuracy": 0.5, "eval_task_accuracy": {"even": 1.0, "odd": 0.0}}
-    assert run.job.warm_eval == warm
+    assert run.job.evaluation.before_training == warm
     assert run.records[0]["eval_task_accuracy"] == {"even": 1.0, "odd": 0.0}
     resumed = run_job(steps=3, overrides=overrides, resume=True, **opts)
-    assert resumed.job.warm_eval == warm  # from the checkpoint: summary.json reports it
-    assert "eval_task_accuracy" not in run_job(steps=1).job.warm_eval  # one task: no split
+    assert (
+        resumed.job.evaluation.before_training == warm
+    )  # from the checkpoint: summary.json reports it
+    assert "eval_task_accuracy" not in run_job(steps=1).job.evaluation.before_training  # one task
 
 
 class FakeHeldOutSet:

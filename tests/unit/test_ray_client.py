@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from groupflow import driver
+from groupflow.checkpoint import CheckpointStore
 from groupflow.config import ConfigError, build_config
 from groupflow.errors import RunError
 
@@ -29,5 +30,5 @@ def test_a_ray_client_address_in_RAY_ADDRESS_is_refused_before_the_run_opens(mon
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     cfg = build_config({"trainer": {"output_dir": str(tmp_path)}})
     with pytest.raises(RunError, match=r"^RAY_ADDRESS: ray://head:10001 is a Ray Client"):
-        driver.open_run(cfg)
+        driver.open_run(cfg, CheckpointStore(tmp_path), None)
     assert list(tmp_path.iterdir()) == []  # nothing was made
