@@ -26,7 +26,8 @@ from weight_sync import random_model  # bench/weight_sync.py, beside this script
 from groupflow.actors.learner import LearnerGroup
 from groupflow.checkpoint import LEARNER_DIR, CheckpointStore, Provenance
 from groupflow.checkpointer import DriverState, Parts
-from groupflow.config import Config, build_config
+from groupflow.config import Config
+from groupflow.job_config import build_config
 from groupflow.prompt_stream import StreamState
 from groupflow.quickstart import quickstart_model_path
 from groupflow.records import TrainSequence

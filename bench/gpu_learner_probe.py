@@ -31,8 +31,8 @@ from collections import Counter
 
 import torch
 
-from groupflow.config import build_config
 from groupflow.device import Device
+from groupflow.job_config import build_config
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup

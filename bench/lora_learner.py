@@ -27,7 +27,7 @@ import torch
 from weight_sync import random_model
 
 from groupflow.actors.learner import LearnerGroup
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.records import TrainSequence
 
 

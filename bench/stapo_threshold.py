@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.learner.advantages import GroupIndex, grpo_advantages
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import LocalReducer, MiniBatchTokens, plan_credit

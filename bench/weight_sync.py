@@ -40,7 +40,8 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport_object_store import load_streamed, push_partitions
 from groupflow.actors.transport_registry import make_transport
-from groupflow.config import Config, small_model_config
+from groupflow.config import Config
+from groupflow.job_config import small_model_config
 from groupflow.quickstart import quickstart_model_path
 from groupflow.random_model import random_causal_lm
 from groupflow.weight_format import bucket_manifest, checksum

@@ -155,7 +155,7 @@ def _run_command(argv: list[str]) -> int:
         return run_job_handler(args)
     if args.command == "config":
         return _show_config(args)
-    from groupflow.config import load_config
+    from groupflow.job_config import load_config
 
     overrides = list(args.overrides)
     if getattr(args, "resume", None):
@@ -199,8 +199,8 @@ def _run_command(argv: list[str]) -> int:
 def _show_config(args: argparse.Namespace) -> int:
     """`groupflow config`: a file's job, the quickstart's, or with neither the defaults a
     config file starts from (not the quickstart's, whose sizes fit its tiny model)."""
-    from groupflow.config import build_config, load_config
     from groupflow.config_reference import explained_yaml, reference_table
+    from groupflow.job_config import build_config, load_config
 
     if args.reference:
         print(reference_table(), end="")

@@ -8,8 +8,9 @@ import asyncio
 
 from groupflow.actors.tools import in_process_run_code
 from groupflow.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
-from groupflow.config import Config, check_resolved
+from groupflow.config import Config
 from groupflow.held_out import Scores, held_out_scores
+from groupflow.job_config import check_resolved
 from groupflow.job_prompts import vet_prompts
 from groupflow.model_dir import read_model_config
 from groupflow.progress import PhaseProgress, heartbeat

@@ -239,7 +239,7 @@ def job_runtime_env(config_dir: Path, code: Path | None = None) -> dict:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from groupflow.config import load_config
+    from groupflow.job_config import load_config
     from groupflow.run_target import RUN_METADATA
 
     cfg = load_config(args.config, args.overrides)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from groupflow.config import Config, check_resolved
+from groupflow.config import Config
 from groupflow.errors import RunError
 from groupflow.hub_model import local_model_path
+from groupflow.job_config import check_resolved
 from groupflow.job_prompts import VettedPrompts, vet_prompts
 from groupflow.learner.lora import check_target_modules
 from groupflow.model_dir import check_context, model_context, read_model_config

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from groupflow.config import Config, ConfigError, task_option_sets
+from groupflow.config import Config, ConfigError
+from groupflow.job_config import task_option_sets
 from groupflow.reward_workers.tasks.prompt_pool import DATASET_OPTIONS
 from groupflow.user_code import spec_file
 

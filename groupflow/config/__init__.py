@@ -1,12 +1,11 @@
 """The job configuration: typed, validated pydantic models, one module per section, loaded from
-YAML plus `--set` and resolved (load.py).
+YAML plus `--set` (load.py), and resolved against the wings' registries one floor up
+(groupflow/job_config.py: build_config, load_config, resolve).
 
 Every section forbids unknown keys, so a typo stops the job before anything starts, with a
 one-line message naming the key (`ConfigError`). The section modules are the ground floor: they
 import nothing of rollout/, learner/, reward_workers/ or actors/, so code on those floors imports
-its models from them (`groupflow.config.algorithm`, ...). load.py consults the registries of
-rollout/ and reward_workers/ (inside `resolve`), and this package re-exports it: everything
-else imports from here.
+its models from them (`groupflow.config.algorithm`, ...); everything else imports from here.
 
     base.py        ConfigError, Section (the rule for numbers), Ray resources
     job.py         Config (every section; the checks across sections), the `model` section
@@ -20,7 +19,7 @@ else imports from here.
     trainer.py     trainer, metrics
     cluster.py     cluster
     bounded_yaml.py  YAML read within bounds
-    load.py        build_config, load_config, small_model_config, --set, presets, resolve
+    load.py        validate_config (defaults, presets, --set, the schema), resolved_yaml
 """
 
 from groupflow.config.agent import AgentConfig
@@ -51,14 +50,9 @@ from groupflow.config.learner import LearnerConfig, LoraConfig, OptimizerConfig,
 from groupflow.config.load import (
     DERIVED,
     QUICKSTART,
-    build_config,
-    check_resolved,
-    load_config,
     parse_override,
-    resolve,
     resolved_yaml,
-    small_model_config,
-    task_option_sets,
+    validate_config,
 )
 from groupflow.config.presets import PRESETS
 from groupflow.config.reward import OverlongPenaltyConfig, RewardConfig
@@ -67,6 +61,7 @@ from groupflow.config.task import EvalSetConfig, TaskConfig
 from groupflow.config.trainer import MetricsConfig, TrainerConfig
 
 __all__ = [
+    "validate_config",
     "DERIVED",
     "EXCHANGEABLE_AGGREGATIONS",
     "MAX_CONFIG_BYTES",
@@ -104,14 +99,8 @@ __all__ = [
     "TaskConfig",
     "TrainerConfig",
     "Zero3Config",
-    "build_config",
-    "check_resolved",
-    "load_config",
     "parse_override",
     "parse_yaml",
     "ray_client_refusal",
-    "resolve",
     "resolved_yaml",
-    "small_model_config",
-    "task_option_sets",
 ]

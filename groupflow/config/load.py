@@ -21,10 +21,9 @@ from pydantic import ValidationError
 
 from groupflow.config.algorithm import AlgorithmConfig
 from groupflow.config.base import ConfigError
-from groupflow.config.bounded_yaml import parse_yaml, read_config_text
-from groupflow.config.job import Config, check_response_limit
+from groupflow.config.bounded_yaml import parse_yaml
+from groupflow.config.job import Config
 from groupflow.config.presets import PRESETS
-from groupflow.config.task import TaskConfig
 from groupflow.config.trainer import TrainerConfig
 from groupflow.errors import first_line
 
@@ -69,11 +68,11 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _merge(base: dict, top: dict) -> dict:
+def merge_trees(base: dict, top: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_trees(out[key], value)
         else:
             out[key] = value
     return out
@@ -86,18 +85,18 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and not isinstance(first["input"], dict):
-        msg += f" (got {_describe_input(first['input'])})"
+        msg += f" (got {describe_input(first['input'])})"
     return f"{key}: {msg}"
 
 
-def _describe_input(value: Any) -> str:
+def describe_input(value: Any) -> str:
     if isinstance(value, int) and value.bit_length() > 128:  # repr() refuses the longest
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 100 else text[:100] + "..."
 
 
-def _task_list_as_mixture(tree: dict) -> dict:
+def task_list_as_mixture(tree: dict) -> dict:
     """`task: [{name: math, weight: 3}, ...]` is short for the built-in task `mixture` with
     that list as its options (several tasks in one job, reward_workers/tasks/mixture.py)."""
     if isinstance(tree.get("task"), list):
@@ -105,42 +104,27 @@ def _task_list_as_mixture(tree: dict) -> dict:
     return tree
 
 
-def build_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
-    """Validate a raw dict plus `--set` overrides, the algorithm preset filling in defaults;
-    the config returned is resolved."""
-    tree = _task_list_as_mixture(copy.deepcopy(raw or {}))
+def validate_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
+    """Validate a raw dict plus `--set` overrides, the algorithm preset filling in defaults.
+    The config is not resolved yet: groupflow/job_config.py's `build_config` resolves it."""
+    tree = task_list_as_mixture(copy.deepcopy(raw or {}))
     for text in overrides:
         path, value = parse_override(text)
         _set_path(tree, path, value)
-        _task_list_as_mixture(tree)  # `--set task=[...]` then `--set task.eval_size=...`
+        task_list_as_mixture(tree)  # `--set task=[...]` then `--set task.eval_size=...`
     algorithm = tree.get("algorithm", {})
     if isinstance(algorithm, dict):
         preset = algorithm.get("preset", AlgorithmConfig.model_fields["preset"].default)
         if isinstance(preset, str) and preset in PRESETS:
-            tree["algorithm"] = _merge(PRESETS[preset], algorithm)
+            tree["algorithm"] = merge_trees(PRESETS[preset], algorithm)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
-    return resolve(cfg)
+    return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Load a YAML config (None = the built-in quickstart job) and apply overrides; the config
-    returned is resolved."""
-    path = Path(path) if path is not None else QUICKSTART
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        raw = parse_yaml(read_config_text(path)) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({first_line(err)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return build_config(_named_after_file(raw, path), overrides)
-
-
-def _named_after_file(raw: dict, path: Path) -> dict:
+def named_after_file(raw: dict, path: Path) -> dict:
     """A file that leaves trainer.run_name unset names its run after itself (job.yaml: job),
     so that two users' jobs, or a job and the quickstart, never share a run directory or
     resume each other's checkpoints."""
@@ -151,76 +135,7 @@ def _named_after_file(raw: dict, path: Path) -> dict:
     return {**raw, "trainer": {**trainer, "run_name": name}}
 
 
-def small_model_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
-    """A job from the schema's defaults with quickstart.yaml's engine limits
-    (rollout.max_model_len and rollout.sampling.max_tokens) beneath `raw`: the defaults fit a
-    real model's context, past the 256 positions of the built-in small model, which the tests
-    and benchmarks that start engines on it build their jobs on."""
-    rollout = parse_yaml(read_config_text(QUICKSTART))["rollout"]
-    limits = {
-        "rollout": {
-            "max_model_len": rollout["max_model_len"],
-            "sampling": {"max_tokens": rollout["sampling"]["max_tokens"]},
-        }
-    }
-    return build_config(_merge(limits, _task_list_as_mixture(copy.deepcopy(raw or {}))), overrides)
-
-
-# ----- resolve ---------------------------------------------------------------------------------
-def resolve(cfg: Config) -> Config:
-    """Check `cfg`'s names against the registries, then fill its `DERIVED` settings where they
-    are unset; in place, and `cfg` is returned. Resolving a resolved config changes nothing.
-    A problem is a ConfigError naming its key, as the schema's are."""
-    from groupflow.reward_workers.tasks import TASKS, task_class
-    from groupflow.rollout.tools import BUILTIN_TOOLS
-
-    for i, held_out in enumerate(cfg.task.eval_sets):
-        if held_out.task not in TASKS or held_out.task == "mixture":
-            choices = sorted(set(TASKS) - {"mixture"})
-            raise ConfigError(
-                f"task.eval_sets.{i}: unknown task {held_out.task!r}; choose one of {choices}"
-            )
-    entries = _mixture_entries(cfg.task)
-    for tool in cfg.agent.tools or ():
-        if tool not in BUILTIN_TOOLS and ":" not in tool:
-            raise ConfigError(
-                f"agent.tools: {tool!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) "
-                f"nor 'module:name' of your own (got {_describe_input(cfg.agent.tools)})"
-            )
-    for entry in entries:
-        if entry.max_tokens is not None:
-            try:
-                check_response_limit(cfg, f"task {entry.label}: max_tokens", entry.max_tokens)
-            except ValueError as err:
-                raise ConfigError(f"config: {err}") from None
-    _check_task_options(cfg.task)
-
-    stale = cfg.trainer.max_staleness > 0
-    if "partial_rollout" not in cfg.rollout.model_fields_set or cfg.rollout.partial_rollout is None:
-        cfg.rollout.partial_rollout = stale
-    off_policy = cfg.algorithm.off_policy
-    if "mode" not in off_policy.model_fields_set and stale:
-        # Stale samples come from a policy the learner no longer holds: correct by default.
-        off_policy.mode = "tis"
-    if cfg.agent.tools is None:
-        # A task without tools leaves the key unset, which then means none.
-        cfg.agent.tools = list(getattr(task_class(cfg.task.name), "TOOLS", ())) or None
-    return cfg
-
-
-def check_resolved(cfg: Config) -> None:
-    """Where a run starts (train, eval, a dry run): `cfg` must be what `resolve` makes of it,
-    as every loader here returns. A config built another way (Config(...), model_validate)
-    that resolve would change is a bug, stopped before anything starts."""
-    again = resolve(cfg.model_copy(deep=True))
-    changed = [key for key in DERIVED if _setting(again, key) != _setting(cfg, key)]
-    if changed:
-        raise RuntimeError(
-            f"the config was not resolved: groupflow.config.resolve would set {', '.join(changed)}"
-        )
-
-
-def _setting(cfg: Config, key: str) -> Any:
+def setting_of(cfg: Config, key: str) -> Any:
     value: Any = cfg
     for part in key.split("."):
         value = getattr(value, part)
@@ -232,47 +147,8 @@ def resolved_yaml(cfg: Config) -> str:
     back to the same job), headed by the settings that `resolve` decides when unset."""
     lines = [
         "# This run's config: defaults, the file and --set, resolved. The settings that others",
-        "# decide when left unset (groupflow/config/load.py: resolve) came out as:",
+        "# decide when left unset (groupflow/job_config.py: resolve) came out as:",
     ]
     for key, rule in DERIVED.items():
-        lines.append(f"#   {key}: {json.dumps(_setting(cfg, key))} (unset: {rule})")
+        lines.append(f"#   {key}: {json.dumps(setting_of(cfg, key))} (unset: {rule})")
     return "\n".join(lines) + "\n" + cfg.dump_yaml()
-
-
-def _mixture_entries(task: TaskConfig) -> list:
-    """A mixture's task list, checked (none for a single task)."""
-    if task.name != "mixture":
-        return []
-    from groupflow.reward_workers.tasks.mixture import mixture_entries
-
-    try:
-        return mixture_entries(task.options.get("tasks"))
-    except ValueError as err:
-        raise ConfigError(f"task: {err}") from None
-
-
-def task_option_sets(task: TaskConfig) -> list[tuple[str, dict[str, Any], str]]:
-    """(task name, its options, where they are in the config) for the job's task (each of a
-    mixture's tasks) and each held-out set; the options are the config's own dicts."""
-    if task.name == "mixture":
-        # Named as written: `task: [{name: math, options: {...}}, ...]`
-        entries = _mixture_entries(task)
-        named = [(e.name, e.options, f"task[{i}].options") for i, e in enumerate(entries)]
-    else:
-        named = [(task.name, task.options, "task.options")]
-    for i, held_out in enumerate(task.eval_sets):
-        named.append((held_out.task, held_out.options, f"task.eval_sets[{i}].options"))
-    return named
-
-
-def _check_task_options(task: TaskConfig) -> None:
-    """Each task's options (a mixture's, each of its tasks'; each held-out set's) against the
-    options that task declares: a misspelt or ill-typed one is a ConfigError naming its key,
-    here rather than when the task is built on the cluster."""
-    from groupflow.reward_workers.tasks import check_options
-
-    try:
-        for name, options, where in task_option_sets(task):
-            check_options(name, options, where)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None

@@ -25,7 +25,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "code": ("code_problems", "CodeTask"),
     # long products, answered with the calculator tool in a multi-turn trajectory
     "tool_arithmetic": ("tool_arithmetic", "ToolArithmeticTask"),
-    # several of the above in one job: groupflow/config/load.py builds it from a list under `task`
+    # several of the above in one job: groupflow/config/load.py reads it from a list under `task`
     "mixture": ("mixture", "MixtureTask"),
 }
 

@@ -17,7 +17,8 @@ from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.tools import ToolPoolClient, start_tool_pool
 from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
-from groupflow.config import SamplingConfig, build_config, small_model_config
+from groupflow.config import SamplingConfig
+from groupflow.job_config import build_config, small_model_config
 from groupflow.reward_workers.tasks import make_task
 from tests.integration.plugins.environments import MARKER
 from tests.integration.prometheus_server import PrometheusServer

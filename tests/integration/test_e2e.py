@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from groupflow.catalogue import BY_KEY
 from groupflow.cli import main
-from groupflow.config import load_config
+from groupflow.job_config import load_config
 from groupflow.learner.lr_schedule import lr_at
 from tests.hf_cache import cache_model, read_offline
 from tests.integration.test_presets import DIAGNOSTICS

@@ -16,8 +16,8 @@ import pytest
 import ray
 
 import groupflow.job_actors
-from groupflow.config import small_model_config
 from groupflow.driver import run
+from groupflow.job_config import small_model_config
 
 pytestmark = pytest.mark.integration
 

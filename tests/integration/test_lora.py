@@ -16,7 +16,8 @@ from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport_collective import CollectiveTransport
 from groupflow.actors.transport_object_store import ObjectStoreTransport
 from groupflow.adapters import MERGED_DIR
-from groupflow.config import SamplingConfig, small_model_config
+from groupflow.config import SamplingConfig
+from groupflow.job_config import small_model_config
 from groupflow.reward_workers.tasks import make_task
 from tests.integration.test_stack import _sample_sequences, _sync, _train
 

@@ -17,7 +17,7 @@ import torch
 from groupflow.actors.learner import LearnerGroup
 from groupflow.checkpoint import CheckpointStore
 from groupflow.cli import main
-from groupflow.config import small_model_config
+from groupflow.job_config import small_model_config
 from groupflow.learner.figures import learner_record
 from groupflow.records import TrainSequence
 from tests.integration.driver_process import DriverProcess, run_records

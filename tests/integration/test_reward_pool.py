@@ -13,7 +13,7 @@ import ray
 
 from groupflow.actors.reward import start_reward_pool
 from groupflow.cli import main
-from groupflow.config import small_model_config
+from groupflow.job_config import small_model_config
 from groupflow.records import Response, SampledGroup
 from groupflow.reward_workers.tasks import make_task
 

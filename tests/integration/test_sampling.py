@@ -6,7 +6,8 @@ import pytest
 import ray
 
 from groupflow.actors.generator import start_generator_pool
-from groupflow.config import SamplingConfig, build_config, small_model_config
+from groupflow.config import SamplingConfig
+from groupflow.job_config import build_config, small_model_config
 from groupflow.records import ScoredGroup, Verdict
 from groupflow.reward_workers.tasks import make_task
 from groupflow.sequences import group_advantages, train_sequences

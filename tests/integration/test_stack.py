@@ -17,7 +17,8 @@ from groupflow.actors.transport_object_store import (
     push_partitions,
     receive_part,
 )
-from groupflow.config import SamplingConfig, small_model_config
+from groupflow.config import SamplingConfig
+from groupflow.job_config import small_model_config
 from groupflow.records import Prompt, TrainSequence
 from groupflow.reward_workers.tasks import make_task
 from groupflow.weight_format import WeightSyncMismatch, bucket_manifest

@@ -18,8 +18,8 @@ from groupflow.actors.generator import GeneratorPool
 from groupflow.actors.starting import Replacements
 from groupflow.checkpoint import Checkpointing, CheckpointStore
 from groupflow.checkpointer import read_checkpoint
-from groupflow.config import build_config
 from groupflow.job import TrainingJob
+from groupflow.job_config import build_config
 from groupflow.learner.figures import RankFigures
 from groupflow.peers import PeerDied, SyncHandles
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.job_config import build_config
 from groupflow.learner.auto_threshold import (
     BINS_PER_DECADE,
     NUM_BINS,

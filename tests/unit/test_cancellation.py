@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.learner.advantages import compute_advantages
 from groupflow.learner.credit import LocalReducer, MiniBatchTokens, plan_credit
 from groupflow.learner.diagnostics import cancellation_residual

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from groupflow.cli import main
-from groupflow.config import Config, build_config, load_config, small_model_config
+from groupflow.config import Config
 from groupflow.config_reference import (
     TABLE_END,
     TABLE_START,
@@ -21,6 +21,7 @@ from groupflow.config_reference import (
     reference_table,
     with_reference_table,
 )
+from groupflow.job_config import build_config, load_config, small_model_config
 from groupflow.reward_workers.tasks import TASKS, task_class
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,11 +1,10 @@
-"""The config's one resolve step (groupflow/config/load.py): the section models check only their
+"""The config's one resolve step (groupflow/job_config.py): the section models check only their
 own values and import no registry; `resolve` checks names against the registries and fills the
 settings that others decide, once; every loader returns a resolved config, a run refuses any
 other, and the run directory's config.resolved.yaml shows what resolve decided."""
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -14,16 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.config import (
-    DERIVED,
-    Config,
-    ConfigError,
-    build_config,
-    check_resolved,
-    load_config,
-    resolve,
-    resolved_yaml,
-)
+from groupflow.config import DERIVED, Config, ConfigError, resolved_yaml
+from groupflow.job_config import build_config, check_resolved, load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 WINGS = ("groupflow.rollout", "groupflow.learner", "groupflow.reward_workers", "groupflow.actors")
@@ -57,34 +48,6 @@ def test_settings_given_are_kept_and_resolving_again_changes_nothing():
 def test_the_defaults_are_resolved_already():
     assert resolve(Config()) == Config()
     check_resolved(Config())
-
-
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(module imported, at the module's top level) for every import in a file."""
-    tree = ast.parse(path.read_text())
-    top = {id(node) for node in tree.body}
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.append((node.module, id(node) in top))
-        elif isinstance(node, ast.Import):
-            found += [(alias.name, id(node) in top) for alias in node.names]
-    return found
-
-
-def test_the_config_models_import_no_wing_and_load_only_inside_resolve():
-    folder = ROOT / "groupflow" / "config"
-    for path in sorted(folder.glob("*.py")):
-        for module, top_level in _imports(path):
-            if not module.startswith("groupflow."):
-                continue
-            wing = module.startswith(WINGS)
-            if path.name == "load.py" and wing:
-                assert not top_level, f"load.py imports {module} at its top level"
-                continue
-            assert module.startswith("groupflow.config") or module == "groupflow.errors", (
-                f"{path.name} imports {module}"
-            )
 
 
 def test_validating_a_config_loads_no_registry():

@@ -13,7 +13,8 @@ from dataclasses import astuple, replace
 import pytest
 import torch
 
-from groupflow.config import AlgorithmConfig, ConfigError, build_config
+from groupflow.config import AlgorithmConfig, ConfigError
+from groupflow.job_config import build_config
 from groupflow.learner.advantages import compute_advantages
 from groupflow.learner.credit import (
     CreditPlan,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.config import load_config
+from groupflow.job_config import load_config
 from groupflow.reward_workers.tasks import task_class
 from groupflow.reward_workers.tasks.mixture import mixture_entries
 

@@ -13,7 +13,7 @@ import yaml
 from ray.job_submission import JobStatus
 
 from groupflow.cli import main
-from groupflow.config import load_config
+from groupflow.job_config import load_config
 from groupflow.jobs import (
     ENTRYPOINT,
     JOB_CONFIG_NAME,

@@ -16,8 +16,9 @@ from dataclasses import astuple
 import pytest
 import torch
 
-from groupflow.config import AlgorithmConfig, build_config
+from groupflow.config import AlgorithmConfig
 from groupflow.config.presets import PRESETS
+from groupflow.job_config import build_config
 from groupflow.learner.advantages import compute_advantages
 from groupflow.learner.credit import LocalReducer, plans_per_micro_batch
 from groupflow.learner.figures import RankFigures

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from groupflow.adapters import AdapterError, engine_max_rank, read_adapter_dir, wire_name
-from groupflow.config import ConfigError, LoraConfig, build_config
+from groupflow.config import ConfigError, LoraConfig
+from groupflow.job_config import build_config
 from groupflow.learner.lora import (
     AdaptersOff,
     adapter_parameters,

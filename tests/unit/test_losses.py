@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from groupflow.config import AlgorithmConfig, build_config
+from groupflow.config import AlgorithmConfig
+from groupflow.job_config import build_config
 from groupflow.learner.losses import KL_ESTIMATORS, POLICY_LOSSES, token_loss
 
 F64 = torch.float64

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.job_config import build_config
 from groupflow.records import Prompt
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task

@@ -14,8 +14,9 @@ from dataclasses import astuple, replace
 import pytest
 import torch
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
 from groupflow.config.presets import PRESETS
+from groupflow.job_config import build_config
 from groupflow.learner.credit import LocalReducer, plan_credit
 from groupflow.learner.off_policy import importance_weights
 from groupflow.learner.step import no_grad_stats

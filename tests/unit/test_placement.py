@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from groupflow.config import Config, build_config
+from groupflow.config import Config
+from groupflow.job_config import build_config
 from groupflow.placement import NOTE_AFTER_S, Placement, PlacementError, PoolAsk, describe_cluster
 
 POOLS = {"rollout": 0.5, "reward": 0.25, "learner": 0.5}  # each pool's default num_cpus

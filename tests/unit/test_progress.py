@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from groupflow.config import load_config
 from groupflow.driver_log import FILE_ONLY
+from groupflow.job_config import load_config
 from groupflow.metrics import RECENT_STEPS, ProgressReporter
 from groupflow.progress import PhaseProgress, clock_text, heartbeat
 

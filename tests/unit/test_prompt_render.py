@@ -210,7 +210,7 @@ def dataset(path, lengths: list[int]):
 
 
 def job_config(task: dict | list, **sections):
-    from groupflow.config import build_config
+    from groupflow.job_config import build_config
 
     raw = {"task": task, "rollout": {"max_model_len": 64, "sampling": {"max_tokens": 16}}}
     cfg = build_config(raw | sections)

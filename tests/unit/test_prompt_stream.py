@@ -11,7 +11,7 @@ from itertools import islice
 
 import pytest
 
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.prompt_stream import PromptStream, StreamState
 from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.tasks import make_task

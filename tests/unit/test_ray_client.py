@@ -7,8 +7,9 @@ import pytest
 
 from groupflow import driver
 from groupflow.checkpoint import CheckpointStore
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
 from groupflow.errors import RunError
+from groupflow.job_config import build_config
 
 
 @pytest.mark.parametrize("address", ["ray://head:10001", " RAY://10.0.0.1:10001"])

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from groupflow.checkpoint import CheckpointStore
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
 from groupflow.driver import check_resume, prepare_run_dir, read_resume
 from groupflow.errors import RunError
+from groupflow.job_config import build_config
 from groupflow.run_dir import claim_run_name, fresh_run_dir
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from groupflow.actors.control import limits_for
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.scaling import AutoscalePolicy, Scaler, policy_for
 from groupflow.scaling_protocol import (
     LiveStatus,

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.learner.advantages import compute_advantages
 from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.sequences import group_advantages, train_sequences

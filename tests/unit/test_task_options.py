@@ -8,7 +8,8 @@ import inspect
 import pytest
 
 from groupflow.cli import main
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.job_config import build_config
 from groupflow.reward_workers.tasks import TASKS, check_options, make_task, task_options
 
 

@@ -6,7 +6,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from groupflow import trackers
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 
 
 def _records(n: int) -> list[dict]:

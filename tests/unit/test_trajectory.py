@@ -11,7 +11,7 @@ import time
 import pytest
 
 from groupflow.actors.tools import in_process_run_code
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.quickstart import build_tokenizer
 from groupflow.records import Prompt, Response, SampledGroup, ToolUse, Verdict
 from groupflow.reward_workers.scorer import scored_groups

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.config import build_config
+from groupflow.job_config import build_config
 from groupflow.records import Prompt, Verdict
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.datasets import load_prompts

@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.job_config import build_config
 from groupflow.learner.zero_config import (
     MID_MODEL_PARAMETERS,
     WHOLE_MODEL_PARAMETERS,
