@@ -7,7 +7,7 @@ checked request here, and the driver takes it between steps (`ActorInbox.poll`) 
 its live counts back (`ActorInbox.report`). Neither side ever waits on the other's work, so a
 scale request never blocks training, and a busy job never blocks the command. A stop is left
 the same way (`stop`); the driver looks for it between steps and while a step waits
-(`ActorInbox.stop_asked`, groupflow/stopping.py), and leaves the line saying what it wrote
+(`ActorInbox.stop_asked`, groupflow/loop/stopping.py), and leaves the line saying what it wrote
 (`ended`) before it ends.
 """
 
@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from groupflow.actors.transport_registry import transport_class
 from groupflow.config import Config
-from groupflow.scaling_protocol import (
+from groupflow.core.scaling_protocol import (
     CONTROL_NAMESPACE,
     LiveStatus,
     ScaleError,
@@ -52,7 +52,7 @@ class JobControl:
         self.limits = limits
         self._request: ScaleRequest | None = None
         self._status: dict | None = None
-        self._stop: str | None = None  # None, "stop", or "now" (groupflow/stopping.py)
+        self._stop: str | None = None  # None, "stop", or "now" (groupflow/loop/stopping.py)
         self._end_line: str | None = None
         self._end_line_read = False
 
@@ -139,7 +139,7 @@ def start_control(run_name: str, limits: ScaleLimits):
 
 
 class ActorInbox:
-    """The driver's side of the control actor (groupflow.scaling_protocol.Inbox)."""
+    """The driver's side of the control actor (groupflow.core.scaling_protocol.Inbox)."""
 
     def __init__(self, actor):
         self.actor = actor

@@ -8,7 +8,7 @@ starts while later chunks still generate. A chunk sent to an engine after a weig
 starts once that load is done (Generator.sample).
 
 An engine that dies (killed, out of memory, node lost) is one restart, charged to the job's
-budget (groupflow/recovery.py) however many of its calls fail. Its slot takes no work from then
+budget (groupflow/core/recovery.py) however many of its calls fail. Its slot takes no work from then
 on and a new actor is asked for it (actors/starting.py Replacements); the chunks it held go to
 the engines still there, each once (the chunk records are shared with the prompt stream, so the
 job loop sees each chunk's new handle without being told), and generation goes on with them.
@@ -38,18 +38,25 @@ from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
 from groupflow.actors.tools import start_tool_pool
 from groupflow.actors.transport_registry import transport_class
 from groupflow.config import Config, SamplingConfig
-from groupflow.device import device_for
-from groupflow.peers import CHUNKS_PER_ENGINE, Chunk, Futures, GenerationFigures, Handle, PeerDied
-from groupflow.records import Prompt, SampledGroup
-from groupflow.recovery import RestartBudget
+from groupflow.core.device import device_for
+from groupflow.core.peers import (
+    CHUNKS_PER_ENGINE,
+    Chunk,
+    Futures,
+    GenerationFigures,
+    Handle,
+    PeerDied,
+)
+from groupflow.core.records import Prompt, SampledGroup
+from groupflow.core.recovery import RestartBudget
+from groupflow.core.scaling_protocol import PoolState, ray_demand
 from groupflow.rollout.engine import engine_settings
-from groupflow.scaling_protocol import PoolState, ray_demand
 
 log = logging.getLogger(__name__)
 
 
 class GeneratorPool:
-    """The engines as one pool (groupflow.peers.Generation)."""
+    """The engines as one pool (groupflow.core.peers.Generation)."""
 
     def __init__(
         self,

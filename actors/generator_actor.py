@@ -18,8 +18,8 @@ from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.tools import ToolPoolClient
 from groupflow.actors.transport import SyncHost
 from groupflow.config import SamplingConfig
-from groupflow.device import Device
-from groupflow.records import Prompt, SampledGroup
+from groupflow.core.device import Device
+from groupflow.core.records import Prompt, SampledGroup
 from groupflow.rollout.engine import EngineSettings, RolloutEngine
 
 

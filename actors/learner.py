@@ -16,13 +16,13 @@ from groupflow.actors.placement import live_nodes
 from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import SyncHost
 from groupflow.config import Config
-from groupflow.device import device_for
+from groupflow.core.device import device_for
+from groupflow.core.placement import NOTE_AFTER_S, describe_cluster, describe_demand
+from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
-from groupflow.placement import NOTE_AFTER_S, describe_cluster, describe_demand
-from groupflow.records import TrainSequence
 
 log = logging.getLogger(__name__)
 

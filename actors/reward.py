@@ -3,7 +3,7 @@
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
 each batch tagged with its chunk id. A worker is sent only each response's prompt and text
 and returns their verdicts; the pool keeps the batch's groups and pairs them up again. The
-pool is reached like the generator pool, through the job's futures (groupflow.peers.Futures):
+pool is reached like the generator pool, through the job's futures (groupflow.core.peers.Futures):
 the job loop waits on the batches `in_flight` with everything else, in its one wait, at most
 until `seconds_to_deadline`, and hands what is ready to `take`. A worker scores a batch
 within `reward.timeout_s` (its scorer processes are killed at each call's deadline, and
@@ -36,11 +36,11 @@ import ray
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
 from groupflow.config import Config
-from groupflow.peers import Futures, Handle, PeerDied
-from groupflow.records import SampledGroup, ScoredGroup, Verdict
+from groupflow.core.peers import Futures, Handle, PeerDied
+from groupflow.core.records import SampledGroup, ScoredGroup, Verdict
+from groupflow.core.scaling_protocol import PoolState, ray_demand
+from groupflow.core.start_errors import StartError
 from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
-from groupflow.scaling_protocol import PoolState, ray_demand
-from groupflow.start_errors import StartError
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class _Batch:
 
 
 class RewardPool:
-    """The reward workers as one pool (groupflow.peers.Scoring)."""
+    """The reward workers as one pool (groupflow.core.peers.Scoring)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Weight sync from the learner to the engines (groupflow.peers.WeightSync): what every
+"""Weight sync from the learner to the engines (groupflow.core.peers.WeightSync): what every
 transport shares, and how a transport's steps reach the actors at both ends.
 
 A transport is one file, actors/transport_<name>.py, and one line of the table in
@@ -9,7 +9,7 @@ engines', functions it sends to those actors (by reference: they are the file's 
 each runs on itself with its `weight_sync` method, keeping what it needs between its steps in
 `sync_state` (`SyncHost`).
 
-Every transport sends the model in buckets of whole layers (groupflow/weight_format.py) of up to
+Every transport sends the model in buckets of whole layers (groupflow/core/weight_format.py) of up to
 `rollout.weight_bucket_mb`, cut once from learner rank 0's manifest and handed to the ranks and
 the engines alike, so no learner rank holds a second copy of the model. A chunk sent to an
 engine after a sync samples once that sync is loaded (actors/generator_actor.py,
@@ -25,8 +25,8 @@ from typing import TypeVar
 import ray
 
 from groupflow.actors.futures import RayFutures
-from groupflow.peers import SyncHandles
-from groupflow.weight_format import (
+from groupflow.core.peers import SyncHandles
+from groupflow.core.weight_format import (
     DEFAULT_BUCKET_BYTES,
     LoadedWeights,
     Manifest,

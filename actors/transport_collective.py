@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from groupflow.actors.transport import WeightTransport
-from groupflow.peers import SyncHandles
+from groupflow.core.peers import SyncHandles
+from groupflow.core.weight_format import DEFAULT_BUCKET_BYTES, LoadedWeights, Manifest
 from groupflow.rollout.weight_intake import broadcast
-from groupflow.weight_format import DEFAULT_BUCKET_BYTES, LoadedWeights, Manifest
 
 TIMEOUT = datetime.timedelta(minutes=10)
 

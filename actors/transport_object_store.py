@@ -25,9 +25,9 @@ import uuid
 import ray
 
 from groupflow.actors.transport import WeightTransport
-from groupflow.peers import SyncHandles
+from groupflow.core.peers import SyncHandles
+from groupflow.core.weight_format import LoadedWeights, Manifest
 from groupflow.rollout.weight_intake import broken_stream, streamed
-from groupflow.weight_format import LoadedWeights, Manifest
 
 log = logging.getLogger(__name__)
 

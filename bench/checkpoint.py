@@ -24,13 +24,13 @@ import torch
 from weight_sync import random_model  # bench/weight_sync.py, beside this script
 
 from groupflow.actors.learner import LearnerGroup
-from groupflow.checkpoint import LEARNER_DIR, CheckpointStore, Provenance
-from groupflow.checkpointer import DriverState, Parts
 from groupflow.config import Config
-from groupflow.job_config import build_config
-from groupflow.prompt_stream import StreamState
-from groupflow.quickstart import quickstart_model_path
-from groupflow.records import TrainSequence
+from groupflow.core.records import TrainSequence
+from groupflow.loop.checkpoint import LEARNER_DIR, CheckpointStore, Provenance
+from groupflow.loop.checkpointer import DriverState, Parts
+from groupflow.loop.prompt_stream import StreamState
+from groupflow.run.job_config import build_config
+from groupflow.run.quickstart import quickstart_model_path
 
 
 def _sequences(vocab: int, n: int = 16) -> list[TrainSequence]:

@@ -29,8 +29,8 @@ import mpmath
 import ray
 
 from groupflow.config.presets import PRESETS
-from groupflow.driver import run
-from groupflow.job_config import small_model_config
+from groupflow.run.driver import run
+from groupflow.run.job_config import small_model_config
 
 DIAGNOSTICS = [
     "spurious_frac",

@@ -31,13 +31,13 @@ from collections import Counter
 
 import torch
 
-from groupflow.device import Device
-from groupflow.job_config import build_config
+from groupflow.core.device import Device
+from groupflow.core.random_model import random_causal_lm
+from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
-from groupflow.random_model import random_causal_lm
-from groupflow.records import TrainSequence
+from groupflow.run.job_config import build_config
 
 SHAPES = {  # Qwen2.5 shapes
     "0.5b": dict(

@@ -32,11 +32,11 @@ from pathlib import Path
 import ray
 
 from groupflow.actors.reward import start_reward_pool
-from groupflow.driver import run
-from groupflow.job_config import build_config, small_model_config
-from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.core.records import Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer, response_items
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.driver import run
+from groupflow.run.job_config import build_config, small_model_config
 
 GROUP = 8
 

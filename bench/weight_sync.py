@@ -19,7 +19,7 @@ times faster it is than the full model's.
 
     .venv/bin/python bench/weight_sync.py --checksums
 
-prints instead what the checksums cost alone (groupflow/weight_format.py): GB/s of a
+prints instead what the checksums cost alone (groupflow/core/weight_format.py): GB/s of a
 bucket-sized tensor per dtype on one thread, a whole tensor and a partition that starts
 off a word boundary.
 """
@@ -41,10 +41,10 @@ from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport_object_store import load_streamed, push_partitions
 from groupflow.actors.transport_registry import make_transport
 from groupflow.config import Config
-from groupflow.job_config import small_model_config
-from groupflow.quickstart import quickstart_model_path
-from groupflow.random_model import random_causal_lm
-from groupflow.weight_format import bucket_manifest, checksum
+from groupflow.core.random_model import random_causal_lm
+from groupflow.core.weight_format import bucket_manifest, checksum
+from groupflow.run.job_config import small_model_config
+from groupflow.run.quickstart import quickstart_model_path
 
 TRANSPORTS = ("object_store", "collective")
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from groupflow.config.job import Config
+from groupflow.core.weight_format import Broadcaster, Checksums, Manifest
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
@@ -24,7 +25,6 @@ from groupflow.learner.weight_export import (
     weight_manifest,
 )
 from groupflow.learner.zero_models import RankSetup, build_zero_models
-from groupflow.weight_format import Broadcaster, Checksums, Manifest
 
 
 class LearnerRank:

@@ -6,7 +6,7 @@ With weight 0 (every task's default) the verdict is unchanged.
 
 from __future__ import annotations
 
-from groupflow.records import Verdict
+from groupflow.core.records import Verdict
 from groupflow.reward_workers.tasks.options import check_number
 
 # Answers sit at the end of a response; extraction looks no further back than this.

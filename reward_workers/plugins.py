@@ -1,5 +1,5 @@
 """User reward plugins: `module:function` or `path/to/file.py:function` (loaded by
-groupflow/user_code.py).
+groupflow/core/user_code.py).
 
 The function takes (prompt_text, response_text, answer) and returns a reward in [0, 1], or
 (reward, info) where info becomes the reason; it may be sync or async. It runs in a scorer
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
-from groupflow.user_code import UserCodeError, load_user_object, short_text
+from groupflow.core.records import Prompt, Verdict
+from groupflow.core.user_code import UserCodeError, load_user_object, short_text
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from groupflow.records import Prompt, SampledGroup, ScoredGroup, Verdict
+from groupflow.core.records import Prompt, SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.log_once import LogOnce
 from groupflow.reward_workers.tasks import make_task

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from groupflow.records import Prompt, Response
+from groupflow.core.records import Prompt, Response
+from groupflow.core.user_code import UserCodeError, load_user_object
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
 from groupflow.rollout.python_tool import RunCode
@@ -20,7 +21,6 @@ from groupflow.rollout.trajectory import (
     TurnLimits,
     run_trajectory,
 )
-from groupflow.user_code import UserCodeError, load_user_object
 
 
 @dataclass(frozen=True)

@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from groupflow.adapters import (
+from groupflow.core.adapters import (
     ADAPTER_ID,
     ADAPTER_NAME,
     engine_max_rank,
     serving_config,
 )
-from groupflow.records import Prompt, Response, SampledGroup
+from groupflow.core.records import Prompt, Response, SampledGroup
+from groupflow.core.weight_format import LoadedWeights, checksums
 from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 from groupflow.rollout.python_tool import RunCode
 from groupflow.rollout.weight_intake import checksummed
-from groupflow.weight_format import LoadedWeights, checksums
 
 if TYPE_CHECKING:
     from groupflow.config.rollout import SamplingConfig
@@ -55,7 +55,7 @@ class EngineSettings:
 
 @dataclass
 class EngineLora:
-    """The adapter an engine serves (groupflow/adapters.py): its LoRA slot's rank and the
+    """The adapter an engine serves (groupflow/core/adapters.py): its LoRA slot's rank and the
     adapter's PEFT config."""
 
     max_rank: int
@@ -340,7 +340,7 @@ class RolloutEngine:
     def load_weights(self, named_tensors, version: int) -> LoadedWeights:
         """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they
         arrive (the engine lives in this process, so the worker consumes it lazily). Returns
-        the checksum of every tensor loaded (groupflow/weight_format.py). Called from the
+        the checksum of every tensor loaded (groupflow/core/weight_format.py). Called from the
         thread that calls into vLLM (`load`), or where no request runs."""
         loaded = LoadedWeights(version)
         if self.lora is not None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 
 STALL_S = 5.0  # the longest one prompt may take to render (and tokenize) when vetted
 MAX_RENDERED_CHARS = 1_000_000  # far past any prompt that fits an engine

@@ -19,7 +19,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
-from groupflow.records import ToolUse
+from groupflow.core.records import ToolUse
 from groupflow.rollout.user_calls import USER_CALLS
 
 

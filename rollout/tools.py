@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from groupflow.core.user_code import UserCodeError, load_user_object
 from groupflow.rollout.calculator_tool import Calculator
 from groupflow.rollout.python_tool import PythonTool, RunCode
 from groupflow.rollout.toolbox import Tool
-from groupflow.user_code import UserCodeError, load_user_object
 
 
 @dataclass(frozen=True)

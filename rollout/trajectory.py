@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from groupflow.records import Prompt, Response, ToolUse
+from groupflow.core.records import Prompt, Response, ToolUse
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.toolbox import ToolBox, ToolCallParser
 from groupflow.rollout.user_calls import USER_CALLS
@@ -92,7 +92,7 @@ async def run_trajectory(
     max_model_len: int,
     clock: Callable[[], float] = time.monotonic,
 ) -> Response:
-    """One trajectory from `prompt` to its end (its `end_reason`, groupflow/records.py), as
+    """One trajectory from `prompt` to its end (its `end_reason`, groupflow/core/records.py), as
     one Response whose `loss_mask` marks the model's tokens."""
     trajectory = _Trajectory()
     deadline = clock() + limits.deadline_s

@@ -9,7 +9,7 @@ thread cannot be stopped: a sync call past its deadline runs on to its end in th
 (its result is dropped), and while every thread is held by such calls new ones wait for a
 free thread, still within their own deadlines. The pool is its own, not the loop's default
 executor, which the engine's actor uses for its weight intake. (Loading that code from its
-`module:name` is groupflow/user_code.py's.)
+`module:name` is groupflow/core/user_code.py's.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An engine's side of a weight sync: the buckets (groupflow/weight_format.py) as they arrive,
+"""An engine's side of a weight sync: the buckets (groupflow/core/weight_format.py) as they arrive,
 by either transport, turned into the (name, tensor) pairs one vLLM load consumes
 (rollout/engine.py `RolloutEngine.load_weights`), and the checksum of each pair as it is
 handed to vLLM.
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from groupflow.errors import first_line
-from groupflow.weight_format import (
+from groupflow.core.errors import first_line
+from groupflow.core.weight_format import (
     Broadcaster,
     Checksums,
     Manifest,

@@ -1,6 +1,6 @@
 """The job configuration: typed, validated pydantic models, one module per section, loaded from
 YAML plus `--set` (load.py), and resolved against the wings' registries one floor up
-(groupflow/job_config.py: build_config, load_config, resolve).
+(groupflow/run/job_config.py: build_config, load_config, resolve).
 
 Every section forbids unknown keys, so a typo stops the job before anything starts, with a
 one-line message naming the key (`ConfigError`). The section modules are the ground floor: they

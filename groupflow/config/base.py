@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from groupflow.errors import UserError
+from groupflow.core.errors import UserError
 
 # Every integer setting fits a signed 64-bit integer (what seeds and counts reach torch as).
 INT64 = 1 << 63

@@ -25,7 +25,7 @@ from groupflow.config.bounded_yaml import parse_yaml
 from groupflow.config.job import Config
 from groupflow.config.presets import PRESETS
 from groupflow.config.trainer import TrainerConfig
-from groupflow.errors import first_line
+from groupflow.core.errors import first_line
 
 QUICKSTART = Path(__file__).parent.parent / "quickstart.yaml"
 
@@ -106,7 +106,7 @@ def task_list_as_mixture(tree: dict) -> dict:
 
 def validate_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
     """Validate a raw dict plus `--set` overrides, the algorithm preset filling in defaults.
-    The config is not resolved yet: groupflow/job_config.py's `build_config` resolves it."""
+    The config is not resolved yet: groupflow/run/job_config.py's `build_config` resolves it."""
     tree = task_list_as_mixture(copy.deepcopy(raw or {}))
     for text in overrides:
         path, value = parse_override(text)
@@ -147,7 +147,7 @@ def resolved_yaml(cfg: Config) -> str:
     back to the same job), headed by the settings that `resolve` decides when unset."""
     lines = [
         "# This run's config: defaults, the file and --set, resolved. The settings that others",
-        "# decide when left unset (groupflow/job_config.py: resolve) came out as:",
+        "# decide when left unset (groupflow/run/job_config.py: resolve) came out as:",
     ]
     for key, rule in DERIVED.items():
         lines.append(f"#   {key}: {json.dumps(setting_of(cfg, key))} (unset: {rule})")

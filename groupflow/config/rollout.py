@@ -52,7 +52,7 @@ class SamplingConfig(Section):
 
 class AutoscaleConfig(Section):
     """Engines added while the learner waits for generation, removed while they sit idle
-    (groupflow/scaling.py: AutoscalePolicy)."""
+    (groupflow/loop/scaling.py: AutoscalePolicy)."""
 
     min_engines: int = Field(1, ge=1, description="never fewer engines than this")
     max_engines: int = Field(ge=1, description="never more engines than this")

@@ -14,7 +14,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import (
     blend_format,
     check_format_weight,

@@ -18,7 +18,7 @@ import re
 import unicodedata
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import GeneratedTask, hash_position
 from groupflow.reward_workers.tasks.options import check_int
 

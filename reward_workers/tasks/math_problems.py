@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
 from groupflow.reward_workers.gold_answers import worked_solutions
 from groupflow.reward_workers.tasks.math_answer import (

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import Task
 
 ENTRY_KEYS = {"name", "options", "weight", "label", "max_tokens"}

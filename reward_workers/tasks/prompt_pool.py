@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.datasets import load_prompts
 from groupflow.reward_workers.tasks.base import hash_position, is_held_out
 from groupflow.reward_workers.tasks.options import check_number

@@ -33,7 +33,7 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
     from transformers.integrations import HfDeepSpeedConfig
 
     from groupflow.config import LearnerConfig, Zero3Config
-    from groupflow.errors import CheckpointError
+    from groupflow.core.errors import CheckpointError
     from groupflow.learner.auto_threshold import RunningProbabilityThreshold, probability_histogram
     from groupflow.learner.checkpoint import TAG, load_rank_checkpoint, save_rank_checkpoint
     from groupflow.learner.zero_config import deepspeed_config

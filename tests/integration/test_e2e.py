@@ -9,10 +9,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from groupflow.catalogue import BY_KEY
-from groupflow.cli import main
-from groupflow.job_config import load_config
 from groupflow.learner.lr_schedule import lr_at
+from groupflow.observe.catalogue import BY_KEY
+from groupflow.run.cli import main
+from groupflow.run.job_config import load_config
 from tests.hf_cache import cache_model, read_offline
 from tests.integration.test_presets import DIAGNOSTICS
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import ray
 
-import groupflow.job_actors
-from groupflow.driver import run
-from groupflow.job_config import small_model_config
+import groupflow.run.job_actors
+from groupflow.run.driver import run
+from groupflow.run.job_config import small_model_config
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +39,14 @@ def _long_tail():
 @pytest.fixture
 def long_tail_engines(monkeypatch):
     install = _long_tail()
-    start = groupflow.job_actors.start_generator_pool
+    start = groupflow.run.job_actors.start_generator_pool
 
     def start_long_tailed(*args, **kwargs):
         pool = start(*args, **kwargs)
         ray.get([e.__ray_call__.remote(lambda _: install()) for e in pool.engines])
         return pool
 
-    monkeypatch.setattr(groupflow.job_actors, "start_generator_pool", start_long_tailed)
+    monkeypatch.setattr(groupflow.run.job_actors, "start_generator_pool", start_long_tailed)
 
 
 def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(

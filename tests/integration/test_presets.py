@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from groupflow.cli import main
 from groupflow.config.presets import PRESETS
+from groupflow.run.cli import main
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ import ray
 import torch
 
 from groupflow.actors.learner import LearnerGroup
-from groupflow.checkpoint import CheckpointStore
-from groupflow.cli import main
-from groupflow.job_config import small_model_config
+from groupflow.core.records import TrainSequence
 from groupflow.learner.figures import learner_record
-from groupflow.records import TrainSequence
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.run.cli import main
+from groupflow.run.job_config import small_model_config
 from tests.integration.driver_process import DriverProcess, run_records
 from tests.integration.learner_weights import learner_weights
 

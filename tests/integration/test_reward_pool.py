@@ -12,10 +12,10 @@ import pytest
 import ray
 
 from groupflow.actors.reward import start_reward_pool
-from groupflow.cli import main
-from groupflow.job_config import small_model_config
-from groupflow.records import Response, SampledGroup
+from groupflow.core.records import Response, SampledGroup
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.cli import main
+from groupflow.run.job_config import small_model_config
 
 pytestmark = pytest.mark.integration
 PLUGINS = Path(__file__).parent / "plugins" / "rewards.py"

@@ -7,10 +7,10 @@ import ray
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.config import SamplingConfig
-from groupflow.job_config import build_config, small_model_config
-from groupflow.records import ScoredGroup, Verdict
+from groupflow.core.records import ScoredGroup, Verdict
+from groupflow.loop.sequences import group_advantages, train_sequences
 from groupflow.reward_workers.tasks import make_task
-from groupflow.sequences import group_advantages, train_sequences
+from groupflow.run.job_config import build_config, small_model_config
 from tests.conftest import CHAT_SYSTEM_PROMPT as SYSTEM
 
 pytestmark = pytest.mark.integration

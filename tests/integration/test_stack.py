@@ -18,10 +18,10 @@ from groupflow.actors.transport_object_store import (
     receive_part,
 )
 from groupflow.config import SamplingConfig
-from groupflow.job_config import small_model_config
-from groupflow.records import Prompt, TrainSequence
+from groupflow.core.records import Prompt, TrainSequence
+from groupflow.core.weight_format import WeightSyncMismatch, bucket_manifest
 from groupflow.reward_workers.tasks import make_task
-from groupflow.weight_format import WeightSyncMismatch, bucket_manifest
+from groupflow.run.job_config import small_model_config
 from tests.integration.learner_weights import learner_weights
 
 pytestmark = pytest.mark.integration

@@ -9,19 +9,19 @@ from pathlib import Path
 
 ACTORS = Path(__file__).resolve().parents[2] / "actors"
 
-# The loop and the run (and the loop's autoscale policy, groupflow/scaling.py).
+# The loop and the run (and the loop's autoscale policy, groupflow/loop/scaling.py).
 ABOVE = {
-    "groupflow.job",
-    "groupflow.pipeline",
-    "groupflow.prompt_stream",
-    "groupflow.scaling",
-    "groupflow.held_out",
-    "groupflow.live_series",
-    "groupflow.driver",
-    "groupflow.cli",
-    "groupflow.jobs",
-    "groupflow.live",
-    "groupflow.evaluate",
+    "groupflow.loop.job",
+    "groupflow.loop.pipeline",
+    "groupflow.loop.prompt_stream",
+    "groupflow.loop.scaling",
+    "groupflow.loop.held_out",
+    "groupflow.loop.live_series",
+    "groupflow.run.driver",
+    "groupflow.run.cli",
+    "groupflow.run.jobs",
+    "groupflow.run.live",
+    "groupflow.run.evaluate",
 }
 
 

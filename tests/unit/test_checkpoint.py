@@ -1,4 +1,4 @@
-"""A run's checkpoints on disk (groupflow/checkpoint.py): all-or-nothing saves, retention,
+"""A run's checkpoints on disk (groupflow/loop/checkpoint.py): all-or-nothing saves, retention,
 the checks before a resume, and metrics.jsonl rewound to the checkpoint."""
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 
-from groupflow.adapters import adapter_shape
-from groupflow.checkpoint import LEARNER_DIR, CheckpointStore, Provenance, rewind_metrics
-from groupflow.checkpointer import DriverState, Parts, read_checkpoint
-from groupflow.cli import main
 from groupflow.config import LoraConfig
-from groupflow.errors import CheckpointError
+from groupflow.core.adapters import adapter_shape
+from groupflow.core.errors import CheckpointError
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner.auto_threshold import (
     NUM_BINS,
     RunningProbabilityThreshold,
     probability_histogram,
 )
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
-from groupflow.prompt_stream import StreamState
-from groupflow.random_model import random_causal_lm
+from groupflow.loop.checkpoint import LEARNER_DIR, CheckpointStore, Provenance, rewind_metrics
+from groupflow.loop.checkpointer import DriverState, Parts, read_checkpoint
+from groupflow.loop.prompt_stream import StreamState
+from groupflow.run.cli import main
 from tests.unit.test_auto_threshold import random_probabilities
 
 F64 = torch.float64
@@ -162,7 +162,7 @@ WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from groupflow.checkpoint import CheckpointStore
+    from groupflow.loop.checkpoint import CheckpointStore
     staging = CheckpointStore(Path(sys.argv[1])).staging(int(sys.argv[2]))
     with (staging / "shard.pt").open("wb") as f:
         f.write(b"x" * 4096)
@@ -313,7 +313,7 @@ def test_a_submitted_job_resumes_by_itself_unless_its_config_says_otherwise(
 ):
     import yaml
 
-    from groupflow import jobs
+    from groupflow.run import jobs
 
     submitted = {}
 
@@ -332,7 +332,7 @@ def test_a_submitted_job_resumes_by_itself_unless_its_config_says_otherwise(
 def test_train_resume_sets_trainer_resume(capsys):
     assert main(["config", "--set", "trainer.resume=auto"]) == 0
     assert "resume: auto" in capsys.readouterr().out
-    from groupflow.cli import build_parser
+    from groupflow.run.cli import build_parser
 
     assert build_parser().parse_args(["train", "--resume"]).resume == "latest"
     assert build_parser().parse_args(["train", "j.yaml", "--resume", "/c/step_4"]).resume == (
@@ -388,7 +388,7 @@ def plant(target: Path, kind: str, marker: Path) -> None:
 
 def rewrite_manifest(checkpoint: Path) -> None:
     """What an attacker with write access does too: record the crafted file's hash."""
-    from groupflow.checkpoint import STATE_FILE, _manifest
+    from groupflow.loop.checkpoint import STATE_FILE, _manifest
 
     state_file = checkpoint / STATE_FILE
     saved = DriverState.model_validate_json(state_file.read_text())
@@ -677,7 +677,7 @@ def test_a_failed_pruning_is_logged_and_the_save_stands(tmp_path, monkeypatch, c
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("groupflow.checkpoint.shutil.rmtree", refuse)
+    monkeypatch.setattr("groupflow.loop.checkpoint.shutil.rmtree", refuse)
     final = save(store, 4, keep=1)
     assert read_checkpoint(final, MODEL, 2).step == 4
     assert "step_2" in caplog.text and "Permission denied" in caplog.text

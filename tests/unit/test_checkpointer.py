@@ -1,4 +1,4 @@
-"""The job's checkpoints as the checkpointer writes them (groupflow/checkpointer.py): the
+"""The job's checkpoints as the checkpointer writes them (groupflow/loop/checkpointer.py): the
 driver's state is the step, the policy version, the provenance and each part's state_dict by
 part name; a checkpoint that groupflow wrote before the checkpointer (format 1) resumes; the
 pipeline owns the policy version. Over the in-process fakes of tests/unit/job_loop_fakes.py."""
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.checkpoint import STATE_FILE, CheckpointStore
-from groupflow.checkpointer import read_checkpoint
-from groupflow.errors import CheckpointError
-from groupflow.prompt_stream import StreamState
-from groupflow.recovery import LearnerLost
+from groupflow.core.errors import CheckpointError
+from groupflow.core.recovery import LearnerLost
+from groupflow.loop.checkpoint import STATE_FILE, CheckpointStore
+from groupflow.loop.checkpointer import read_checkpoint
+from groupflow.loop.prompt_stream import StreamState
 from tests.unit.job_loop_fakes import (
     MODEL_CONFIG,
     PROMPTS_PER_STEP,

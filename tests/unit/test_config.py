@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from groupflow.config import Config, ConfigError, Section, parse_override, parse_yaml
-from groupflow.job_config import build_config, load_config
+from groupflow.run.job_config import build_config, load_config
 
 
 def test_defaults_validate_and_round_trip(tmp_path):

@@ -1,4 +1,4 @@
-"""The config's one resolve step (groupflow/job_config.py): the section models check only their
+"""The config's one resolve step (groupflow/run/job_config.py): the section models check only their
 own values and import no registry; `resolve` checks names against the registries and fills the
 settings that others decide, once; every loader returns a resolved config, a run refuses any
 other, and the run directory's config.resolved.yaml shows what resolve decided."""
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from groupflow.config import DERIVED, Config, ConfigError, resolved_yaml
-from groupflow.job_config import build_config, check_resolved, load_config, resolve
+from groupflow.run.job_config import build_config, check_resolved, load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 WINGS = ("groupflow.rollout", "groupflow.learner", "groupflow.reward_workers", "groupflow.actors")
@@ -87,8 +87,8 @@ def test_a_name_no_registry_knows_is_one_line_naming_its_key(tree, message):
 
 
 def test_a_run_refuses_a_config_that_was_not_resolved():
-    from groupflow.driver import check_inputs
-    from groupflow.evaluate import evaluate_model
+    from groupflow.run.driver import check_inputs
+    from groupflow.run.evaluate import evaluate_model
 
     unresolved = Config.model_validate({"trainer": {"max_staleness": 1}})
     expected = "not resolved.*rollout.partial_rollout, algorithm.off_policy.mode"
@@ -102,7 +102,7 @@ def test_a_run_refuses_a_config_that_was_not_resolved():
 
 
 def test_config_resolved_yaml_shows_what_resolve_decided_and_loads_back(tmp_path):
-    from groupflow.driver import prepare_run_dir
+    from groupflow.run.driver import prepare_run_dir
 
     cfg = build_config(STALE_TOOL_JOB, ["trainer.run_name=tools"])
     run = prepare_run_dir(cfg, tmp_path / "tools", None)

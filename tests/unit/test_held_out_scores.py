@@ -1,13 +1,13 @@
-"""Held-out scores have one home (groupflow/held_out.py: held_out_scores), which a training
+"""Held-out scores have one home (groupflow/loop/held_out.py: held_out_scores), which a training
 job's evaluation and `groupflow eval` both call; here with answers and rewards made up."""
 
 from __future__ import annotations
 
 import pytest
 
-from groupflow.evaluate import eval_keys
-from groupflow.held_out import held_out_scores
-from groupflow.records import Prompt, Response, SampledGroup
+from groupflow.core.records import Prompt, Response, SampledGroup
+from groupflow.loop.held_out import held_out_scores
+from groupflow.run.evaluate import eval_keys
 
 
 def _prompts(tasks: list[str | None]) -> list[Prompt]:

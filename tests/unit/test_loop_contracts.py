@@ -1,4 +1,4 @@
-"""The job loop's contracts (groupflow/peers.py) hold what the loop needs to know of its peers,
+"""The job loop's contracts (groupflow/core/peers.py) hold what the loop needs to know of its peers,
 so that the loop runs without Ray: its unit tests drive it with in-process fakes."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from groupflow.peers import CHUNKS_PER_ENGINE, chunk_size
+from groupflow.core.peers import CHUNKS_PER_ENGINE, chunk_size
 
 # The loop, its contracts and the scaling policy; none may bring Ray (or vLLM) in.
 LOOP_MODULES = (
-    "groupflow.job",
-    "groupflow.pipeline",
-    "groupflow.prompt_stream",
-    "groupflow.peers",
-    "groupflow.scaling",
-    "groupflow.scaling_protocol",
+    "groupflow.loop.job",
+    "groupflow.loop.pipeline",
+    "groupflow.loop.prompt_stream",
+    "groupflow.core.peers",
+    "groupflow.loop.scaling",
+    "groupflow.core.scaling_protocol",
 )
 
 

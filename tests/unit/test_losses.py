@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from groupflow.config import AlgorithmConfig
-from groupflow.job_config import build_config
 from groupflow.learner.losses import KL_ESTIMATORS, POLICY_LOSSES, token_loss
+from groupflow.run.job_config import build_config
 
 F64 = torch.float64
 

@@ -1,4 +1,4 @@
-"""The prompt stream (groupflow/prompt_stream.py) on its own: its checkpoint state.
+"""The prompt stream (groupflow/loop/prompt_stream.py) on its own: its checkpoint state.
 
 Chunks are "generated" by a stand-in for the pipeline that samples every chunk at the
 learner's current version and scores it with a reward drawn from the prompt's text.
@@ -11,10 +11,10 @@ from itertools import islice
 
 import pytest
 
-from groupflow.job_config import build_config
-from groupflow.prompt_stream import PromptStream, StreamState
-from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.core.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.loop.prompt_stream import PromptStream, StreamState
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.job_config import build_config
 
 GROUP_SIZE = 4
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from groupflow import driver
-from groupflow.checkpoint import CheckpointStore
 from groupflow.config import ConfigError
-from groupflow.errors import RunError
-from groupflow.job_config import build_config
+from groupflow.core.errors import RunError
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.run import driver
+from groupflow.run.job_config import build_config
 
 
 @pytest.mark.parametrize("address", ["ray://head:10001", " RAY://10.0.0.1:10001"])

@@ -12,8 +12,8 @@ import pytest
 
 from groupflow.actors.reward import _GRACE_S, MAX_FAILED_STARTS, RewardPool
 from groupflow.actors.starting import Replacements
-from groupflow.records import Prompt, Response, SampledGroup, Verdict
-from groupflow.start_errors import StartError
+from groupflow.core.records import Prompt, Response, SampledGroup, Verdict
+from groupflow.core.start_errors import StartError
 from tests.unit.job_loop_fakes import DIED, FAILED, Clock, FakeFutures, FakeRef, Remote
 
 TIMEOUT_S = 10.0  # reward.timeout_s

@@ -1,4 +1,4 @@
-"""The run directory (groupflow/run_dir.py, groupflow/driver.py): a fresh one keeps the earlier run, a live run's
+"""The run directory (groupflow/run/directory.py, groupflow/run/driver.py): a fresh one keeps the earlier run, a live run's
 name is held, a resume is checked whole before the directory is touched, and what cannot be
 written is one line naming the path."""
 
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from groupflow.checkpoint import CheckpointStore
 from groupflow.config import ConfigError
-from groupflow.driver import check_resume, prepare_run_dir, read_resume
-from groupflow.errors import RunError
-from groupflow.job_config import build_config
-from groupflow.run_dir import claim_run_name, fresh_run_dir
+from groupflow.core.errors import RunError
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.run.directory import claim_run_name, fresh_run_dir
+from groupflow.run.driver import check_resume, prepare_run_dir, read_resume
+from groupflow.run.job_config import build_config
 
 
 def test_an_earlier_run_is_kept_under_a_new_name(tmp_path):
@@ -176,8 +176,8 @@ def test_a_resume_reads_the_checkpoints_driver_state_once(tmp_path, monkeypatch)
     """`groupflow train --resume` up to joining Ray: the finished-run check, the checks
     against the job and the rewind of the run directory read the checkpoint's driver state
     once, through the run's one store."""
-    import groupflow.driver
-    from groupflow.cli import main
+    import groupflow.run.driver
+    from groupflow.run.cli import main
 
     run = tmp_path / "runs" / "job"
     checkpoint = _hostile("none", tmp_path, run)
@@ -196,9 +196,9 @@ def test_a_resume_reads_the_checkpoints_driver_state_once(tmp_path, monkeypatch)
 
     monkeypatch.setattr(Path, "read_text", counted)
     checked = SimpleNamespace(model_path=model, prompts=SimpleNamespace(left_out={}))
-    monkeypatch.setattr(groupflow.driver, "check_inputs", lambda cfg: checked)
-    monkeypatch.setattr(groupflow.driver, "join_ray", joined)
-    monkeypatch.setattr(groupflow.driver.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(groupflow.run.driver, "check_inputs", lambda cfg: checked)
+    monkeypatch.setattr(groupflow.run.driver, "join_ray", joined)
+    monkeypatch.setattr(groupflow.run.driver.ray, "is_initialized", lambda: False)
     overrides = [f"trainer.output_dir={tmp_path / 'runs'}", "trainer.run_name=job"]
     overrides += ["trainer.steps=20", "learner.num_ranks=2", f"model.path={model}"]
     with pytest.raises(_RayJoined):

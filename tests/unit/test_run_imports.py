@@ -103,7 +103,7 @@ def test_the_wings_and_actors_import_nothing_of_the_loop_or_the_run():
 
 
 def test_the_tasks_prompt_pools_know_nothing_of_rendering():
-    """Which prompts a model can take is groupflow/job_prompts.py's: the reward workers'
+    """Which prompts a model can take is groupflow/run/job_prompts.py's: the reward workers'
     prompt pools hand prompts out, and import nothing of the rollout wing."""
     graph = import_graph()
     crossing = {
@@ -126,9 +126,9 @@ def test_the_reader_sees_a_function_level_import(tmp_path):
     (tmp_path / "groupflow" / "driver.py").write_text("from groupflow.rollout.engine import x\n")
     (tmp_path / "rollout" / "engine.py").write_text("def f():\n    from groupflow import driver\n")
     graph = import_graph(tmp_path)
-    assert graph["groupflow.rollout.engine"] == {"groupflow", "groupflow.driver"}
-    assert loop_through(graph, "groupflow.driver") == [
-        "groupflow.driver",
+    assert graph["groupflow.rollout.engine"] == {"groupflow", "groupflow.run.driver"}
+    assert loop_through(graph, "groupflow.run.driver") == [
+        "groupflow.run.driver",
         "groupflow.rollout.engine",
-        "groupflow.driver",
+        "groupflow.run.driver",
     ]

@@ -44,11 +44,15 @@ def test_nothing_sets_the_pipelines_state_from_outside():
 
 
 def test_the_wings_reach_the_safe_unpickler_not_the_drivers_store():
-    driver_side = {"groupflow.checkpoint", "groupflow.checkpointer", "groupflow.driver"}
+    driver_side = {
+        "groupflow.loop.checkpoint",
+        "groupflow.loop.checkpointer",
+        "groupflow.run.driver",
+    }
     for wing in ("learner", "actors"):
         for path in sorted((ROOT / wing).glob("*.py")):
             assert not _imported(path) & driver_side, path
-    assert "groupflow.safe_pickle" in _imported(ROOT / "learner" / "checkpoint.py")
+    assert "groupflow.core.safe_pickle" in _imported(ROOT / "learner" / "checkpoint.py")
     # the ground module itself stands on nothing of the project but its errors
     project = {m for m in _imported(ROOT / "groupflow" / "safe_pickle.py") if "groupflow" in m}
-    assert project == {"groupflow.errors"}
+    assert project == {"groupflow.core.errors"}

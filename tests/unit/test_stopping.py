@@ -1,6 +1,6 @@
-"""Stopping a job early (groupflow/stopping.py) in the job loop, over the in-process fakes of
+"""Stopping a job early (groupflow/loop/stopping.py) in the job loop, over the in-process fakes of
 tests/unit/job_loop_fakes.py, on their virtual clock; Ctrl-C's handlers; and what a run's end
-says (groupflow/run_end.py)."""
+says (groupflow/run/end.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import signal
 
 import pytest
 
-from groupflow.checkpoint import STATE_FILE, CheckpointStore, Provenance
-from groupflow.checkpointer import DriverState, Parts, find_resume
-from groupflow.pipeline import HEARTBEAT_S
-from groupflow.prompt_stream import StreamState
-from groupflow.run_end import already_finished as finished_line
-from groupflow.run_end import how_to_resume, stopped_line
-from groupflow.stopping import StopAborted, StopRequest, stop_on_signals
+from groupflow.loop.checkpoint import STATE_FILE, CheckpointStore, Provenance
+from groupflow.loop.checkpointer import DriverState, Parts, find_resume
+from groupflow.loop.pipeline import HEARTBEAT_S
+from groupflow.loop.prompt_stream import StreamState
+from groupflow.loop.stopping import StopAborted, StopRequest, stop_on_signals
+from groupflow.run.end import already_finished as finished_line
+from groupflow.run.end import how_to_resume, stopped_line
 from tests.unit.job_loop_fakes import (
     PROMPTS_PER_STEP,
     run_job,
@@ -202,7 +202,7 @@ def write_checkpoint(run_dir, step: int):
 
 
 def already_finished(resume, steps: int, run_dir):
-    """What a resume of `run_dir` finds (groupflow/driver.py `run`): the checkpoint asked
+    """What a resume of `run_dir` finds (groupflow/run/driver.py `run`): the checkpoint asked
     for, read once, and whether the run finished its steps already."""
     found = find_resume(resume, CheckpointStore(run_dir))
     return finished_line(resume, steps, run_dir, found)
@@ -284,13 +284,13 @@ def test_resuming_a_finished_run_says_so_and_starts_nothing(
 ):
     import ray
 
-    import groupflow.driver
-    from groupflow.cli import main
+    import groupflow.run.driver
+    from groupflow.run.cli import main
 
     def started(*args, **kwargs):  # the suite shares one Ray cluster: is_initialized can't tell
         raise AssertionError("a finished run was started again")
 
-    monkeypatch.setattr(groupflow.driver, "open_run", started)
+    monkeypatch.setattr(groupflow.run.driver, "open_run", started)
     monkeypatch.setattr(ray, "init", started)
 
     run = tmp_path / "quickstart"
@@ -313,7 +313,7 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
     without Ray): a stop, which --now raises to an abort that a later plain stop does not
     lower, and the job's last line, whose reading the driver waits for."""
     from groupflow.actors.control import JobControl
-    from groupflow.scaling_protocol import ScaleLimits
+    from groupflow.core.scaling_protocol import ScaleLimits
 
     control = JobControl(ScaleLimits(True, {}, {}))
     assert control.stop_asked() is None
@@ -329,9 +329,9 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
 
 
 def test_the_drivers_side_of_the_control_actor_is_a_whole_inbox():
-    """ActorInbox serves the scaler (groupflow.scaling_protocol.Inbox) and the stop alike."""
+    """ActorInbox serves the scaler (groupflow.core.scaling_protocol.Inbox) and the stop alike."""
     from groupflow.actors.control import ActorInbox
-    from groupflow.scaling_protocol import Inbox
+    from groupflow.core.scaling_protocol import Inbox
 
     wanted = {n for n in vars(Inbox) if not n.startswith("_")} | {"stop_asked", "ended"}
     assert all(callable(getattr(ActorInbox, name, None)) for name in wanted), wanted

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from groupflow.core.user_code import UserCodeError
 from groupflow.rollout.calculator_tool import Calculator
 from groupflow.rollout.python_tool import PythonTool
 from groupflow.rollout.toolbox import ToolBox, ToolCall, ToolError
 from groupflow.rollout.tools import BUILTIN_TOOLS, ToolSetup, make_tools
-from groupflow.user_code import UserCodeError
 
 
 def test_the_built_in_names_stay_those_the_config_accepts():

@@ -11,9 +11,10 @@ import time
 import pytest
 
 from groupflow.actors.tools import in_process_run_code
-from groupflow.job_config import build_config
-from groupflow.quickstart import build_tokenizer
-from groupflow.records import Prompt, Response, SampledGroup, ToolUse, Verdict
+from groupflow.core.records import Prompt, Response, SampledGroup, ToolUse, Verdict
+from groupflow.loop.sequences import group_advantages, train_sequences
+from groupflow.observe.rollout_figures import agent_figures
+from groupflow.observe.sample_log import sample_rows
 from groupflow.reward_workers.scorer import scored_groups
 from groupflow.reward_workers.tasks.tool_arithmetic import (
     CHAT_TEMPLATE,
@@ -26,9 +27,8 @@ from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, Prompt
 from groupflow.rollout.python_tool import PythonTool
 from groupflow.rollout.toolbox import ToolBox, ToolCall, ToolCallParser, ToolError
 from groupflow.rollout.trajectory import ToolEnvironment, TurnLimits, run_trajectory
-from groupflow.rollout_figures import agent_figures
-from groupflow.sample_log import sample_rows
-from groupflow.sequences import group_advantages, train_sequences
+from groupflow.run.job_config import build_config
+from groupflow.run.quickstart import build_tokenizer
 
 TASK = ToolArithmeticTask()
 EXTRA = TASK.EXTRA_CHARACTERS

@@ -15,7 +15,7 @@ from groupflow.actors.transport import SyncHost
 from groupflow.actors.transport_object_store import Streams, load_streamed, receive_part
 from groupflow.actors.transport_registry import TRANSPORTS, transport_class
 from groupflow.config import ConfigError, RolloutConfig
-from groupflow.job_config import build_config
+from groupflow.run.job_config import build_config
 
 AUTOSCALE = "rollout.autoscale={min_engines: 1, max_engines: 2}"
 

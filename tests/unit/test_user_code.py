@@ -1,4 +1,4 @@
-"""The one loader of users' code (groupflow/user_code.py): `module:name` and `file.py:name`,
+"""The one loader of users' code (groupflow/core/user_code.py): `module:name` and `file.py:name`,
 each failure one line naming the setting, for every setting that names code."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.errors import UserError, expected_failure
+from groupflow.core.errors import UserError, expected_failure
+from groupflow.core.user_code import UserCodeError, load_user_object, short_text, spec_file
 from groupflow.reward_workers.plugins import load_plugin
 from groupflow.rollout.agent import user_environment
 from groupflow.rollout.toolbox import ToolBox
 from groupflow.rollout.tools import make_tools
-from groupflow.user_code import UserCodeError, load_user_object, short_text, spec_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,8 +81,8 @@ def test_no_other_module_imports_users_code():
     """Only user_code.py imports modules by name or file (the task registry imports its own
     built-in task modules, which are no user's code)."""
     allowed = {
-        "import_module": {"groupflow/user_code.py", "reward_workers/tasks/__init__.py"},
-        "spec_from_file_location": {"groupflow/user_code.py"},
+        "import_module": {"groupflow/core/user_code.py", "reward_workers/tasks/__init__.py"},
+        "spec_from_file_location": {"groupflow/core/user_code.py"},
     }
     found: dict[str, set[str]] = {name: set() for name in allowed}
     files = {

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.job_config import build_config
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.datasets import load_prompts
 from groupflow.reward_workers.sandbox import probe as sandbox_probe
@@ -28,6 +27,7 @@ from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import code_problems, make_task
 from groupflow.reward_workers.tasks.code_problems import CodeTask
 from groupflow.reward_workers.tasks.math_problems import MathTask
+from groupflow.run.job_config import build_config
 from tests.unit.as_nobody import run_sandbox_as_nobody
 
 IS_ROOT = os.geteuid() == 0
