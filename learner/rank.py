@@ -34,7 +34,7 @@ class LearnerRank:
         self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
-            reducer=DistributedReducer(setup.world_size),
+            reducer=DistributedReducer(setup.world_size, self.models.policy.device),
             packed=cfg.learner.pack_sequences,
         )
         if cfg.learner.pack_sequences:

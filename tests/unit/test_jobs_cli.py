@@ -265,7 +265,7 @@ def test_ship_code_uploads_one_groupflow_package(tmp_path):
     env = job_runtime_env(tmp_path / "config", code)
     assert env["working_dir"] == str(tmp_path / "config")
     [shipped] = [Path(d) for d in env["py_modules"]]
-    assert shipped.name == "groupflow" and (shipped / "cli.py").is_file()
+    assert shipped.name == "groupflow" and (shipped / "run" / "cli.py").is_file()
     for name in SUBPACKAGES:
         assert (shipped / name / "__init__.py").is_file()
     assert (shipped / "reward_workers" / "tasks" / "__init__.py").is_file()
