@@ -94,7 +94,7 @@ for name in ("triton", "deepspeed", "transformers", "pydantic"):
         record[name] = f"import failed: {err!r}"[:300]
 import groupflow.learner.rank as rank
 
-record["groupflow_learner"] = os.path.dirname(rank.__file__)
+record["groupflow_learner"] = os.path.dirname(os.path.realpath(rank.__file__))
 if device == "cuda":
     props = torch.cuda.get_device_properties(0)
     record.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
