@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 class DistributedReducer:
     """Reductions over the default process group, which the learner ranks form. `device` is
-    the one the group's backend reduces on (groupflow/device.py): NCCL takes CUDA tensors
+    the one the group's backend reduces on (groupflow/core/device.py): NCCL takes CUDA tensors
     only, and the planner's own tensors may live on the host."""
 
     def __init__(self, world_size: int, device: torch.device):

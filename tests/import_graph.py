@@ -32,8 +32,14 @@ def source_files(root: Path = ROOT) -> dict[str, Path]:
                 parts.pop()
             name = ".".join([package, *parts])
             # a folder mapped on its own is read under its own entry
-            if any(other != package and name.startswith(other + ".") or name == other and other != package
-                   for other in mapping if other.startswith(package + ".")):
+            if any(
+                other != package
+                and name.startswith(other + ".")
+                or name == other
+                and other != package
+                for other in mapping
+                if other.startswith(package + ".")
+            ):
                 continue
             found[name] = path
     return found
@@ -147,8 +153,10 @@ def main() -> None:
     for a in arrows():
         edges[a.importer].add(a.imported)
     height = floors(edges)
-    print(f"modules {len(files)}, arrows {sum(map(len, edges.values()))}, "
-          f"loops {len(loops(edges))}, floors {max(height.values())}")
+    print(
+        f"modules {len(files)}, arrows {sum(map(len, edges.values()))}, "
+        f"loops {len(loops(edges))}, floors {max(height.values())}"
+    )
     sizes = sorted(((len(p.read_text().splitlines()), m) for m, p in files.items()), reverse=True)
     print("largest: " + ", ".join(f"{m.removeprefix('groupflow.')} {n}" for n, m in sizes[:6]))
 

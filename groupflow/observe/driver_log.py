@@ -27,7 +27,7 @@ from typing import TextIO
 
 from groupflow.core.errors import expected_failure
 
-FILE_ONLY = logging.getLogger("groupflow.driver_log")  # no module's logger lies under it
+FILE_ONLY = logging.getLogger("groupflow.run_log")  # no module's logger lies under it
 FILE_ONLY.propagate = False
 FILE_ONLY.setLevel(logging.INFO)
 

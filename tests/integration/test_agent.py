@@ -28,6 +28,7 @@ from tests.unit.test_trajectory import FORGETFUL, TAGGED
 pytestmark = pytest.mark.integration
 
 PLUGINS = Path(__file__).parent / "plugins" / "environments.py"
+REWARD_PLUGINS = Path(__file__).parent / "plugins" / "rewards.py"
 GROUP = 3
 
 
@@ -107,7 +108,10 @@ def test_trained_ids_are_what_the_engine_generated_and_was_given(engine, templat
 
 
 def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tmp_path):
-    """Also: a real Prometheus server reads the job's tool and trajectory series."""
+    """Also: a real Prometheus server reads the job's tool and trajectory series, and the
+    job's reward plugin hangs on every other prompt: those score zero past
+    reward.plugin_timeout_s and the steps complete (the reward pool's hung plugin rides on
+    this job rather than start one of its own)."""
     escaped = Path("/tmp/groupflow-escaped-sandbox")
     escaped.unlink(missing_ok=True)
     job_port = free_port()
@@ -121,6 +125,10 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
         "rollout.group_size": 4,
         "rollout.prompts_per_step": 4,
         "reward.num_workers": 1,
+        "learner.num_ranks": 1,
+        "reward.verifier": f"{REWARD_PLUGINS}:sleeps_past_timeout",
+        "reward.plugin_timeout_s": 0.5,
+        "reward.scorer_processes": 4,  # the hung calls wait out their deadline side by side
         "trainer.steps": 2,
         "trainer.log_samples_every": 1,
         "trainer.output_dir": str(tmp_path),
@@ -169,6 +177,10 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
     assert not any(MARKER in text for text in observations)  # nothing read outside
     assert any("42" in text for text in observations)  # the benign program ran
     assert not escaped.exists()
+    # The reward plugin: the prompts it hangs on scored 0, the others 1, and the steps (and
+    # both held-out evaluations, scored by it too) completed
+    assert sum(r["reward_timeouts"] for r in records) > 0
+    assert 0.0 < sum(r["reward_mean"] for r in records) / len(records) < 1.0
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["final_accuracy"] <= 1.0
     # The trained policy is a model directory of its own: its tokenizer renders a tool

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -25,6 +26,16 @@ def _eval(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
         timeout=300,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def _evals_side_by_side(
+    runs: list[list[str]], env: dict[str, str]
+) -> list[subprocess.CompletedProcess]:
+    """`groupflow eval` of each argument list, all at once: an eval is mostly one process
+    importing vLLM and starting its engine on one core, so on 2 cores two of them take about
+    the time of one (three engines' memory is less than test_stack.py's module holds)."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        return list(pool.map(lambda args: _eval(*args, env=env), runs))
 
 
 def test_eval_of_a_missing_model_is_one_line(tmp_path):
@@ -80,17 +91,16 @@ def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstar
     merged = tmp_path / "merged"
     peft_model.merge_and_unload().save_pretrained(merged)
     complete_saved_model(str(base), merged, "auto")
+    settings = [
+        "--set",
+        "task.eval_size=64",
+        "--set",  # a system turn: refused where the model directory has no template
+        "task.system_prompt=answer with a number",
+    ]
+    models = (tmp_path / "adapter", merged, "groupflow/quickstart")
+    runs = [["--model", str(model), *settings] for model in models]
     results = []
-    for model in (tmp_path / "adapter", merged, "groupflow/quickstart"):
-        proc = _eval(
-            "--model",
-            str(model),
-            "--set",
-            "task.eval_size=64",
-            "--set",  # a system turn: refused where the model directory has no template
-            "task.system_prompt=answer with a number",
-            env=offline_env(hf_home),
-        )
+    for proc in _evals_side_by_side(runs, offline_env(hf_home)):
         assert proc.returncode == 0, proc.stderr[-2000:]
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     adapter, merged_score, base_score = (r["accuracy"] for r in results)

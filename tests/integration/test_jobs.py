@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,12 @@ import pytest
 from groupflow.loop.pipeline import HEARTBEAT_S
 from tests.integration.prometheus_server import PrometheusServer
 from tests.integration.ray_nodes import FAST_HEALTH_CHECKS, RayNode, free_port
+from tests.integration.test_presets import (
+    ON_LOST_NODE_JOB,
+    ON_SUBMITTED_JOB,
+    check_preset_run,
+    preset_settings,
+)
 
 pytestmark = pytest.mark.integration
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "alerts.yml"
@@ -62,6 +69,13 @@ def _groupflow(args: list[str], env: dict) -> subprocess.CompletedProcess:
     )
 
 
+def _groupflows(*commands: list[str], env: dict) -> list[subprocess.CompletedProcess]:
+    """`groupflow` commands that do not depend on each other, side by side: each is mostly a
+    process importing Ray on one core while the job trains."""
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        return list(pool.map(lambda args: _groupflow(args, env), commands))
+
+
 def _first_step(metrics: Path, timeout_s: float = 300) -> None:
     """Wait until the job has written its first step (polling the file: each `groupflow`
     process would take CPU from the job on a small machine)."""
@@ -93,6 +107,8 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
             f"trainer.output_dir={tmp_path}",
             "--set",
             "trainer.checkpoint_every=100",
+            # STAPO and its riders (two learner ranks, wandb offline) ride on this job
+            *[arg for setting in preset_settings(ON_SUBMITTED_JOB) for arg in ("--set", setting)],
         ],
         env,
     )
@@ -106,13 +122,16 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     assert scale.returncode == 0, scale.stderr[-2000:]
     assert "reward workers: 2 -> 3" in scale.stdout
     scaled_at = len(metrics.read_text().splitlines())
-    live = _groupflow(["status", "quickstart", *elsewhere], env)
+    live, listed, zero = _groupflows(
+        ["status", "quickstart", *elsewhere],
+        ["list", "--runs", str(tmp_path)],
+        ["scale", job_id, "--engines", "0"],
+        env=env,
+    )
     assert f"{job_id}  RUNNING  run=quickstart" in live.stdout, live.stdout + live.stderr
     assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 2" in live.stdout
-    listed = _groupflow(["list", "--runs", str(tmp_path)], env).stdout
-    assert re.search(r"^quickstart +running ", listed, re.M), listed
-    assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed, re.M), listed
-    zero = _groupflow(["scale", job_id, "--engines", "0"], env)
+    assert re.search(r"^quickstart +running ", listed.stdout, re.M), listed.stdout
+    assert re.search(rf"^{job_id} +RUNNING +quickstart$", listed.stdout, re.M), listed.stdout
     assert (zero.returncode, zero.stderr.count("\n")) == (2, 1)
     stop = _groupflow(["stop", "quickstart", *elsewhere], env)
     assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
@@ -130,8 +149,14 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     reached = int(stopped[1])
     follow = _groupflow(["logs", "quickstart", "--follow", *elsewhere], env)
     assert follow.returncode == 0, follow.stdout[-2000:]
-    # ended: the Jobs API's state, and what the run directory holds
-    status = _groupflow(["status", "quickstart", "--runs", str(tmp_path)], env).stdout
+    # ended: the Jobs API's state, and what the run directory holds; and an ended job
+    # refuses to scale
+    after, ended = _groupflows(
+        ["status", "quickstart", "--runs", str(tmp_path)],
+        ["scale", job_id, "--reward-workers", "2"],
+        env=env,
+    )
+    status = after.stdout
     assert f"{job_id}  SUCCEEDED  run=quickstart" in status
     assert f"run quickstart  stopped  step {reached}/30  held-out accuracy " in status, status
     assert f"model: {run / 'model'}" in status
@@ -145,9 +170,9 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
     assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)
     # an ended job: one line, exit 1, naming its state
-    ended = _groupflow(["scale", job_id, "--reward-workers", "2"], env)
     assert ended.returncode == 1
     assert ended.stderr == f"groupflow: error: job {job_id} is not running (SUCCEEDED)\n"
+    check_preset_run(ON_SUBMITTED_JOB, records, run)
 
 
 def test_a_config_that_fails_on_the_cluster_ends_failed_with_its_error(ray_head, tmp_path):
@@ -205,22 +230,25 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     pool below its target."""
     _, env, gcs = ray_head
     engines_node = [f"--address={gcs}", "--num-cpus=0", '--resources={"gf_engines": 2}']
-    nodes = [RayNode(engines_node, env, "engines")]
     port = free_port()
     log_path, run = tmp_path / "driver.log", tmp_path / "lost"
     overrides = {
-        "trainer.steps": 5,
+        "trainer.steps": 3,  # one before the node is lost, two after
         "trainer.run_name": "lost",
         "trainer.output_dir": tmp_path,
         "cluster.address": gcs,
         "task.eval_size": 8,
+        "learner.num_ranks": 1,  # on the head, which is not lost: one rank is enough
         "rollout.num_engines": 2,
         "rollout.resources.num_cpus": 0,  # the engines node has no CPU: nothing else goes there
         "rollout.resources.custom": "{gf_engines: 1}",
         "metrics.prometheus_port": port,
         "metrics.prometheus_addr": "127.0.0.1",
     }
-    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    settings = [f"{key}={value}" for key, value in overrides.items()]
+    # DAPO and its riders ride on this job (its dynamic sampling through a lost node, too)
+    settings += preset_settings(ON_LOST_NODE_JOB)
+    args = [arg for setting in settings for arg in ("--set", setting)]
     # deploy/alerts.yml as shipped, but firing at once rather than after its `for:` periods
     rules = tmp_path / "alerts.yml"
     rules.write_text(re.sub(r"\bfor: \w+", "for: 0s", ALERTS.read_text()))
@@ -231,6 +259,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         stdout=log_path.open("w"),
         stderr=subprocess.STDOUT,
     )
+    nodes = []
 
     def wait_for(condition, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -245,7 +274,9 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
     try:
-        wait_for(lambda: len(steps()) >= 2, 300)
+        # The engines' node joins while the driver starts (its engines wait to be placed)
+        nodes.append(RayNode(engines_node, env, "engines"))
+        wait_for(lambda: len(steps()) >= 1, 300)
         nodes[0].kill()
         wait_for(lambda: "no engine is left: generation waits for it" in log_path.read_text(), 60)
         before = _scrape(port)
@@ -266,7 +297,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         for node in nodes:
             node.stop()
     log = log_path.read_text()
-    assert steps() == [1, 2, 3, 4, 5]
+    assert steps() == [1, 2, 3]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["engine_restarts"] == 2, log[-4000:]
     assert log.count("a replacement is asked for") == 2
@@ -276,3 +307,4 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     assert "replacement is up" in log
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["final_accuracy"] <= 1.0  # the replacements answered the final eval
+    check_preset_run(ON_LOST_NODE_JOB, records, run)

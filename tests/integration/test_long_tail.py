@@ -4,7 +4,11 @@ setting): the engines load new weights while the long responses run.
 
 The workload is bench/step_time.py's `long_tail`, installed in each engine as the job starts
 it (the bench installs it in every Ray worker instead, through a job-level setup hook, which
-would need a driver process of its own and new worker processes for every actor)."""
+would need a driver process of its own and new worker processes for every actor).
+
+Each run also trains an algorithm preset with its riders (tests/integration/test_presets.py
+says which and checks them): a run of their own each would cost a job start for what the
+long tail's checks do not depend on."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import ray
 import groupflow.run.job_actors
 from groupflow.run.driver import run
 from groupflow.run.job_config import small_model_config
+from tests.integration.test_presets import ON_LONG_TAIL, check_preset_run, preset_settings
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +69,7 @@ def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
             f"rollout.sampling.max_tokens={MAX_TOKENS}",
             "task.eval_size=8",
             "metrics.progress=false",
+            *preset_settings(ON_LONG_TAIL[k]),  # one learner rank, two mini-batches a step
         ]
         run(small_model_config({}, overrides))
     # every group: G - 1 short responses and one FACTOR times as long, each exactly its length
@@ -79,3 +85,4 @@ def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
         # every sync but the last one's checked by the end (a record counts the loads checked
         # since the previous one: the sync after a step is checked in a later step)
         assert sum(r["weight_sync_verified"] for r in records) >= STEPS - 1, k
+        check_preset_run(ON_LONG_TAIL[k], records, tmp_path / f"k{k}")

@@ -1,13 +1,16 @@
-"""The algorithm presets end to end through the CLI entry point, one per path, 2 steps each."""
+"""The algorithm presets end to end, one per path, each with its riders on a job that another
+test starts anyway (a job's start costs far more than a few steps of any preset): DFPO, Lopti
+and GSPO on the long-tail runs (tests/integration/test_long_tail.py), STAPO on the submitted
+quickstart and DAPO on the job that loses a node (tests/integration/test_jobs.py). Here: what
+each preset's run is given (`preset_settings`) and what it must show (`check_preset_run`)."""
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
 import pytest
 
 from groupflow.config.presets import PRESETS
-from groupflow.run.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -25,21 +28,6 @@ DIAGNOSTICS = {
 }
 
 
-def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
-    """`groupflow train` for 2 small steps with the given --set overrides; the step records."""
-    common = [
-        f"trainer.output_dir={tmp_path}",
-        f"trainer.run_name={run_name}",
-        "trainer.steps=2",
-        "task.eval_size=16",
-        "rollout.prompts_per_step=16",
-    ]
-    args = ["train"] + [x for o in [*overrides, *common] for x in ("--set", o)]
-    assert main(args) == 0
-    lines = (tmp_path / run_name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
-
-
 # Every preset's learner step is checked against a direct computation on threaded ranks
 # (tests/unit/test_learner_step.py, test_off_policy.py). End to end, one preset per path
 # through the driver and the real DeepSpeed backward: dynamic sampling with asymmetric
@@ -48,10 +36,17 @@ def _train_two_steps(tmp_path, run_name: str, *overrides: str) -> list[dict]:
 # tests/integration/test_e2e.py, with its riders. (AR, AR+Lopti, Dr. GRPO and 20-Entropy
 # differ from these only inside the credit plan or the advantage estimator.)
 END_TO_END = ["dapo", "dfpo", "gspo", "lopti", "stapo"]
+# The long-tail runs' presets, by their staleness bound: DFPO's exact cancellation needs
+# on-policy samples, and GSPO's riders a stale step.
+ON_LONG_TAIL = {0: "dfpo", 1: "lopti", 2: "gspo"}
+ON_SUBMITTED_JOB = "stapo"  # a job of two learner ranks, between which STAPO all-reduces
+ON_LOST_NODE_JOB = "dapo"
 
 
-def test_end_to_end_presets_exist():
+def test_every_end_to_end_preset_has_a_run():
     assert set(END_TO_END) <= PRESETS.keys()
+    runs = [*ON_LONG_TAIL.values(), ON_SUBMITTED_JOB, ON_LOST_NODE_JOB]
+    assert sorted(runs) == END_TO_END
 
 
 # Options that ride along on a preset's run, so that each goes through the CLI on the real
@@ -68,45 +63,51 @@ RIDERS = {
         "rollout.sampling.top_k=20",
         "rollout.sampling.min_p=0.01",
         "rollout.sampling.seed=3",
-        "trainer.max_staleness=4",  # both steps' prompts drawn at once, the second one stale
+        # and its long-tail run's trainer.max_staleness=2: the first two steps' prompts are
+        # drawn at once, the second step's stale
     ],
     "stapo": [
         "metrics.loggers=[wandb]",
         "metrics.wandb_mode=offline",
         "learner.micro_batch_tokens=96",  # several micro-batches, planned as a whole
-        # the threshold from the running probability histogram, all-reduced over the 2 ranks:
+        # the threshold from the running probability histogram, all-reduced over the ranks:
         # on the quickstart's 3-token answers a fixed 0.002 finds no candidate at all, and so
         # may a small share (the threshold is its bin's lower edge, and the lowest nonempty
         # bin of a few dozen tokens often holds more than 5% of them): at the median, the
         # tokens of the bins below it are candidates whatever the samples
         "algorithm.stapo.tau_p=auto",
         "algorithm.stapo.target_share=0.5",
+        "learner.num_ranks=2",  # the quickstart's: the histogram is all-reduced between them
     ],
 }
 
 
-@pytest.mark.parametrize("preset", END_TO_END)
-def test_preset_trains_two_steps(preset, ray_cluster, quickstart_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    records = _train_two_steps(
-        tmp_path,
-        preset,
+def preset_settings(preset: str) -> list[str]:
+    """The --set overrides of a preset's run: the preset, two mini-batches a step, its riders,
+    and one learner rank unless a rider asks for more (a rank's start costs about as much CPU
+    as the engine's; the presets' steps are checked against threaded ranks in the unit tests,
+    and the quickstart's two DeepSpeed ranks train in test_e2e.py and test_recovery.py)."""
+    return [
         f"algorithm.preset={preset}",
         "learner.mini_batches_per_step=2",
+        "learner.num_ranks=1",
         *RIDERS.get(preset, []),
-    )
-    assert len(records) == 2
+    ]
+
+
+def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
+    """What a preset's run shows in its step records and run directory."""
     for r in records:
         assert DIAGNOSTICS <= r.keys(), DIAGNOSTICS - r.keys()
         assert 0.0 <= r["spurious_frac"] <= 1.0 and 0.0 <= r["cancellation_residual"] <= 1.0
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
-        assert r["optimizer_updates"] == 2 * (2 if two_stage else 1)
+        assert r["optimizer_updates"] == 2 * (2 if two_stage else 1), preset
     if preset == "gspo":
-        assert [r["staleness_max"] for r in records] == [0, 1]
+        assert [r["staleness_max"] for r in records[:2]] == [0, 1]
         assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
-        assert list((tmp_path / preset / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
         # tau_p: auto puts under half of the examined tokens below a threshold in (0, 1): STAPO acts
         assert all(0.0 < r["stapo_tau_p"] < 1.0 for r in records)
         assert any(r["spurious_frac"] > 0 and r["stapo_silenced_frac"] > 0 for r in records)

@@ -44,9 +44,11 @@ def test_prometheus_reads_reward_and_stage_latency(prometheus, ray_cluster, chat
                     "--set",
                     "trainer.run_name=prom",
                     "--set",
-                    "trainer.steps=8",
+                    "trainer.steps=4",
                     "--set",  # the chat prompts are ten times the quickstart's: fewer a step
                     "rollout.prompts_per_step=8",
+                    "--set",  # nothing here depends on how many ranks learn
+                    "learner.num_ranks=1",
                     "--set",
                     f"model.path={chat_model}",
                     "--set",

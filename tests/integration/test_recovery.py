@@ -184,7 +184,7 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_ctrl_c(
     steps = [
         line.split(": ", 1)[1].split(" ")[1]
         for line in driver_log
-        if "groupflow.driver_log: step " in line
+        if "groupflow.run_log: step " in line
     ]
     assert steps == [f"{step}/5" for step in range(1, 6)], steps
     assert sum("driver started" in line for line in driver_log) == 2

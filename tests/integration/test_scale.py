@@ -38,9 +38,12 @@ TRAIN = [
     "rollout.resources.num_cpus=3",
     "--set",
     f"rollout.autoscale={{min_engines: 1, max_engines: 2, patience: {PATIENCE}}}",
-    # the learner waits for generation: many groups of short answers, one learner rank
+    # the learner waits for generation: many groups of short answers, one learner rank (4
+    # answers a group: the wait's share of the step is the same as with 8, in half the time)
     "--set",
     "rollout.prompts_per_step=64",
+    "--set",
+    "rollout.group_size=4",
     "--set",
     "learner.num_ranks=1",
 ]

@@ -41,11 +41,11 @@ def test_the_lines_before_the_run_directory_exists_are_kept_and_later_ones_follo
         FILE_ONLY.info("step 1/2 reward=0.500")  # what a bar shows on a terminal
     log.info("after the run")  # not the run's
     lines = _lines(run_dir)
-    assert lines[0].startswith("INFO groupflow.driver_log: driver started (pid ")
+    assert lines[0].startswith("INFO groupflow.run_log: driver started (pid ")
     assert lines[1:] == [
         "INFO groupflow.run.driver: building the quickstart model",
         "WARNING groupflow.run.driver: a reward worker is slow",
-        "INFO groupflow.driver_log: step 1/2 reward=0.500",
+        "INFO groupflow.run_log: step 1/2 reward=0.500",
     ]
 
 
@@ -74,8 +74,8 @@ def test_a_resumed_run_appends_to_the_log(tmp_path):
             FILE_ONLY.info("step %d/2", step)
     lines = _lines(tmp_path)
     assert [line for line in lines if "step" in line] == [
-        "INFO groupflow.driver_log: step 1/2",
-        "INFO groupflow.driver_log: step 2/2",
+        "INFO groupflow.run_log: step 1/2",
+        "INFO groupflow.run_log: step 2/2",
     ]
     assert sum("driver started" in line for line in lines) == 2
 
@@ -112,7 +112,7 @@ def test_a_failed_run_ends_its_log_with_the_failure(tmp_path):
         driver_log.open(tmp_path)
         raise UserError("model.path: /nope is not a Hugging Face model directory")
     assert _lines(tmp_path)[-1] == (
-        "ERROR groupflow.driver_log: groupflow: error: model.path: /nope is not a "
+        "ERROR groupflow.run_log: groupflow: error: model.path: /nope is not a "
         "Hugging Face model directory"
     )
     with pytest.raises(ZeroDivisionError), DriverLog() as driver_log:

@@ -2,6 +2,7 @@
 on fresh random inputs. The fused head runs under Triton's interpreter in a subprocess
 (tests/unit/fused_head_worker.py says why); the references run here."""
 
+import os
 import subprocess
 import sys
 
@@ -88,6 +89,7 @@ def fused(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # tiny tensors (tests/unit/conftest.py)
     )
     assert run.returncode == 0, run.stderr[-4000:]
     return cases, torch.load(folder / "out.pt")

@@ -38,7 +38,9 @@ def test_no_import_goes_up_or_across_the_wings():
     for a in arrows():
         src, dst = _room(a.importer), _room(a.imported)
         if _floor(dst) > _floor(src):
-            wrong.append(f"{a.importer}:{a.line} imports {a.imported} ({LAYERS[_floor(dst)][0]} above {LAYERS[_floor(src)][0]})")
+            wrong.append(
+                f"{a.importer}:{a.line} imports {a.imported} ({LAYERS[_floor(dst)][0]} above {LAYERS[_floor(src)][0]})"
+            )
         elif src in WINGS and dst in WINGS and src != dst:
             wrong.append(f"{a.importer}:{a.line} imports {a.imported} (one wing into another)")
     assert not wrong, "\n".join(wrong)
