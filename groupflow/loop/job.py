@@ -2,15 +2,14 @@
 
 prompts -> generator pool -> reward pool -> advantages -> learner -> weight transport -> engines.
 
-A step (`_step`) takes its groups from the prompt stream as soon as each is scored
-(groupflow/loop/prompt_stream.py), turns them into training sequences with their advantages, trains
-the learner on them, sends the new version to the engines and writes its record. It blocks in
-four stages of its record: the next group's generation (`wait_rollout`), its scores (`reward`),
-the learner's step (`learn`) and the learner's side of the weight sync (`sync`), each in the
-pipeline's one wait (groupflow/loop/pipeline.py, the owner of the policy version), where generation
-and scoring go on. Held-out scores are groupflow/loop/held_out.py's, checkpoints and `restore`
-groupflow/loop/checkpointer.py's, the restart budget groupflow/core/recovery.py's (a lost learner rank
-raises LearnerLost: the driver rebuilds the ranks through `recover_learner`).
+A step (`_step`) takes its groups from the prompt stream (prompt_stream.py) as soon as each is
+scored, turns them into training sequences with their advantages, trains the learner on them,
+sends the new version to the engines and writes its record. It blocks in four stages of its
+record (`wait_rollout`, `reward`, `learn`, `sync`), each in the pipeline's one wait
+(pipeline.py, the owner of the policy version), where generation and scoring go on. Held-out
+scores are held_out.py's, checkpoints checkpointer.py's, the restart budget
+groupflow/core/recovery.py's: a lost learner rank raises LearnerLost, and the driver rebuilds
+the ranks through `recover_learner`.
 """
 
 from __future__ import annotations
@@ -22,15 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from groupflow.config import Config
-from groupflow.core.peers import (
-    Futures,
-    Generation,
-    Learner,
-    PeerDied,
-    Scoring,
-    WeightSync,
-    chunk_size,
-)
+from groupflow.core import peers
 from groupflow.core.records import ScoredGroup, TrainSequence
 from groupflow.core.recovery import LearnerLost, RestartBudget
 from groupflow.core.timing import stage_timer, time_keys
@@ -65,11 +56,11 @@ class TrainingJob:
         cfg: Config,
         task: Task,
         *,
-        generators: Generation,
-        rewards: Scoring,
-        learner: Learner,
-        transport: WeightSync,
-        futures: Futures,
+        generators: peers.Generation,
+        rewards: peers.Scoring,
+        learner: peers.Learner,
+        transport: peers.WeightSync,
+        futures: peers.Futures,
         restarts: RestartBudget,
         exporter: PrometheusExporter | None = None,
         checkpointing: Checkpointing | None = None,
@@ -88,7 +79,7 @@ class TrainingJob:
         self.scaler = scaler  # resizes the pools between steps (groupflow/loop/scaling.py)
         per_step = cfg.rollout.prompts_per_step
         self.stream = PromptStream(
-            cfg, task, lambda: chunk_size(per_step, self.generators.figures().engines)
+            cfg, task, lambda: peers.chunk_size(per_step, self.generators.figures().engines)
         )
         self.live = LiveSeries(generators, rewards, learner, scaler, exporter, clock)
         self.stopping = LoopStop(stop, cfg.trainer.steps)  # its request: job.stopping.request
@@ -179,7 +170,7 @@ class TrainingJob:
         with stage_timer("learn", times), self.pipeline.learning():
             try:
                 results = self.pipeline.wait_for(self.learner.async_train_step(seqs, lr))
-            except PeerDied as err:
+            except peers.PeerDied as err:
                 raise LearnerLost(f"a learner rank died in a step: {err}") from err
         with stage_timer("sync", times):
             self.pipeline.sync_engines(wait_for_engines=False)

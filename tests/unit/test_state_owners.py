@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "groupflow" / "job.py"
+JOB = ROOT / "groupflow" / "loop" / "job.py"
 MAX_JOB_LINES = 200
 
 
@@ -36,7 +36,7 @@ def test_nothing_sets_the_pipelines_state_from_outside():
     sets = re.compile(r"\bpipeline\.\w+\s*(\+|-)?=(?!=)")
     found = [
         f"{path.relative_to(ROOT)}:{n}"
-        for path in sorted((ROOT / "groupflow").glob("*.py"))
+        for path in sorted((ROOT / "groupflow").rglob("*.py"))
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if sets.search(line)
     ]
@@ -54,5 +54,5 @@ def test_the_wings_reach_the_safe_unpickler_not_the_drivers_store():
             assert not _imported(path) & driver_side, path
     assert "groupflow.core.safe_pickle" in _imported(ROOT / "learner" / "checkpoint.py")
     # the ground module itself stands on nothing of the project but its errors
-    project = {m for m in _imported(ROOT / "groupflow" / "safe_pickle.py") if "groupflow" in m}
+    project = {m for m in _imported(ROOT / "groupflow" / "core" / "safe_pickle.py") if "groupflow" in m}
     assert project == {"groupflow.core.errors"}
