@@ -26,13 +26,17 @@ class Prompt:
     max_tokens: int | None = None  # its task's response limit; None = rollout.sampling's
 
 
+# How a tool call ended (rollout/toolbox.py), as the step's figures count them.
+TOOL_OUTCOMES = ("ok", "error", "timeout", "malformed", "unknown")
+
+
 @dataclass
 class ToolUse:
     """One tool call in a trajectory: the tool the model named ("" where the call could not be
-    read), how it ended and how long it took."""
+    read), how it ended (one of TOOL_OUTCOMES) and how long it took."""
 
     tool: str
-    outcome: str  # "ok" | "error" | "timeout" | "malformed" | "unknown" (rollout/toolbox.py)
+    outcome: str
     seconds: float = 0.0
 
 
