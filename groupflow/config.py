@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from groupflow.errors import UserError, first_line
 from groupflow.presets import PRESETS
@@ -29,6 +38,18 @@ INT64 = 1 << 63
 
 class ConfigError(UserError, ValueError):
     """A config problem, phrased as one line that names the offending key."""
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+# The type of every float setting: what pydantic reads as a float (YAML's 1e-5 is a string),
+# but never a boolean, which it would read as 1.0. Integer settings are StrictInt: no
+# boolean, no float, no string.
+FloatSetting = Annotated[float, BeforeValidator(_not_a_bool)]
 
 
 def _unfit_number(value: Any) -> str | None:
@@ -68,19 +89,19 @@ class Section(BaseModel):
 class Resources(Section):
     """Ray resources for one actor. CPU machines use fractional CPUs; GPU clusters set num_gpus."""
 
-    num_cpus: float = Field(
+    num_cpus: FloatSetting = Field(
         1.0, ge=0, description="CPUs Ray reserves for the actor (fractions allowed)"
     )
-    num_gpus: float = Field(
+    num_gpus: FloatSetting = Field(
         0.0, ge=0, description="GPUs Ray reserves for the actor; 0 = runs on CPU"
     )
-    torch_threads: int = Field(1, ge=1, description="intra-op threads for torch in the actor")
-    cpu_cores: list[Annotated[int, Field(ge=0)]] = Field(
+    torch_threads: StrictInt = Field(1, ge=1, description="intra-op threads for torch in the actor")
+    cpu_cores: list[Annotated[StrictInt, Field(ge=0)]] = Field(
         default_factory=list,
         description="cores the actor's threads are pinned to (os.sched_setaffinity; empty: "
         "not pinned), e.g. to keep generation and learning off each other's cores",
     )
-    custom: dict[str, float] = Field(
+    custom: dict[str, Annotated[FloatSetting, Field(ge=0)]] = Field(
         default_factory=dict,
         description="custom Ray resources, e.g. {groupflow_rollout: 1} to pin a worker group",
     )
@@ -90,15 +111,17 @@ class Resources(Section):
 # only `custom`, to pin the pool to a worker group) keeps the pool's defaults for every key it
 # leaves out, rather than Resources' 1 CPU, which would starve a CPU cluster of room.
 class EngineResources(Resources):
-    num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves for each engine")
+    num_cpus: FloatSetting = Field(0.5, ge=0, description="CPUs Ray reserves for each engine")
 
 
 class RewardWorkerResources(Resources):
-    num_cpus: float = Field(0.25, ge=0, description="CPUs Ray reserves for each reward worker")
+    num_cpus: FloatSetting = Field(
+        0.25, ge=0, description="CPUs Ray reserves for each reward worker"
+    )
 
 
 class LearnerRankResources(Resources):
-    num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves for each learner rank")
+    num_cpus: FloatSetting = Field(0.5, ge=0, description="CPUs Ray reserves for each learner rank")
 
 
 class ModelConfig(Section):
@@ -116,7 +139,7 @@ class ModelConfig(Section):
         "weight sync is bit-exact): bfloat16 for a real model on GPUs (the learner keeps fp32 "
         "master weights); float32 on CPU",
     )
-    warm_start_steps: int = Field(
+    warm_start_steps: StrictInt = Field(
         300, ge=0, description="supervised warm-start steps for the built-in model (cached)"
     )
 
@@ -129,7 +152,7 @@ class EvalSetConfig(Section):
     )
     task: str = Field(description="a built-in task whose held-out prompts make the set")
     options: dict[str, Any] = Field(default_factory=dict, description="that task's settings")
-    size: int = Field(256, ge=1, description="held-out prompts in the set")
+    size: StrictInt = Field(256, ge=1, description="held-out prompts in the set")
 
     @model_validator(mode="after")
     def _known_task(self) -> EvalSetConfig:
@@ -151,7 +174,7 @@ class TaskConfig(Section):
         "mixes several in one job, each with a weight",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="task-specific settings")
-    eval_size: int = Field(256, ge=1, description="held-out prompts for greedy accuracy")
+    eval_size: StrictInt = Field(256, ge=1, description="held-out prompts for greedy accuracy")
     chat_template: str = Field(
         "auto",
         min_length=1,
@@ -161,7 +184,7 @@ class TaskConfig(Section):
     system_prompt: str | None = Field(
         None, description="a system turn before every prompt (needs a chat template)"
     )
-    seed: int = Field(
+    seed: StrictInt = Field(
         1234, description="seed of the task's prompt stream and of its held-out split"
     )
     eval_sets: list[EvalSetConfig] = Field(
@@ -185,15 +208,15 @@ class TaskConfig(Section):
 class SamplingConfig(Section):
     """How the engines sample responses (vLLM's SamplingParams)."""
 
-    temperature: float = Field(1.0, gt=0, le=2, description="vLLM accepts (0, 2]")
-    top_p: float = Field(
+    temperature: FloatSetting = Field(1.0, gt=0, le=2, description="vLLM accepts (0, 2]")
+    top_p: FloatSetting = Field(
         1.0, gt=0, le=1, description="nucleus sampling: the likeliest tokens of this total mass"
     )
-    top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
-    min_p: float = Field(
+    top_k: StrictInt = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
+    min_p: FloatSetting = Field(
         0.0, ge=0, le=1, description="drop tokens below min_p x the likeliest token's probability"
     )
-    max_tokens: int = Field(
+    max_tokens: StrictInt = Field(
         1024,
         ge=1,
         description="response length limit in tokens (a longer response is cut, finish_reason "
@@ -209,7 +232,7 @@ class SamplingConfig(Section):
         description="generate past the end-of-text token, to max_tokens or a stop string: for "
         "benchmarks and tests that need responses of a known length, never for training",
     )
-    seed: int | None = Field(
+    seed: StrictInt | None = Field(
         None,
         description="seeds each request from (seed, prompt, policy version): a step's samples "
         "repeat across runs and restarts; unset = the engine's own random stream",
@@ -227,9 +250,9 @@ class AutoscaleConfig(Section):
     """Engines added while the learner waits for generation, removed while they sit idle
     (groupflow/scaling.py: AutoscalePolicy)."""
 
-    min_engines: int = Field(1, ge=1, description="never fewer engines than this")
-    max_engines: int = Field(ge=1, description="never more engines than this")
-    patience: int = Field(
+    min_engines: StrictInt = Field(1, ge=1, description="never fewer engines than this")
+    max_engines: StrictInt = Field(ge=1, description="never more engines than this")
+    patience: StrictInt = Field(
         2,
         ge=1,
         description="steps in a row a signal must hold before an engine is added or removed",
@@ -247,7 +270,7 @@ class AutoscaleConfig(Section):
 class RolloutConfig(Section):
     """Generation: the vLLM engines, groups and their sampling."""
 
-    num_engines: int = Field(
+    num_engines: StrictInt = Field(
         1, ge=1, description="vLLM engines (Ray actors) that sample; groupflow scale changes it"
     )
     autoscale: AutoscaleConfig | None = Field(
@@ -256,23 +279,23 @@ class RolloutConfig(Section):
         "learner waits for generation, remove one when the engines sit idle, within the bounds "
         "(needs weight_transport object_store; num_engines is the starting count)",
     )
-    group_size: int = Field(8, ge=1, description="G: responses sampled per prompt")
-    prompts_per_step: int = Field(
+    group_size: StrictInt = Field(8, ge=1, description="G: responses sampled per prompt")
+    prompts_per_step: StrictInt = Field(
         32, ge=1, description="groups (prompts, each with group_size responses) trained per step"
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     resources: EngineResources = Field(default_factory=EngineResources)
-    kv_cache_gib: float = Field(
+    kv_cache_gib: FloatSetting = Field(
         1.0, gt=0, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
     )
-    gpu_memory_utilization: float = Field(
+    gpu_memory_utilization: FloatSetting = Field(
         0.5,
         gt=0,
         le=1,
         description="share of each engine GPU's memory vLLM may take (weights and KV cache); "
         "raise it (e.g. 0.85) where an engine has its GPU to itself",
     )
-    max_model_len: int = Field(
+    max_model_len: StrictInt = Field(
         2048,
         ge=8,
         description="an engine's context in tokens: a prompt's tokens plus its max_tokens must "
@@ -285,7 +308,7 @@ class RolloutConfig(Section):
         "its decode steps and compile it (false); null (the default): eagerly on CPU, CUDA "
         "graphs on GPUs (resources.num_gpus > 0)",
     )
-    max_num_seqs: int | None = Field(
+    max_num_seqs: StrictInt | None = Field(
         None,
         ge=1,
         description="sequences an engine runs at once (a prompt's request of n = group_size "
@@ -297,7 +320,7 @@ class RolloutConfig(Section):
         "group's responses share their prompt); null: vLLM's default (on). Every weight load "
         "empties the cache",
     )
-    tensor_parallel_size: int = Field(
+    tensor_parallel_size: StrictInt = Field(
         1,
         ge=1,
         le=64,
@@ -318,7 +341,7 @@ class RolloutConfig(Section):
         description="how new weights reach the engines: Ray's object store, or a broadcast "
         "from learner rank 0 (NCCL on GPUs, gloo on CPUs)",
     )
-    weight_bucket_mb: int = Field(
+    weight_bucket_mb: StrictInt = Field(
         64,
         ge=1,
         description="size of a weight-sync bucket in MiB (whole transformer layers up to this "
@@ -383,22 +406,22 @@ class AgentConfig(Section):
         description="vLLM's tool parser that reads calls from a turn: 'hermes' for the "
         "Hermes/Qwen <tool_call> JSON format, or any other vLLM registers",
     )
-    max_turns: int = Field(4, ge=1, le=64, description="model turns per trajectory")
-    max_total_tokens: int | None = Field(
+    max_turns: StrictInt = Field(4, ge=1, le=64, description="model turns per trajectory")
+    max_total_tokens: StrictInt | None = Field(
         None,
         ge=2,
         description="a trajectory's token budget, observations included (DAPO's overlong "
         "penalty counts against it); unset = what the context leaves; each turn is limited by "
         "rollout.sampling.max_tokens",
     )
-    deadline_s: float = Field(
+    deadline_s: FloatSetting = Field(
         300.0, gt=0, le=86_400, description="wall-clock limit of one trajectory"
     )
-    tool_timeout_s: float = Field(10.0, gt=0, le=3600, description="limit of one tool call")
-    tool_output_chars: int = Field(
+    tool_timeout_s: FloatSetting = Field(10.0, gt=0, le=3600, description="limit of one tool call")
+    tool_output_chars: StrictInt = Field(
         2000, ge=16, le=1_000_000, description="a tool result is cut to this many characters"
     )
-    tool_workers: int = Field(
+    tool_workers: StrictInt = Field(
         1, ge=1, le=4096, description="tool-pool actors that run the python tool's sandboxes"
     )
     allow_weak_sandbox: bool = Field(
@@ -424,18 +447,20 @@ class AgentConfig(Section):
 class OverlongPenaltyConfig(Section):
     """DAPO's soft penalty of responses near the length limit."""
 
-    buffer_tokens: int = Field(
+    buffer_tokens: StrictInt = Field(
         ge=1,
         description="the last buffer_tokens before rollout.sampling.max_tokens, over which the "
         "penalty grows linearly from 0 to max_penalty (DAPO's L_cache)",
     )
-    max_penalty: float = Field(1.0, gt=0, description="the penalty of a response cut at the limit")
+    max_penalty: FloatSetting = Field(
+        1.0, gt=0, le=10, description="the penalty of a response cut at the limit"
+    )
 
 
 class RewardConfig(Section):
     """Scoring: the reward workers and the verifier they run."""
 
-    num_workers: int = Field(
+    num_workers: StrictInt = Field(
         2,
         ge=1,
         description="reward workers (Ray actors) that score responses; groupflow scale changes it",
@@ -443,7 +468,7 @@ class RewardConfig(Section):
     verifier: str | None = Field(
         None, description="unset = the task's own verifier; or a plugin 'module:function' / file.py"
     )
-    timeout_s: float = Field(
+    timeout_s: FloatSetting = Field(
         30.0,
         gt=0,
         le=86_400,
@@ -452,7 +477,7 @@ class RewardConfig(Section):
         "responses still unscored then get reward 0 (a timeout), so a stuck verifier never "
         "stalls a step longer than this (docs/sandbox.md)",
     )
-    plugin_timeout_s: float = Field(
+    plugin_timeout_s: FloatSetting = Field(
         10.0,
         gt=0,
         le=86_400,
@@ -460,10 +485,10 @@ class RewardConfig(Section):
         description="seconds one call of a reward plugin may take; its scorer process is "
         "killed and replaced past that (built-in tasks use their own timeout_s option)",
     )
-    max_retries: int = Field(
+    max_retries: StrictInt = Field(
         2, ge=0, le=100, description="retries of a batch whose reward worker died"
     )
-    scorer_processes: int = Field(
+    scorer_processes: StrictInt = Field(
         2,
         ge=1,
         le=64,
@@ -471,7 +496,7 @@ class RewardConfig(Section):
         "each in a process killed and replaced at its deadline",
     )
     resources: RewardWorkerResources = Field(default_factory=RewardWorkerResources)
-    max_unscored_steps: int = Field(
+    max_unscored_steps: StrictInt = Field(
         3,
         ge=1,
         le=1000,
@@ -489,12 +514,14 @@ class OptimizerConfig(Section):
     """The learner's optimizer and learning-rate schedule."""
 
     name: Literal["adamw"] = Field("adamw", description="the optimizer: AdamW (the only one)")
-    lr: float = Field(1e-5, gt=0, description="peak learning rate (after the warmup)")
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW's (beta1, beta2): decay of the gradient's moments"
+    lr: FloatSetting = Field(1e-5, gt=0, le=1, description="peak learning rate (after the warmup)")
+    betas: tuple[
+        Annotated[FloatSetting, Field(ge=0, lt=1)], Annotated[FloatSetting, Field(ge=0, lt=1)]
+    ] = Field((0.9, 0.999), description="AdamW's (beta1, beta2): decay of the gradient's moments")
+    weight_decay: FloatSetting = Field(
+        0.0, ge=0, le=1, description="AdamW's decoupled weight decay"
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
-    max_grad_norm: float = Field(
+    max_grad_norm: FloatSetting = Field(
         1.0, gt=0, description="gradients are clipped to this global norm before each update"
     )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -502,7 +529,7 @@ class OptimizerConfig(Section):
         description="learning rate after the warmup: constant, or a linear or cosine decay "
         "towards 0 at trainer.steps (transformers' schedules), per training step",
     )
-    warmup_steps: int = Field(
+    warmup_steps: StrictInt = Field(
         0, ge=0, description="training steps over which the rate rises linearly to lr"
     )
 
@@ -511,20 +538,20 @@ class Zero3Config(Section):
     """ZeRO-3's parameter handling; each unset knob comes from the table in
     docs/zero3_tuning.md, chosen by the model's parameter count and the number of ranks."""
 
-    param_persistence_threshold: int | None = Field(
+    param_persistence_threshold: StrictInt | None = Field(
         None,
         ge=0,
         description="parameters of at most this many elements stay whole on every rank: never "
         "gathered, so their modules pay no gather hooks; costs their full size on each rank. "
         "Unset: from docs/zero3_tuning.md's table",
     )
-    prefetch_bucket_size: int | None = Field(
+    prefetch_bucket_size: StrictInt | None = Field(
         None,
         ge=0,
         description="elements of the parameters gathered ahead of the module that needs them. "
         "Unset: from docs/zero3_tuning.md's table",
     )
-    max_live_parameters: int | None = Field(
+    max_live_parameters: StrictInt | None = Field(
         None,
         ge=0,
         description="elements of gathered parameters a rank holds at once before it releases "
@@ -541,7 +568,7 @@ class LoraConfig(Section):
     """Low-rank adapters (Hu et al., LoRA, arXiv 2106.09685) trained with PEFT in place of the
     full model: W + (alpha / rank) * B A on each targeted linear layer, B starting at zero."""
 
-    rank: int = Field(
+    rank: StrictInt = Field(
         16,
         ge=1,
         le=512,
@@ -549,10 +576,14 @@ class LoraConfig(Section):
         "engines' LoRA slot is sized to the next rank vLLM supports (1, 8, 16, 32, 64, 128, "
         "256, 320, 512)",
     )
-    alpha: float = Field(
-        32.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)"
+    alpha: FloatSetting = Field(
+        32.0,
+        gt=0,
+        le=1024,
+        description="the update is scaled by alpha / rank (PEFT's lora_alpha; at most 1024, "
+        "twice the largest rank)",
     )
-    dropout: float = Field(
+    dropout: FloatSetting = Field(
         0.0,
         ge=0,
         lt=1,
@@ -580,14 +611,14 @@ class LoraConfig(Section):
 class LearnerConfig(Section):
     """Learning: the DeepSpeed ZeRO-3 ranks, their optimizer and micro-batches."""
 
-    num_ranks: int = Field(
+    num_ranks: StrictInt = Field(
         2, ge=1, description="DeepSpeed ranks (Ray actors), each holding a ZeRO-3 shard"
     )
     zero_stage: Literal[3] = Field(
         3, description="DeepSpeed ZeRO stage; 3 only (parameters, gradients and optimizer sharded)"
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    micro_batch_tokens: int = Field(
+    micro_batch_tokens: StrictInt = Field(
         16384,
         ge=1,
         description="positions of one micro-batch, padding included (rows x longest row, "
@@ -597,7 +628,7 @@ class LearnerConfig(Section):
         "parameter in its forward and again in its backward, so fewer, larger ones cost less. "
         "A longer sequence gets a micro-batch of its own",
     )
-    mini_batches_per_step: int = Field(1, ge=1, description="optimizer updates per step")
+    mini_batches_per_step: StrictInt = Field(1, ge=1, description="optimizer updates per step")
     pack_sequences: bool = Field(
         True,
         description="padding-free micro-batches: several sequences share a row as wide as the "
@@ -639,19 +670,20 @@ class LearnerConfig(Section):
 class ClipConfig(Section):
     """PPO's clipping of the probability ratio."""
 
-    eps_low: float = Field(
+    eps_low: FloatSetting = Field(
         0.2,
         ge=0,
+        le=1,
         description="PPO clip below: the ratio r = pi/pi_old is held at >= 1 - eps_low for A < 0 "
         "(Schulman et al., PPO, arXiv 1707.06347)",
     )
-    eps_high: float = Field(
+    eps_high: FloatSetting = Field(
         0.28,
         ge=0,
         description="PPO clip above: r is held at <= 1 + eps_high for A > 0; 0.28 > eps_low is "
         "DAPO's clip-higher, which keeps low-probability tokens able to rise (arXiv 2503.14476)",
     )
-    dual_clip: float | None = Field(
+    dual_clip: FloatSetting | None = Field(
         None,
         gt=1,
         description="dual clip c: for A < 0 the token loss is capped at -c A, so a huge ratio "
@@ -662,9 +694,10 @@ class ClipConfig(Section):
 class KLConfig(Section):
     """A KL penalty to the initial policy."""
 
-    coef: float = Field(
+    coef: FloatSetting = Field(
         0.0,
         ge=0,
+        le=10,
         description="beta of a KL penalty to the frozen initial policy, added per token (GRPO, "
         "arXiv 2402.03300); 0 = off and no reference model is loaded",
     )
@@ -683,19 +716,19 @@ class StapoConfig(Section):
         description="STAPO: silence spurious tokens (low probability, low entropy, in positive "
         "responses) and renormalise (arXiv 2602.15620); its would-be share is always measured",
     )
-    tau_p: float | Literal["auto"] = Field(
+    tau_p: FloatSetting | Literal["auto"] = Field(
         0.002,
         description="STAPO probability threshold: candidates have p < tau_p (arXiv 2602.15620); "
         "'auto' sets it each mini-batch so that target_share of the running distribution of "
         "the probabilities STAPO examines (tokens of positive-advantage responses) is below it",
     )
-    target_share: float = Field(
+    target_share: FloatSetting = Field(
         0.01,
         gt=0,
         lt=1,
         description="with tau_p: auto, the share of examined tokens to put below the threshold",
     )
-    auto_decay: float = Field(
+    auto_decay: FloatSetting = Field(
         0.8,
         ge=0,
         lt=1,
@@ -712,7 +745,7 @@ class StapoConfig(Section):
             raise ValueError("must be a probability in (0, 1] or 'auto'")
         return tau_p
 
-    quantile: float = Field(
+    quantile: FloatSetting = Field(
         0.75,
         ge=0,
         le=1,
@@ -730,7 +763,7 @@ class StapoConfig(Section):
 class ARConfig(Section):
     """Advantage Reweighting of low-probability tokens."""
 
-    alpha: float = Field(
+    alpha: FloatSetting = Field(
         0.0,
         ge=0,
         le=1,
@@ -748,7 +781,7 @@ class LoptiConfig(Section):
         description="Lopti: two optimizer passes per mini-batch, tokens with p_old < eta first, "
         "then the rest (Yang et al., arXiv 2505.12929)",
     )
-    eta: float = Field(
+    eta: FloatSetting = Field(
         0.5,
         ge=-1,
         le=1,
@@ -765,7 +798,7 @@ class EntropyMaskConfig(Section):
         description="train only the highest-entropy tokens ('forking tokens'); the denominator "
         "keeps every valid token (Wang et al., 'Beyond the 80/20 Rule', arXiv 2506.01939)",
     )
-    rho: float = Field(
+    rho: FloatSetting = Field(
         0.2,
         gt=0,
         le=1,
@@ -801,12 +834,13 @@ class OffPolicyConfig(Section):
         description="token: one w per token; sequence: one w per response, the product of its "
         "tokens' ratios, truncated or masked as a whole",
     )
-    cap: float = Field(
+    cap: FloatSetting = Field(
         2.0,
         ge=1,
+        le=100,
         description="tis: the largest weight (>= 1, so an on-policy weight of 1 stays 1)",
     )
-    band: tuple[float, float] = Field(
+    band: tuple[FloatSetting, FloatSetting] = Field(
         (0.5, 2.0),
         description="mis: [low, high] of the weights kept, low <= 1 <= high; a token (or "
         "response) outside it gets weight 0 and stays in the aggregation's denominator",
@@ -858,8 +892,10 @@ class AlgorithmConfig(Section):
     )
     clip: ClipConfig = Field(default_factory=ClipConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
-    entropy_coef: float = Field(
+    entropy_coef: FloatSetting = Field(
         0.0,
+        ge=-1,
+        le=1,
         description="weight of an entropy bonus subtracted from the loss (Williams and Peng, "
         "1991); 0 = off",
     )
@@ -874,7 +910,7 @@ class AlgorithmConfig(Section):
     entropy_mask: EntropyMaskConfig = Field(default_factory=EntropyMaskConfig)
     dfpo: DFPOConfig = Field(default_factory=DFPOConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    lowprob_eta: float = Field(
+    lowprob_eta: FloatSetting = Field(
         0.5,
         gt=0,
         le=1,
@@ -907,27 +943,29 @@ class AlgorithmConfig(Section):
 class TrainerConfig(Section):
     """The run: steps, seeds, evaluation, checkpoints and where it is written."""
 
-    eval_samples: int = Field(
+    eval_samples: StrictInt = Field(
         0,
         ge=0,
         le=1024,
         description="sampled answers per held-out prompt (rollout.sampling) for mean@n and "
         "pass@k besides greedy accuracy; 0 = greedy only",
     )
-    eval_pass_k: int | None = Field(
+    eval_pass_k: StrictInt | None = Field(
         None,
         ge=1,
         description="k of pass@k, the unbiased estimator of Chen et al. 2021 (arXiv "
         "2107.03374); at most eval_samples; unset = eval_samples",
     )
-    log_samples_every: int = Field(
+    log_samples_every: StrictInt = Field(
         0, ge=0, description="write runs/<name>/samples/step_<N>.jsonl every N steps; 0 = never"
     )
-    log_samples_shown: int = Field(
+    log_samples_shown: StrictInt = Field(
         4, ge=0, description="responses of a logged step shown as a table in the progress output"
     )
-    steps: int = Field(20, ge=1, description="training steps (one weight update and sync each)")
-    seed: int = Field(0, description="seed of the learner and of the prompt order")
+    steps: StrictInt = Field(
+        20, ge=1, description="training steps (one weight update and sync each)"
+    )
+    seed: StrictInt = Field(0, description="seed of the learner and of the prompt order")
     output_dir: str = Field(
         "runs",
         description="where run directories are written (output_dir/run_name); on a cluster a "
@@ -939,7 +977,7 @@ class TrainerConfig(Section):
         "hidden (no '/', no leading '.'); unset in a config file = the file's name less its "
         "suffix (job.yaml: job; the built-in quickstart: quickstart)",
     )
-    max_staleness: int = Field(
+    max_staleness: StrictInt = Field(
         0,
         ge=0,
         le=8,
@@ -948,17 +986,17 @@ class TrainerConfig(Section):
         "k steps ahead while the learner trains, with the off-policy correction "
         "(algorithm.off_policy)",
     )
-    eval_every: int = Field(
+    eval_every: StrictInt = Field(
         0, ge=0, description="greedy eval every N steps; 0 = start and end only"
     )
-    checkpoint_every: int = Field(
+    checkpoint_every: StrictInt = Field(
         0,
         ge=0,
         description="save a checkpoint (ZeRO-3 model and optimizer shards, the driver's state) "
         "to <run>/checkpoints/step_<N>/ every N steps; 0 = none",
     )
-    keep_checkpoints: int = Field(2, ge=1, description="the newest K checkpoints are kept")
-    save_hf_every: int = Field(
+    keep_checkpoints: StrictInt = Field(2, ge=1, description="the newest K checkpoints are kept")
+    save_hf_every: StrictInt = Field(
         0,
         ge=0,
         description="also save the policy in Hugging Face format as step_<N>/hf every N steps "
@@ -976,7 +1014,7 @@ class TrainerConfig(Section):
         "there is one; latest: continue from it (there must be one); or a checkpoint directory. "
         "Unset = never for `groupflow train`, auto for `groupflow submit`",
     )
-    stop_timeout_s: float = Field(
+    stop_timeout_s: FloatSetting = Field(
         60.0,
         gt=0,
         le=86400,
@@ -984,7 +1022,7 @@ class TrainerConfig(Section):
         "flight may still wait for its samples; later it is abandoned and the job ends at the "
         "step before (a step whose samples are in always finishes)",
     )
-    max_restarts: int = Field(
+    max_restarts: StrictInt = Field(
         3,
         ge=0,
         description="one budget for engines and learner ranks: a dead engine replaced or the "
@@ -1022,7 +1060,9 @@ class TrainerConfig(Section):
 class MetricsConfig(Section):
     """Monitoring: Prometheus, the progress bar and experiment trackers."""
 
-    prometheus_port: int | None = Field(None, ge=0, le=65535, description="unset = no endpoint")
+    prometheus_port: StrictInt | None = Field(
+        None, ge=0, le=65535, description="unset = no endpoint"
+    )
     prometheus_addr: str = Field("0.0.0.0", description="interface to serve metrics on")
     progress: bool = Field(True, description="progress bar on a terminal")
     loggers: list[Literal["tensorboard", "wandb"]] = Field(
@@ -1045,10 +1085,10 @@ class ClusterConfig(Section):
         "of docs/jobs.md's address rule (e.g. auto, HOST:6379, http://HEAD:8265) but ray:// "
         "(Ray Client: use groupflow submit); unset = $RAY_ADDRESS, else a local cluster",
     )
-    num_cpus: float | None = Field(
+    num_cpus: FloatSetting | None = Field(
         None, gt=0, description="CPUs of a local cluster; unset = detected"
     )
-    placement_timeout_s: float = Field(
+    placement_timeout_s: FloatSetting = Field(
         300.0,
         gt=0,
         le=86_400,
