@@ -64,6 +64,15 @@ class Response:
     end_reason: str | None = None
     tool_uses: list[ToolUse] = field(default_factory=list)
     error: str | None = None  # what the environment raised, when end_reason says it did
+    # A trajectory's last model turn, the one span its answer can occupy: what a verifier
+    # reads (reward_workers/scorer.py). None for a single completion, whose text is all its own.
+    final_turn: str | None = None
+
+    @property
+    def answer_text(self) -> str:
+        """The text a verifier scores: the model's final turn, never an observation or a
+        marker the model wrote in an earlier turn."""
+        return self.text if self.final_turn is None else self.final_turn
 
 
 @dataclass

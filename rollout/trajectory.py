@@ -148,6 +148,7 @@ class _Trajectory:
         self.versions: list[tuple[int, int]] = []
         self.texts: list[str] = []
         self.turns = 0
+        self.final_turn = ""
         self.tool_uses: list[ToolUse] = []
 
     @property
@@ -162,6 +163,7 @@ class _Trajectory:
         self.mask += [1] * len(sampled.token_ids)
         self.logprobs += sampled.logprobs
         self.texts.append(sampled.text)
+        self.final_turn = sampled.text
         self.turns += 1
 
     def add_observation(self, ids: list[int], text: str) -> None:
@@ -181,4 +183,5 @@ class _Trajectory:
             end_reason=reason,
             tool_uses=self.tool_uses,
             error=error,
+            final_turn=self.final_turn,
         )

@@ -113,7 +113,7 @@ def test_trained_ids_are_the_generated_and_inserted_ids_exactly(name):
     assert engine.requests == [prompt_ids, prompt_ids + first + inserted]
     assert len(response.logprobs) == sum(response.loss_mask)
     if name == "tool_arithmetic":  # the task reads its own template's tool responses
-        assert TASK.verify(prompt, response.text).reward == 1.0
+        assert TASK.verify(prompt, response.answer_text).reward == 1.0
     # the trap: rendering the whole conversation again gives other ids for the forgetful one
     conversation = renderer.messages(prompt) + [
         {"role": "assistant", "content": call},
