@@ -121,16 +121,12 @@ def _shown(value: Fraction | float) -> str:
         return f"{value:.{FLOAT_DIGITS}g}"
     if value.denominator == 1:
         return str(value.numerator)
-    rest = value.denominator
-    for prime in (2, 5):
-        while rest % prime == 0:
-            rest //= prime
-    with localcontext() as context:
-        if rest == 1:  # a terminating decimal: as many digits as it has
-            places = max(_multiplicity(value.denominator, 2), _multiplicity(value.denominator, 5))
-            context.prec = len(str(abs(value.numerator) * 10**places // value.denominator)) + 1
-        else:
-            context.prec = SIGNIFICANT_DIGITS
+    twos, fives = _multiplicity(value.denominator, 2), _multiplicity(value.denominator, 5)
+    digits = SIGNIFICANT_DIGITS
+    if value.denominator == 2**twos * 5**fives:  # a terminating decimal: all its digits
+        places = max(twos, fives)
+        digits = len(str(abs(value.numerator) * 10**places // value.denominator)) + 1
+    with localcontext(prec=digits):
         return format(Decimal(value.numerator) / Decimal(value.denominator), "f")
 
 
