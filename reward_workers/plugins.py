@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupflow.core.records import Prompt, Verdict
-from groupflow.core.user_code import UserCodeError, load_user_object, short_text
+from groupflow.core.user_code import UserCodeError, load_user_object, raised_text, short_text
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,7 @@ def call_plugin(
             result = loop.run_until_complete(result)
         return _to_verdict(plugin.name, result)
     except BaseException as err:  # KeyboardInterrupt and SystemExit cost one sample too
-        return Verdict(
-            0.0, f"{plugin.name} raised {type(err).__name__}: {short_text(err)}", "error"
-        )
+        return Verdict(0.0, f"{plugin.name} raised {raised_text(err)}", "error")
 
 
 def _to_verdict(name: str, result: Any) -> Verdict:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from groupflow.core.records import ToolUse
-from groupflow.rollout.user_calls import USER_CALLS
+from groupflow.core.user_code import text_of
+from groupflow.rollout.user_calls import USER_CALLS, UserCodeFailed
 
 
 class ToolError(Exception):
@@ -144,15 +145,16 @@ class ToolBox:
         start = time.monotonic()
         try:
             result = await asyncio.wait_for(USER_CALLS.call(tool, call.arguments), self.timeout_s)
-            return self._reply(call.name, "ok", str(result), start)
-        except TimeoutError:
-            return self._reply(
-                call.name, "timeout", f"error: {call.name} ran past {self.timeout_s:g}s", start
-            )
-        except ToolError as err:
-            return self._reply(call.name, "error", f"error: {err}", start)
-        except Exception as err:  # a tool is code of its own: whatever it raises is its error
-            return self._reply(call.name, "error", f"error: {type(err).__name__}: {err}", start)
+        except (TimeoutError, UserCodeFailed) as err:
+            raised = getattr(err, "raised", err)
+            if isinstance(raised, TimeoutError):  # the deadline's, or the tool's own (python's)
+                content = f"error: {call.name} ran past {self.timeout_s:g}s"
+                return self._reply(call.name, "timeout", content, start)
+            if isinstance(raised, ToolError):  # a refusal: its message is for the model
+                return self._reply(call.name, "error", f"error: {text_of(raised)}", start)
+            return self._reply(call.name, "error", f"error: {err}", start)  # whatever it raised
+        content = text_of(result)
+        return self._reply(call.name, "ok", content, start)
 
     def _reply(self, name: str, outcome: str, content: str, start: float | None = None):
         if len(content) > self.output_chars:

@@ -26,13 +26,17 @@ class Prompt:
     max_tokens: int | None = None  # its task's response limit; None = rollout.sampling's
 
 
+# How a tool call ended (rollout/toolbox.py), as the step's figures count them.
+TOOL_OUTCOMES = ("ok", "error", "timeout", "malformed", "unknown")
+
+
 @dataclass
 class ToolUse:
     """One tool call in a trajectory: the tool the model named ("" where the call could not be
-    read), how it ended and how long it took."""
+    read), how it ended (one of TOOL_OUTCOMES) and how long it took."""
 
     tool: str
-    outcome: str  # "ok" | "error" | "timeout" | "malformed" | "unknown" (rollout/toolbox.py)
+    outcome: str
     seconds: float = 0.0
 
 
@@ -60,6 +64,15 @@ class Response:
     end_reason: str | None = None
     tool_uses: list[ToolUse] = field(default_factory=list)
     error: str | None = None  # what the environment raised, when end_reason says it did
+    # A trajectory's last model turn, the one span its answer can occupy: what a verifier
+    # reads (reward_workers/scorer.py). None for a single completion, whose text is all its own.
+    final_turn: str | None = None
+
+    @property
+    def answer_text(self) -> str:
+        """The text a verifier scores: the model's final turn, never an observation or a
+        marker the model wrote in an earlier turn."""
+        return self.text if self.final_turn is None else self.final_turn
 
 
 @dataclass

@@ -33,9 +33,7 @@ def load_user_object(spec: str, setting: str) -> Any:
     try:
         module = _load_file(Path(target)) if from_file else importlib.import_module(target)
     except BaseException as err:  # import-time errors and exits, whatever they are
-        raise UserCodeError(
-            f"{setting} {spec!r}: import failed: {type(err).__name__}: {short_text(err)}"
-        ) from None
+        raise UserCodeError(f"{setting} {spec!r}: import failed: {raised_text(err)}") from None
     if not hasattr(module, attribute):
         raise UserCodeError(f"{setting} {spec!r}: {target} has no {attribute!r}")
     return getattr(module, attribute)
@@ -47,14 +45,27 @@ def spec_file(spec: str) -> str | None:
     return target if sep and (target.endswith(".py") or "/" in target) else None
 
 
-def short_text(value: object, limit: int = 200) -> str:
-    """One line of str(value), bounded; an object whose str() raises (users' objects may) is
-    named by its type."""
+def text_of(value: object) -> str:
+    """str(value) as a plain str; an object whose str() raises (users' objects may, with
+    anything, SystemExit included) is named by its type instead."""
     try:
-        text = " ".join(str(value).split())
+        # str.__str__: a str subclass's own methods (users' too) never run on what we print
+        return str.__str__(str(value))
     except BaseException:
-        text = f"<{type(value).__name__} whose str() raised>"
+        return f"<{type(value).__name__} whose str() raised>"
+
+
+def short_text(value: object, limit: int = 200) -> str:
+    """One line of text_of(value), bounded."""
+    text = " ".join(text_of(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def raised_text(err: BaseException) -> str:
+    """What users' code raised, as one bounded line: `Type: message`, or `Type` alone. The one
+    description of it wherever users' code runs (a reward plugin, a tool, an environment)."""
+    text = short_text(err)
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _load_file(file: Path) -> Any:

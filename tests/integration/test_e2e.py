@@ -143,9 +143,7 @@ def test_three_steps_with_overlap_write_the_run_directory(
     # directory existed) to its end, with a line a step: its elapsed time and ETA
     driver_log = (run / "driver.log").read_text().splitlines()
     step_lines = [
-        line.split(": ", 1)[1]
-        for line in driver_log
-        if "groupflow.run_log: step " in line
+        line.split(": ", 1)[1] for line in driver_log if "groupflow.run_log: step " in line
     ]
     assert [line.split(" reward=")[0] for line in step_lines] == [
         "step 1/3",

@@ -54,5 +54,7 @@ def test_the_wings_reach_the_safe_unpickler_not_the_drivers_store():
             assert not _imported(path) & driver_side, path
     assert "groupflow.core.safe_pickle" in _imported(ROOT / "learner" / "checkpoint.py")
     # the ground module itself stands on nothing of the project but its errors
-    project = {m for m in _imported(ROOT / "groupflow" / "core" / "safe_pickle.py") if "groupflow" in m}
+    project = {
+        m for m in _imported(ROOT / "groupflow" / "core" / "safe_pickle.py") if "groupflow" in m
+    }
     assert project == {"groupflow.core.errors"}
