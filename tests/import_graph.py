@@ -2,7 +2,7 @@
 
 Every import counts: module level, inside functions and under TYPE_CHECKING. A module is a
 file (a package is its __init__). `python tests/import_graph.py` prints the figures quoted in
-docs/architecture.md: modules, arrows, loops, floors and the largest files.
+the README's module map: modules, arrows, loops, floors and the largest files.
 """
 
 from __future__ import annotations
