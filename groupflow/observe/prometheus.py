@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from groupflow.config import Config
 from groupflow.core.errors import RunError
-from groupflow.observe.catalogue import FAMILY_HELP, LIVE_GAUGES, METRICS, Series
+from groupflow.observe.catalogue import FAMILY_HELP, METRICS, Series
+from groupflow.observe.live_gauges import LIVE_GAUGES
 
 log = logging.getLogger(__name__)
 
