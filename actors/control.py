@@ -7,7 +7,7 @@ checked request here, and the driver takes it between steps (`ActorInbox.poll`) 
 its live counts back (`ActorInbox.report`). Neither side ever waits on the other's work, so a
 scale request never blocks training, and a busy job never blocks the command. A stop is left
 the same way (`stop`); the driver looks for it between steps and while a step waits
-(`ActorInbox.stop_asked`, groupflow/stopping.py), and leaves the line saying what it wrote
+(`ActorInbox.stop_asked`, groupflow/loop/stopping.py), and leaves the line saying what it wrote
 (`ended`) before it ends.
 """
 
@@ -19,7 +19,9 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from groupflow.scaling import (
+from groupflow.actors.transport_registry import transport_class
+from groupflow.config import Config
+from groupflow.core.scaling_protocol import (
     CONTROL_NAMESPACE,
     LiveStatus,
     ScaleError,
@@ -27,6 +29,7 @@ from groupflow.scaling import (
     ScaleRequest,
     check_request,
     control_actor_name,
+    ray_demand,
 )
 
 log = logging.getLogger(__name__)
@@ -49,7 +52,7 @@ class JobControl:
         self.limits = limits
         self._request: ScaleRequest | None = None
         self._status: dict | None = None
-        self._stop: str | None = None  # None, "stop", or "now" (groupflow/stopping.py)
+        self._stop: str | None = None  # None, "stop", or "now" (groupflow/loop/stopping.py)
         self._end_line: str | None = None
         self._end_line_read = False
 
@@ -99,6 +102,19 @@ class JobControl:
         return self._end_line_read
 
 
+def limits_for(cfg: Config) -> ScaleLimits:
+    """The checks a request to this job meets."""
+    eng, rew = cfg.rollout.resources, cfg.reward.resources
+    auto = cfg.rollout.autoscale
+    return ScaleLimits(
+        engines_scalable=transport_class(cfg.rollout.weight_transport).elastic,
+        engine_demand=ray_demand(eng.num_cpus, eng.num_gpus, eng.custom),
+        reward_demand=ray_demand(rew.num_cpus, rew.num_gpus, rew.custom),
+        autoscale=None if auto is None else (auto.min_engines, auto.max_engines),
+        transport=cfg.rollout.weight_transport,
+    )
+
+
 def start_control(run_name: str, limits: ScaleLimits):
     """The job's control actor; None when another running job holds the name (the job runs
     on, without `groupflow scale`)."""
@@ -123,7 +139,7 @@ def start_control(run_name: str, limits: ScaleLimits):
 
 
 class ActorInbox:
-    """The driver's side of the control actor (groupflow.scaling.Inbox)."""
+    """The driver's side of the control actor (groupflow.core.scaling_protocol.Inbox)."""
 
     def __init__(self, actor):
         self.actor = actor

@@ -1,4 +1,4 @@
-"""Ray as the job loop's `Futures` (groupflow.peers): handles are ObjectRefs."""
+"""Ray as the job loop's `Futures` (groupflow.core.peers): handles are ObjectRefs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import ray
 
-from groupflow.checkpoint import CheckpointError
-from groupflow.peers import PeerDied
+from groupflow.core.errors import CheckpointError
+from groupflow.core.peers import PeerDied
 
 
 class RayFutures:

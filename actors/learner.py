@@ -14,20 +14,20 @@ from groupflow.actors.affinity import pin_to_cores
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.placement import live_nodes
 from groupflow.actors.starting import wait_started
-from groupflow.actors.weight_group import open_weight_group
+from groupflow.actors.transport import SyncHost
 from groupflow.config import Config
-from groupflow.device import device_for
+from groupflow.core.device import device_for
+from groupflow.core.placement import NOTE_AFTER_S, describe_cluster, describe_demand
+from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
-from groupflow.placement import NOTE_AFTER_S, describe_cluster, describe_demand
-from groupflow.records import TrainSequence
 
 log = logging.getLogger(__name__)
 
 
-class LearnerRankActor:
+class LearnerRankActor(SyncHost):
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0's rendezvous."""
         with socket.socket() as s:
@@ -47,29 +47,11 @@ class LearnerRankActor:
     ) -> RankFigures:
         return self.rank.train_step(minibatches, lr)
 
-    def push_weights(self, buckets: list, sync: str, engines: list) -> None:
-        """Put this rank's partition of each bucket into the object store as soon as it is
-        laid out and hand its reference to every engine (Generator.add_weights) without
-        waiting for them: nothing is gathered among the ranks and the driver is not on the
-        weight path. A partition goes as the bytes of its flat tensor in a numpy array: Ray
-        writes that into the object store in one copy and an engine on the node reads it in
-        place (a torch tensor would be pickled, and copied). On CPU the array is a view of the
-        live partitions (`shard_buckets`); ray.put has copied it before the next is laid out.
-        A push that fails part-way tells the engines where, so they abandon the sync."""
-        import torch
-
-        rank, sent = self.rank.setup.rank, 0
-        try:
-            for shard in self.rank.weight_shard_buckets(buckets):
-                # the bytes, on the CPU: a GPU rank keeps its partitions on its device
-                ref = ray.put(shard.view(torch.uint8).cpu().numpy())
-                for engine in engines:  # in a list, so that Ray does not fetch it for the call
-                    engine.add_weights.remote(sync, sent, rank, [ref])
-                sent += 1
-        finally:
-            if sent < len(buckets):
-                for engine in engines:
-                    engine.add_weights.remote(sync, sent, rank, None)
+    def weight_sync(self, step: Callable, *args):
+        """Run a weight transport's rank-side `step` here, `step(self, *args)`
+        (actors/transport.py: a transport's steps, and what of this actor they use: `rank`
+        and `sync_state`)."""
+        return step(self, *args)
 
     def save_pretrained(self, path: str) -> None:
         self.rank.save_pretrained(path)
@@ -80,18 +62,8 @@ class LearnerRankActor:
     def load_checkpoint(self, directory: str) -> str | None:
         return self.rank.load_checkpoint(directory)
 
-    def open_weight_group(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the engines' weight group as its source; other ranks only gather."""
-        self.weight_group = None
-        if self.rank.setup.rank == 0:
-            backend = self.rank.setup.device.backend
-            self.weight_group = open_weight_group(host, port, 0, world_size, backend)
-
     def weight_manifest(self) -> list:
         return self.rank.weight_manifest()
-
-    def broadcast_weights(self, buckets: list) -> None:
-        self.rank.broadcast_weights(self.weight_group, buckets)
 
     def sent_checksums(self) -> dict:
         """This rank's shares of the checksums of the last sync it sent (called after it: an
@@ -204,11 +176,6 @@ class LearnerGroup:
             for rank_layout in layout
         ]
         return [r.train_step.remote(share, lr) for r, share in zip(self.ranks, shares, strict=True)]
-
-    def async_push_weights(self, buckets: list, sync: str, engines: list) -> list[ray.ObjectRef]:
-        """Every rank hands its partitions of `buckets` to `engines` (push_weights); a handle
-        per rank, ready when its partitions are all in the object store."""
-        return [r.push_weights.remote(buckets, sync, engines) for r in self.ranks]
 
     def async_sent_checksums(self) -> list[ray.ObjectRef]:
         """Each rank's shares of the checksums of the sync it sent last (call after starting

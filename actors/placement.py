@@ -1,4 +1,4 @@
-"""The Ray side of the startup placement check (groupflow/placement.py): how many of a pool's
+"""The Ray side of the startup placement check (groupflow/core/placement.py): how many of a pool's
 actors have a node, and what the cluster's live nodes have."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from ray._private import state as gcs_state
 from ray.util.placement_group import PlacementGroup
 
 from groupflow.config import Config, Resources
-from groupflow.placement import Placement, PoolAsk
-from groupflow.scaling import ray_demand
+from groupflow.core.placement import Placement, PoolAsk
+from groupflow.core.scaling_protocol import ray_demand
 
 
 def has_node(actor: ray.actor.ActorHandle) -> bool:

@@ -3,7 +3,7 @@
 Groups are scored in batches as they arrive (so scoring overlaps generation and learning),
 each batch tagged with its chunk id. A worker is sent only each response's prompt and text
 and returns their verdicts; the pool keeps the batch's groups and pairs them up again. The
-pool is reached like the generator pool, through the job's futures (groupflow.peers.Futures):
+pool is reached like the generator pool, through the job's futures (groupflow.core.peers.Futures):
 the job loop waits on the batches `in_flight` with everything else, in its one wait, at most
 until `seconds_to_deadline`, and hands what is ready to `take`. A worker scores a batch
 within `reward.timeout_s` (its scorer processes are killed at each call's deadline, and
@@ -17,6 +17,10 @@ batches wait for the first replacement that comes up.
 Scaling (groupflow scale): `scale_to` starts or retires workers and returns at once; `settle`,
 between steps, admits the workers that are up and removes retired ones once their batches
 are scored (a retiring worker takes no new batch, so nothing is scored twice or lost).
+
+Ray reaches the pool only through what `start_reward_pool` hands it (the futures, the worker
+starter, the replacements' starts and ends) and its clock times the deadlines, so its unit
+tests run it over fake workers on a virtual clock (tests/unit/test_reward_pool.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import ray
@@ -32,11 +36,11 @@ import ray
 from groupflow.actors.futures import RayFutures
 from groupflow.actors.starting import ActorSlots, Replacements, StartingActors
 from groupflow.config import Config
-from groupflow.peers import Handle, PeerDied
-from groupflow.records import SampledGroup, ScoredGroup, Verdict
+from groupflow.core.peers import Futures, Handle, PeerDied
+from groupflow.core.records import SampledGroup, ScoredGroup, Verdict
+from groupflow.core.scaling_protocol import PoolState, ray_demand
+from groupflow.core.start_errors import StartError
 from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
-from groupflow.scaling import PoolState, ray_demand
-from groupflow.start_errors import StartError
 
 log = logging.getLogger(__name__)
 
@@ -79,29 +83,36 @@ class _Batch:
     chunk_id: int
     groups: list[SampledGroup]
     worker: int
-    actor: ray.actor.ActorHandle
-    ref: ray.ObjectRef
-    started: float
+    actor: object  # the worker it was sent to (its slot may hold a replacement since)
+    ref: Handle
+    started: float  # on the pool's clock
     attempts: int = 1
 
 
 class RewardPool:
-    """The reward workers as one pool (groupflow.peers.Scoring)."""
+    """The reward workers as one pool (groupflow.core.peers.Scoring)."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        res = cfg.reward.resources
-        self._actor = ray.remote(RewardWorker).options(
-            num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom
-        )
-        self._args = (
-            cfg.task.name,
-            cfg.task.options,
-            cfg.reward.verifier,
-            cfg.reward.plugin_timeout_s,
-            cfg.reward.scorer_processes,
-        )
-        self.workers = [self._actor.remote(*self._args) for _ in range(cfg.reward.num_workers)]
+    def __init__(
+        self,
+        workers: list,
+        futures: Futures,
+        timeout_s: float,
+        max_retries: int,
+        start_worker: Callable[[], object],
+        starting: StartingActors | None = None,
+        replacements: Replacements | None = None,
+        demand: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`timeout_s` and `max_retries` are reward.timeout_s and reward.max_retries;
+        `start_worker` makes a new worker (a replacement, a scale-up). `starting` and
+        `replacements` stand in for Ray's in unit tests, as the generator pool's do (a worker
+        is ended through `replacements`); `demand` is one worker's Ray resources (said when a
+        replacement waits for room); `clock` times the batches' deadlines."""
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._start = start_worker
+        self.workers = workers
         self._load = [0] * len(self.workers)
         self._pending: list[_Batch] = []
         # (chunk id, groups, attempts) of batches that wait for a worker: every one was lost
@@ -109,23 +120,21 @@ class RewardPool:
         self._failed_starts = 0  # in a row
         self.errors = 0
         self.timeouts = 0
-        self.futures = RayFutures()
+        self.futures = futures
+        self._clock = clock
+        if starting is None:
+            starting = StartingActors("reward worker")
+        if replacements is None:
+            replacements = Replacements(
+                "reward worker", lambda w: w.__ray_ready__.remote(), futures, demand or {}
+            )
         # Retiring and vacant slots are given no new batch.
-        self.slots = ActorSlots(
-            self.workers,
-            StartingActors("reward worker"),
-            Replacements(
-                "reward worker",
-                lambda w: w.__ray_ready__.remote(),
-                self.futures,
-                ray_demand(res.num_cpus, res.num_gpus, res.custom),
-            ),
-        )
+        self.slots = ActorSlots(self.workers, starting, replacements)
 
     def _deadline_s(self, batch: _Batch) -> float:
         """The worker ends every batch within reward.timeout_s; one past that (and a grace
         period) has a hung or lost worker."""
-        return self.cfg.reward.timeout_s + _GRACE_S
+        return self.timeout_s + _GRACE_S
 
     @property
     def num_workers(self) -> int:
@@ -147,10 +156,8 @@ class RewardPool:
         self._load[worker] += len(groups)
         actor = self.workers[worker]
         # The worker gets what its verifier reads; the groups stay here (scored_groups).
-        ref = actor.score.remote(response_items(groups), time.time() + self.cfg.reward.timeout_s)
-        self._pending.append(
-            _Batch(chunk_id, groups, worker, actor, ref, time.monotonic(), attempts)
-        )
+        ref = actor.score.remote(response_items(groups), time.time() + self.timeout_s)
+        self._pending.append(_Batch(chunk_id, groups, worker, actor, ref, self._clock(), attempts))
 
     def _replace(self, batch: _Batch, why: str) -> None:
         """Replace the batch's worker, unless another failed batch already did (a retiring one
@@ -158,7 +165,7 @@ class RewardPool:
         slot = batch.worker
         if self.workers[slot] is not batch.actor or slot in self.slots.vacant():
             return
-        ray.kill(batch.actor, no_restart=True)
+        self.slots.replacements.end(batch.actor)
         if slot in self.slots.retiring:
             return
         self.slots.replacements.ask(slot, self._start)
@@ -170,9 +177,6 @@ class RewardPool:
             why,
             f"scoring goes on with {left} worker(s)" if left else "batches wait for it",
         )
-
-    def _start(self) -> ray.actor.ActorHandle:
-        return self._actor.remote(*self._args)
 
     def _admit_replacements(self, ready: Sequence[Handle]) -> None:
         up, failed = self.slots.replacements.take(ready)
@@ -191,7 +195,7 @@ class RewardPool:
                 self._launch(chunk_id, groups, attempts)
 
     def _retry_or_zero(self, batch: _Batch, why: str) -> list[ScoredGroup]:
-        if batch.attempts <= self.cfg.reward.max_retries:
+        if batch.attempts <= self.max_retries:
             log.warning(
                 "reward batch %s on worker %d; retrying (attempt %d)",
                 why,
@@ -219,7 +223,7 @@ class RewardPool:
         if not self._pending:
             return None
         first = min(b.started + self._deadline_s(b) for b in self._pending)
-        return max(0.0, first - time.monotonic())
+        return max(0.0, first - self._clock())
 
     def scoring(self, chunk_id: int) -> bool:
         return any(b.chunk_id == chunk_id for b in self._pending) or any(
@@ -230,7 +234,7 @@ class RewardPool:
         """The groups of the batches among `ready`, and of the overdue ones (scored 0), by
         chunk id; a batch whose worker died is sent again instead (up to max_retries)."""
         self._admit_replacements(ready)
-        ready, now = set(ready), time.monotonic()
+        ready, now = set(ready), self._clock()
         taken = []
         for batch in list(self._pending):
             finished = batch.ref in ready
@@ -284,7 +288,7 @@ class RewardPool:
             for batch in self._pending:
                 if batch.worker > slot:
                     batch.worker -= 1
-            ray.kill(worker, no_restart=True)
+            self.slots.replacements.end(worker)
         return self.slots.state(joined, len(drained))
 
     def state(self) -> PoolState:
@@ -294,4 +298,32 @@ class RewardPool:
         self.slots.starting.shutdown()
         self.slots.replacements.shutdown()
         for worker in self.workers:
-            ray.kill(worker)
+            self.slots.replacements.end(worker)
+
+
+def start_reward_pool(cfg: Config) -> RewardPool:
+    """`reward.num_workers` reward-worker actors, each placed by its declared resources; a
+    dead one is replaced by a new actor with the same settings."""
+    res = cfg.reward.resources
+    actor = ray.remote(RewardWorker).options(
+        num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom
+    )
+    args = (
+        cfg.task.name,
+        cfg.task.options,
+        cfg.reward.verifier,
+        cfg.reward.plugin_timeout_s,
+        cfg.reward.scorer_processes,
+    )
+
+    def start_worker():
+        return actor.remote(*args)
+
+    return RewardPool(
+        [start_worker() for _ in range(cfg.reward.num_workers)],
+        RayFutures(),
+        cfg.reward.timeout_s,
+        cfg.reward.max_retries,
+        start_worker,
+        demand=ray_demand(res.num_cpus, res.num_gpus, res.custom),
+    )

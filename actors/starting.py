@@ -29,11 +29,11 @@ import ray
 from ray.exceptions import RayError
 
 from groupflow.actors.placement import has_node, live_nodes
-from groupflow.peers import Futures, Handle, PeerDied
-from groupflow.placement import NOTE_AFTER_S, POLL_S, describe_cluster, describe_demand
-from groupflow.progress import PhaseProgress
-from groupflow.scaling import PoolState
-from groupflow.start_errors import StartError, start_failure
+from groupflow.core.peers import Futures, Handle, PeerDied
+from groupflow.core.placement import NOTE_AFTER_S, POLL_S, describe_cluster, describe_demand
+from groupflow.core.scaling_protocol import PoolState
+from groupflow.core.start_errors import StartError, start_failure
+from groupflow.observe.progress import PhaseProgress
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def wait_started(
 ) -> list:
     """The values of `refs`, calls that end an actor's start (its constructor, a rank's
     init); an actor that failed fails the job with one line: its own error and its node,
-    not Ray's "the actor died" (groupflow/start_errors.py). `progress` (the job's start,
-    groupflow/progress.py) is told how many are up."""
+    not Ray's "the actor died" (groupflow/core/start_errors.py). `progress` (the job's start,
+    groupflow/observe/progress.py) is told how many are up."""
     pending = list(refs)
     try:
         while pending:

@@ -1,7 +1,9 @@
-"""The tool pool: Ray actors that run the python tool's programs in the sandbox of the code
-verifier (reward_workers/sandbox.py, docs/sandbox.md), sized apart from the engines
-(`agent.tool_workers`), so that tools scale with what they cost and model-written code never
-runs in an engine's process.
+"""Where the python tool's programs run (its `RunCode`, rollout/python_tool.py), in the sandbox
+of the code verifier (reward_workers/sandbox/, docs/sandbox.md): the tool pool of Ray actors,
+sized apart from the engines (`agent.tool_workers`), so that tools scale with what they cost
+and model-written code never runs in an engine's process; or, for `groupflow eval`, which has
+no pool, sandboxes started from its own process (`in_process_run_code`). This layer hands the
+runner to the engines, so that rollout/ never imports the reward side's sandbox.
 
 Each engine gets the pool's handles and sends each call to the worker with the fewest calls in
 flight from it (`ToolPoolClient`). A worker holds no state, so one that dies is restarted by
@@ -15,17 +17,51 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import ray
 
 from groupflow.config import Config
-from groupflow.rollout.tools import require_sandbox, run_in_sandbox
+from groupflow.reward_workers.sandbox import Limits, default_platform, require_strong, run_python
+from groupflow.rollout.python_tool import RunCode
+from groupflow.rollout.user_calls import USER_CALLS
 
 log = logging.getLogger(__name__)
 
 CALLS_PER_WORKER = 4  # sandboxes one worker runs at once (each is a process of its own)
 RETRY_AFTER_S = 1.0  # a worker that failed a call gets no call for this long
+PROGRAM_MEMORY_MB = 512
+PROGRAM_OUTPUT_BYTES = 64 << 10
+
+
+def run_program(code: str, timeout_s: float) -> tuple[int, str, str, bool]:
+    """(exit status, stdout, stderr, timed out) of `code` run as a program in the sandbox,
+    within `timeout_s` of wall-clock and as many CPU seconds."""
+    limits = Limits(
+        wall_s=timeout_s,
+        cpu_s=max(1, math.ceil(timeout_s)),
+        memory_mb=PROGRAM_MEMORY_MB,
+        output_bytes=PROGRAM_OUTPUT_BYTES,
+    )
+    result = run_python(code, limits)
+    return result.returncode, result.stdout, result.stderr, result.timed_out
+
+
+def require_sandbox(allow_weak: bool) -> None:
+    """Refuse, in one line, a platform whose sandbox lacks its kernel layers unless allowed."""
+    require_strong(default_platform(), allow_weak, "agent.tools python")
+
+
+def in_process_run_code(allow_weak: bool) -> RunCode:
+    """The python tool's programs started from this process, in its user-code threads: for
+    `groupflow eval`, which has no tool pool."""
+    require_sandbox(allow_weak)
+
+    async def run(code: str, timeout_s: float) -> tuple[int, str, str, bool]:
+        return await USER_CALLS.call(run_program, code, timeout_s)
+
+    return run
 
 
 class ToolWorker:
@@ -34,7 +70,7 @@ class ToolWorker:
 
     def run(self, code: str, timeout_s: float) -> tuple[int, str, str, bool]:
         """(exit status, stdout, stderr, timed out) of `code` run as a program."""
-        return run_in_sandbox(code, timeout_s)
+        return run_program(code, timeout_s)
 
 
 def start_tool_pool(cfg: Config) -> list:
@@ -53,7 +89,7 @@ def start_tool_pool(cfg: Config) -> list:
 
 
 class ToolPoolClient:
-    """An engine's side of the pool: `run` is the python tool's RunCode (rollout/tools.py)."""
+    """An engine's side of the pool: `run` is the python tool's RunCode."""
 
     def __init__(self, workers: list):
         self.workers = list(workers)

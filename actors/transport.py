@@ -1,38 +1,32 @@
-"""Weight sync from the learner to the engines (groupflow.peers.WeightSync).
+"""Weight sync from the learner to the engines (groupflow.core.peers.WeightSync): what every
+transport shares, and how a transport's steps reach the actors at both ends.
 
-Both transports send the model in buckets of whole layers (groupflow/weight_format.py) of up to
-`rollout.weight_bucket_mb`, one after the other, so no learner rank holds a second copy of the
-model.
-`ObjectStoreTransport` (any cluster): every rank puts its own ZeRO-3 partition of each bucket,
-one flat array, into Ray's object store as soon as it is laid out and hands the reference to
-every engine itself; nothing is gathered among the ranks, each rank sends 1/world of the
-model, and the driver is not on the weight path (it starts the sync and returns). An engine
-loads the sync in a single vLLM pass that takes each bucket as soon as every rank's partition
-of it is in: it fetches them (in place, from the ranks on its node), puts the parameters back
-together and loads them while the ranks lay out the next buckets.
-`CollectiveTransport`: a broadcast from rank 0 to the engines over NCCL (GPUs) or gloo (CPUs):
-rank 0 gathers the next bucket while the current one is in transfer, and each engine loads a
-bucket as soon as it has arrived, while the next one arrives.
+A transport is one file, actors/transport_<name>.py, and one line of the table in
+actors/transport_registry.py, under the name `rollout.weight_transport` gives it. The file
+holds the three sides of a sync: the driver's, a `WeightTransport` (`async_sync` starts a sync
+and returns at once with references the caller waits on), and the learner ranks' and the
+engines', functions it sends to those actors (by reference: they are the file's own), which
+each runs on itself with its `weight_sync` method, keeping what it needs between its steps in
+`sync_state` (`SyncHost`).
 
-Both return at once with references the caller waits on. A chunk sent to an engine after a
-sync samples once that sync is loaded (actors/generator.py, `min_version`). The buckets
-are cut once, from learner rank 0's manifest, and handed to the ranks and the engines alike
-(groupflow/weight_format.py). Every load is verified (`check_load`): the engine reports the
-checksum of each tensor it loaded, the ranks theirs of what they sent, and one that differs
-stops the job.
+Every transport sends the model in buckets of whole layers (groupflow/core/weight_format.py) of up to
+`rollout.weight_bucket_mb`, cut once from learner rank 0's manifest and handed to the ranks and
+the engines alike, so no learner rank holds a second copy of the model. A chunk sent to an
+engine after a sync samples once that sync is loaded (actors/generator_actor.py,
+`min_version`). Every load is verified (`check_load`): the engine reports the checksum of each
+tensor it loaded, the ranks theirs of what they sent, and one that differs stops the job.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
+from typing import TypeVar
 
 import ray
 
 from groupflow.actors.futures import RayFutures
-from groupflow.actors.learner import LearnerGroup
-from groupflow.peers import SyncHandles
-from groupflow.weight_format import (
+from groupflow.core.peers import SyncHandles
+from groupflow.core.weight_format import (
     DEFAULT_BUCKET_BYTES,
     LoadedWeights,
     Manifest,
@@ -44,13 +38,33 @@ from groupflow.weight_format import (
 
 log = logging.getLogger(__name__)
 
+State = TypeVar("State")
+
+
+class SyncHost:
+    """An actor at either end of a sync (a generator, a learner rank), as a transport's steps
+    see it. The actor's `weight_sync(step, *args)` runs `step(actor, *args)`; here the state a
+    transport keeps in the actor between its steps (its process group, the buckets arriving)."""
+
+    def sync_state(self, kind: type[State]) -> State:
+        """This actor's one `kind` (a transport's class of state), made on first use."""
+        states = vars(self).setdefault("_sync_states", {})
+        if kind not in states:
+            states[kind] = kind()
+        return states[kind]
+
 
 class WeightTransport:
-    """What both transports share: the buckets, cut once, and the check of every load."""
+    """What every transport shares: the buckets, cut once, and the check of every load.
+    `learner` is the learner group (actors/learner.py LearnerGroup), `engines` the generator
+    pool's list of engines."""
 
-    def __init__(
-        self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    ):
+    # Whether the actors it syncs may change while the job runs: engines replaced or added
+    # (rollout.autoscale, `groupflow scale --engines`) and the learner ranks rebuilt. A
+    # transport whose members are fixed once it opens (a process group) ends the job instead.
+    elastic: bool = False
+
+    def __init__(self, learner, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.learner = learner
         self.engines = engines  # the generator pool's list: a slot may hold a replacement
         manifest = ray.get(learner.ranks[0].weight_manifest.remote())
@@ -97,70 +111,3 @@ class WeightTransport:
     def forget(self, load: ray.ObjectRef) -> None:
         """A load that will never be checked (its engine died)."""
         self._loads.pop(load, None)
-
-
-class ObjectStoreTransport(WeightTransport):
-    @property
-    def _partitions(self) -> int:
-        return self.learner.num_ranks  # each rank sends its own partition
-
-    def async_sync(self, version: int, engines: list) -> SyncHandles:
-        buckets, sync = self.buckets, uuid.uuid4().hex
-        # The buckets are in the object store once the pushes are done: the learner may train
-        # on while the engines load them. A rank that fails fails its push's handle, and its
-        # engines abandon the load.
-        pushes = self.learner.async_push_weights(buckets, sync, engines)
-        loads = [e.load_streamed_weights.remote(buckets, version, sync, pushes) for e in engines]
-        self._note(engines, loads)
-        return SyncHandles(pushes, loads, list(engines))
-
-
-class CollectiveTransport(WeightTransport):
-    """Learner rank 0 broadcasts the parameters bucket by bucket, as they are gathered from the
-    ZeRO-3 shards, to every engine over a process group of its own (actors/weight_group.py);
-    the engines receive in place and load. The group is opened here, once the ranks and the
-    engines are up (blocking), so that a sync returns at once."""
-
-    def __init__(
-        self, learner: LearnerGroup, engines: list, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    ):
-        super().__init__(learner, engines, bucket_bytes)
-        self._open()
-
-    @property
-    def _partitions(self) -> int:
-        return 1  # rank 0 sends each bucket whole
-
-    def _open(self) -> None:
-        ranks = self.learner.ranks
-        host, port = ray.get(ranks[0].address.remote())
-        world = 1 + len(self.engines)
-        ray.get(
-            [r.open_weight_group.remote(host, port, world) for r in ranks]
-            + [
-                e.open_weight_group.remote(host, port, i + 1, world)
-                for i, e in enumerate(self.engines)
-            ]
-        )
-
-    def async_sync(self, version: int, engines: list) -> SyncHandles:
-        if engines != self.engines:
-            # Its engines never change (a death ends the job), so none ever awaits alone.
-            raise ValueError("the collective transport broadcasts to all of its engines")
-        buckets = self.buckets
-        # The ranks' broadcast ends only when every engine has received.
-        sending = [r.broadcast_weights.remote(buckets) for r in self.learner.ranks]
-        loads = [e.receive_weights.remote(buckets, version) for e in self.engines]
-        self._note(self.engines, loads)
-        return SyncHandles(sending, loads, list(self.engines))
-
-
-def make_transport(
-    kind: str, learner: LearnerGroup, engines: list, bucket_mb: int
-) -> WeightTransport:
-    bucket_bytes = bucket_mb * 2**20
-    if kind == "object_store":
-        return ObjectStoreTransport(learner, engines, bucket_bytes)
-    if kind == "collective":
-        return CollectiveTransport(learner, engines, bucket_bytes)
-    raise ValueError(f"rollout.weight_transport: unknown transport {kind!r}")

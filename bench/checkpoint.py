@@ -24,11 +24,13 @@ import torch
 from weight_sync import random_model  # bench/weight_sync.py, beside this script
 
 from groupflow.actors.learner import LearnerGroup
-from groupflow.checkpoint import LEARNER_DIR, CheckpointStore, DriverState
-from groupflow.config import Config, build_config
-from groupflow.prompt_stream import StreamState
-from groupflow.quickstart import quickstart_model_path
-from groupflow.records import TrainSequence
+from groupflow.config import Config
+from groupflow.core.records import TrainSequence
+from groupflow.loop.checkpoint import LEARNER_DIR, CheckpointStore, Provenance
+from groupflow.loop.checkpointer import DriverState, Parts
+from groupflow.loop.prompt_stream import StreamState
+from groupflow.run.job_config import build_config
+from groupflow.run.quickstart import quickstart_model_path
 
 
 def _sequences(vocab: int, n: int = 16) -> list[TrainSequence]:
@@ -55,16 +57,16 @@ def bench(model_path: str, label: str, model_bytes: int, repeats: int, root: Pat
             started = time.perf_counter()
             staging = store.staging(step)
             ray.get(learner.async_save_checkpoint(str(staging / LEARNER_DIR)))
+            parts = Parts(
+                prompt_stream=StreamState(consumed=0), restarts={}, reward_totals={}, held_out={}
+            )
             state = DriverState(
                 step=step,
                 policy_version=step,
-                stream=StreamState(consumed=0),
-                warm_start_accuracy=None,
-                counters={},
-                model_config_json={},
-                num_ranks=2,
+                provenance=Provenance(model_config_json={}, num_ranks=2),
+                parts=parts,
             )
-            path = store.commit(staging, state, cfg.dump_yaml(), keep=1)
+            path = store.commit(staging, step, state, cfg.dump_yaml(), keep=1)
             saves.append(time.perf_counter() - started)
         started = time.perf_counter()
         learner.load_checkpoint(str(path / LEARNER_DIR))

@@ -28,9 +28,9 @@ from pathlib import Path
 import mpmath
 import ray
 
-from groupflow.config import small_model_config
-from groupflow.driver import run
-from groupflow.presets import PRESETS
+from groupflow.config.presets import PRESETS
+from groupflow.run.driver import run
+from groupflow.run.job_config import small_model_config
 
 DIAGNOSTICS = [
     "spurious_frac",

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import ray
 
-from groupflow.config import small_model_config
-from groupflow.driver import run
+from groupflow.run.driver import run
+from groupflow.run.job_config import small_model_config
 
 SETTINGS = {
     "baseline": ["algorithm.cancellation_diagnostic=false"],

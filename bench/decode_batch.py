@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from groupflow.config import small_model_config
-from groupflow.quickstart import quickstart_model_path
 from groupflow.rollout.engine import RolloutEngine, engine_settings
+from groupflow.run.job_config import small_model_config
+from groupflow.run.quickstart import quickstart_model_path
 
 
 def main() -> None:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 from gpu_learner_probe import SHAPES, VOCAB, groups
 
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner.batching import layout_step, pack_rows, padding_share
 from groupflow.learner.token_head import install_token_head, response_positions
 from groupflow.learner.token_stats import TokenStats, token_stats
-from groupflow.random_model import random_causal_lm
 
 SHAPE = dict(
     **SHAPES["0.5b"],

@@ -27,8 +27,8 @@ import torch
 from weight_sync import random_model
 
 from groupflow.actors.learner import LearnerGroup
-from groupflow.config import build_config
-from groupflow.records import TrainSequence
+from groupflow.core.records import TrainSequence
+from groupflow.run.job_config import build_config
 
 
 def sequences(groups: int, tokens: int, vocab: int, seed: int) -> list[TrainSequence]:

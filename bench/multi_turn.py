@@ -25,13 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from groupflow.quickstart import quickstart_model_path
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks import make_task
 from groupflow.rollout.engine import EngineSettings, RolloutEngine, _response
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings
 from groupflow.rollout.trajectory import TurnLimits, run_trajectory
+from groupflow.run.quickstart import quickstart_model_path
 
 # The user turn as it is, an assistant turn closed by the end-of-text token, a tool result
 # after "=".

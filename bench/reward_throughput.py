@@ -31,12 +31,12 @@ from pathlib import Path
 
 import ray
 
-from groupflow.actors.reward import RewardPool
-from groupflow.config import build_config, small_model_config
-from groupflow.driver import run
-from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.actors.reward import start_reward_pool
+from groupflow.core.records import Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer, response_items
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.driver import run
+from groupflow.run.job_config import build_config, small_model_config
 
 GROUP = 8
 
@@ -108,7 +108,7 @@ def scorer_rate(task_name: str, processes: int, responses: int) -> float:
 
 def throughput(task_name: str, workers: int, responses: int) -> float:
     cfg = build_config({"task": {"name": task_name}}, [f"reward.num_workers={workers}"])
-    pool = RewardPool(cfg)
+    pool = start_reward_pool(cfg)
     ray.get([w.__ray_ready__.remote() for w in pool.workers])  # every worker is up
     groups = groups_for(task_name, responses)
     start = time.monotonic()

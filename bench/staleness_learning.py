@@ -18,8 +18,8 @@ from pathlib import Path
 
 import ray
 
-from groupflow.config import load_config
-from groupflow.driver import run
+from groupflow.run.driver import run
+from groupflow.run.job_config import load_config
 
 
 def train_once(staleness: int, overrides: list[str], out: Path) -> dict:

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from groupflow.config import build_config
 from groupflow.learner.advantages import GroupIndex, grpo_advantages
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import LocalReducer, MiniBatchTokens, plan_credit
@@ -35,8 +34,9 @@ from groupflow.learner.token_head import (
     response_positions,
     response_token_stats,
 )
-from groupflow.quickstart import quickstart_model_path
 from groupflow.reward_workers.tasks.long_addition import SEPARATORS, LongAdditionTask
+from groupflow.run.job_config import build_config
+from groupflow.run.quickstart import quickstart_model_path
 
 FIXED = [0.002, 0.01, 0.05, 0.1, 0.3]
 TARGET_SHARES = [0.001, 0.003, 0.01]

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import ray
 
-from groupflow.config import load_config
-from groupflow.driver import run
+from groupflow.run.driver import run
+from groupflow.run.job_config import load_config
 
 STAGES = (
     "time_gen_s",

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from groupflow.random_model import random_causal_lm
+from groupflow.core.random_model import random_causal_lm
 
 PROMPTS_PER_STEP = 16
 GROUP_SIZE = 8
@@ -47,14 +47,14 @@ WORKLOADS = {"quickstart": 16, "random27m": 64}  # name -> max response tokens
 
 def quickstart_model() -> Path:
     from groupflow.config import Config
-    from groupflow.quickstart import quickstart_model_path
+    from groupflow.run.quickstart import quickstart_model_path
 
     cfg = Config()
     return quickstart_model_path(cfg.task.name, cfg.task.options, cfg.model.warm_start_steps)
 
 
 def random_model(root: Path) -> Path:
-    from groupflow.quickstart import build_tokenizer
+    from groupflow.run.quickstart import build_tokenizer
 
     tokenizer = build_tokenizer()
     model = random_causal_lm(
@@ -89,7 +89,7 @@ def run_groupflow(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
         "metrics.progress=false",
         "algorithm.cancellation_diagnostic=false",
     ]
-    command = [sys.executable, "-m", "groupflow.cli", "train"]
+    command = [sys.executable, "-m", "groupflow.run.cli", "train"]
     for o in overrides:
         command += ["--set", o]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -19,7 +19,7 @@ times faster it is than the full model's.
 
     .venv/bin/python bench/weight_sync.py --checksums
 
-prints instead what the checksums cost alone (groupflow/weight_format.py): GB/s of a
+prints instead what the checksums cost alone (groupflow/core/weight_format.py): GB/s of a
 bucket-sized tensor per dtype on one thread, a whole tensor and a partition that starts
 off a word boundary.
 """
@@ -38,11 +38,13 @@ import torch
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import make_transport
-from groupflow.config import Config, small_model_config
-from groupflow.quickstart import quickstart_model_path
-from groupflow.random_model import random_causal_lm
-from groupflow.weight_format import bucket_manifest, checksum
+from groupflow.actors.transport_object_store import load_streamed, push_partitions
+from groupflow.actors.transport_registry import make_transport
+from groupflow.config import Config
+from groupflow.core.random_model import random_causal_lm
+from groupflow.core.weight_format import bucket_manifest, checksum
+from groupflow.run.job_config import small_model_config
+from groupflow.run.quickstart import quickstart_model_path
 
 TRANSPORTS = ("object_store", "collective")
 
@@ -97,10 +99,10 @@ def time_engines_alone(learner, engines, bucket_bytes: int, version: int) -> flo
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
     buckets = bucket_manifest(manifest, bucket_bytes)
     sync = f"engines-alone-{version}"
-    pushes = learner.async_push_weights(buckets, sync, engines)
+    pushes = push_partitions(learner.ranks, buckets, sync, engines)
     ray.get(pushes)  # every partition in the object store and on its way to the engines
     start = time.perf_counter()
-    ray.get([e.load_streamed_weights.remote(buckets, version, sync, pushes) for e in engines])
+    ray.get([e.weight_sync.remote(load_streamed, buckets, version, sync, pushes) for e in engines])
     return time.perf_counter() - start
 
 

@@ -3,9 +3,9 @@ optimizer shards (each rank writes and reads only its own partition), plus the r
 with `stapo.tau_p: auto`, its running threshold (learner/auto_threshold.py).
 
 Both are collective: every rank calls them together with the same directory. The directory
-is a staging name the driver renames once every rank has returned (groupflow/checkpoint.py).
+is a staging name the driver renames once every rank has returned (groupflow/loop/checkpoint.py).
 A load runs no code from the files: DeepSpeed's reads go through the restricted unpickler
-(groupflow/checkpoint.py `restricted_load`) instead of its own unrestricted torch.load.
+(groupflow/core/safe_pickle.py `restricted_load`) instead of its own unrestricted torch.load.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from groupflow.checkpoint import CheckpointError, restricted_load
+from groupflow.core.errors import CheckpointError
+from groupflow.core.safe_pickle import restricted_load
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 
 # DeepSpeed's tag: the subdirectory of the learner directory its files go to.

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from groupflow.config import AlgorithmConfig
+from groupflow.config.algorithm import AlgorithmConfig
 from groupflow.learner.advantages import GroupIndex
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold, probability_histogram
 from groupflow.learner.diagnostics import logit_grad_norm_sq

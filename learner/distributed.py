@@ -7,15 +7,18 @@ import torch.distributed as dist
 
 
 class DistributedReducer:
-    """Reductions over the default process group, which the learner ranks form."""
+    """Reductions over the default process group, which the learner ranks form. `device` is
+    the one the group's backend reduces on (groupflow/core/device.py): NCCL takes CUDA tensors
+    only, and the planner's own tensors may live on the host."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, device: torch.device):
         self.world_size = world_size
+        self.device = device
 
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
-        out = t.detach().clone()
+        out = t.detach().to(self.device, copy=True)
         dist.all_reduce(out, op=op)
-        return out
+        return out.to(t.device)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(t, dist.ReduceOp.SUM)

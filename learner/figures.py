@@ -14,12 +14,12 @@ from functools import reduce
 
 import torch
 
-from groupflow.device import to_device
+from groupflow.core.device import to_device
+from groupflow.core.records import TrainSequence
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats, loss_masks
-from groupflow.records import TrainSequence
 
 
 @dataclass
@@ -207,7 +207,7 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
     }
     # The credit figures over the step's mini-batches: token counts add up, shares and
     # thresholds are averaged. The step's sequence count is the rollout's (num_sequences,
-    # groupflow/rollout_figures.py), one key from one place.
+    # groupflow/observe/rollout_figures.py), one key from one place.
     for f in fields(CreditStats):
         if f.name in _ADDED_UP:
             record[f.name] = sum(getattr(c, f.name) for c in total.credit)

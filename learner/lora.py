@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import torch
 
-from groupflow.adapters import meta_model, wire_name
-from groupflow.config import ConfigError, LoraConfig
+from groupflow.config.base import ConfigError
+from groupflow.config.learner import LoraConfig
+from groupflow.core.adapters import meta_model, wire_name
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -41,7 +42,7 @@ def has_adapters(module: torch.nn.Module) -> bool:
 
 
 def adapter_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The adapter's matrices by the names they travel under (groupflow/adapters.py)."""
+    """The adapter's matrices by the names they travel under (groupflow/core/adapters.py)."""
     out = {}
     for name, param in module.named_parameters():
         wire = wire_name(name)

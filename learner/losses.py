@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupflow.config import AlgorithmConfig, ClipConfig
+from groupflow.config.algorithm import AlgorithmConfig, ClipConfig
 
 
 @dataclass

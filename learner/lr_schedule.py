@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from groupflow.config import OptimizerConfig
+from groupflow.config.learner import OptimizerConfig
 
 
 def lr_at(cfg: OptimizerConfig, step: int, total_steps: int) -> float:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from groupflow.config import AlgorithmConfig
-from groupflow.device import to_device
+from groupflow.config.algorithm import AlgorithmConfig
+from groupflow.core.device import to_device
+from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
@@ -24,7 +25,6 @@ from groupflow.learner.losses import kl_k2, token_loss
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
 from groupflow.learner.token_stats import TokenStats, loss_masks
-from groupflow.records import TrainSequence
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from groupflow.config import LearnerConfig
+from groupflow.config.learner import LearnerConfig
 from groupflow.learner.token_head import TokenHead, install_token_head
 
 

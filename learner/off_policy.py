@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupflow.config import OffPolicyConfig
+from groupflow.config.algorithm import OffPolicyConfig
 from groupflow.learner.losses import kl_k3
 
 # A ratio of e^50 is as good as infinite for any cap or band; clamping the log-ratio there keeps

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
-from groupflow.config import Config
+from groupflow.config.job import Config
+from groupflow.core.weight_format import Broadcaster, Checksums, Manifest
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
@@ -24,7 +25,6 @@ from groupflow.learner.weight_export import (
     weight_manifest,
 )
 from groupflow.learner.zero_models import RankSetup, build_zero_models
-from groupflow.weight_format import Broadcaster, Checksums, Manifest
 
 
 class LearnerRank:
@@ -34,7 +34,7 @@ class LearnerRank:
         self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
-            reducer=DistributedReducer(setup.world_size),
+            reducer=DistributedReducer(setup.world_size, self.models.policy.device),
             packed=cfg.learner.pack_sequences,
         )
         if cfg.learner.pack_sequences:

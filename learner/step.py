@@ -24,8 +24,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from groupflow.config import AlgorithmConfig
-from groupflow.device import to_device
+from groupflow.config.algorithm import AlgorithmConfig
+from groupflow.core.device import to_device
+from groupflow.core.records import TrainSequence
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import (
     CreditPlan,
@@ -44,7 +45,6 @@ from groupflow.learner.micro_batch import (
     micro_batch_loss,
 )
 from groupflow.learner.token_stats import TokenStats, loss_masks
-from groupflow.records import TrainSequence
 
 MicroBatches = list[list[TrainSequence]]  # [micro-batch] -> sequences
 MicroBatchStats = list[list[TokenStats]]  # [micro-batch] -> one TokenStats per sequence

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from groupflow.device import to_device
+from groupflow.core.device import to_device
 from groupflow.learner.token_stats import TokenStats, stats_dtype
 
 # Elements of one chunk's [chunk, vocab] logits: 2^27 float32 values are 512 MiB, about 880

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupflow.device import to_device
-from groupflow.records import TrainSequence
+from groupflow.core.device import to_device
+from groupflow.core.records import TrainSequence
 
 
 @dataclass

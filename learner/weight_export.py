@@ -1,7 +1,7 @@
 """Parameters out of a ZeRO-3 model, a bucket at a time: each rank's own partitions to Ray's
-object store (actors/transport.py), or full parameters to a broadcast group of inference
+object store (actors/transport_object_store.py), or full parameters to a broadcast group of inference
 engines or to a Hugging Face directory. The buckets and how they travel are the wire format
-(groupflow/weight_format.py); a sync's buckets are cut once, by the transport, and handed to
+(groupflow/core/weight_format.py); a sync's buckets are cut once, by the transport, and handed to
 the ranks and the engines alike.
 
 `shard_buckets` is local: each rank sends its partition of every bucket and the engines put
@@ -18,14 +18,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from groupflow.adapters import MERGED_DIR
-from groupflow.learner.lora import (
-    adapter_parameters,
-    has_adapters,
-    merged_weights,
-    save_adapter,
-)
-from groupflow.weight_format import (
+from groupflow.core.adapters import MERGED_DIR
+from groupflow.core.weight_format import (
     DEFAULT_BUCKET_BYTES,
     Broadcaster,
     Checksums,
@@ -33,6 +27,12 @@ from groupflow.weight_format import (
     PendingTransfer,
     bucket_manifest,
     shard_checksums,
+)
+from groupflow.learner.lora import (
+    adapter_parameters,
+    has_adapters,
+    merged_weights,
+    save_adapter,
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from groupflow.config import LearnerConfig, Zero3Config
+from groupflow.config.learner import LearnerConfig, Zero3Config
 
 # Parameters up to this count are kept whole on every rank: at most 4 GB of bf16 weights.
 WHOLE_MODEL_PARAMETERS = 2_000_000_000

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupflow.config import Config
-from groupflow.device import Device
+from groupflow.config.job import Config
+from groupflow.core.device import Device
 from groupflow.learner.lora import AdaptersOff, add_adapters
 from groupflow.learner.model_setup import prepare_model
 from groupflow.learner.zero_config import deepspeed_config, model_parameter_count

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from groupflow.errors import first_line, printable
-from groupflow.records import Prompt
+from groupflow.core.errors import first_line, printable
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.gold_answers import FIELD_PRESETS, AnswerExtractor, answer_extractor
 from groupflow.reward_workers.hub_datasets import dataset_records
 

@@ -6,7 +6,8 @@ With weight 0 (every task's default) the verdict is unchanged.
 
 from __future__ import annotations
 
-from groupflow.records import Verdict
+from groupflow.core.records import Verdict
+from groupflow.reward_workers.reader_view import disguised
 from groupflow.reward_workers.tasks.options import check_number
 
 # Answers sit at the end of a response; extraction looks no further back than this.
@@ -30,6 +31,15 @@ def last_tagged_block(text: str, tag: str = "answer") -> str | None:
     if start < 0:
         return None
     return text[start + len(tag) + 2 : close]
+
+
+def disguised_tag(text: str, tag: str = "answer") -> Verdict | None:
+    """A zero verdict where the response holds an <tag> or </tag> a reader sees and
+    last_tagged_block cannot (reward_workers/reader_view.py): the block it would read is then
+    not the one a reader takes for the answer. None where every tag is plain."""
+    if disguised(text, f"<{tag}>") or disguised(text, f"</{tag}>"):
+        return Verdict(0.0, f"a disguised <{tag}> tag: the answer is not where it seems")
+    return None
 
 
 def blend_format(verdict: Verdict, well_formatted: bool, weight: float) -> Verdict:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from groupflow.errors import first_line
+from groupflow.core.errors import first_line
 
 SYNTAX = "a hub dataset is NAME, NAME:SPLIT or NAME:CONFIG:SPLIT"
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")

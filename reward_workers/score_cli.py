@@ -13,8 +13,8 @@ import json
 import sys
 from typing import Any
 
-from groupflow.errors import OneLineParser, printable, run_reporting_failures
-from groupflow.records import Prompt
+from groupflow.core.errors import OneLineParser, printable, run_reporting_failures
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.datasets import (
     BadRow,
     prompt_from_record,

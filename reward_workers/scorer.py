@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from groupflow.records import Prompt, SampledGroup, ScoredGroup, Verdict
+from groupflow.core.records import Prompt, SampledGroup, ScoredGroup, Verdict
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.log_once import LogOnce
 from groupflow.reward_workers.tasks import make_task
@@ -30,13 +30,14 @@ logger = logging.getLogger(__name__)
 # are pure-Python checks of bounded input: this is generous.
 DEFAULT_VERIFY_TIMEOUT_S = 5.0
 
-# What a verifier reads of one response: its prompt and its text.
+# What a verifier reads of one response: its prompt and the text its answer can occupy.
 ResponseItem = tuple[Prompt, str]
 
 
 def response_items(groups: list[SampledGroup]) -> list[ResponseItem]:
-    """Every response of the groups, in order, as a verifier reads it."""
-    return [(g.prompt, r.text) for g in groups for r in g.responses]
+    """Every response of the groups, in order, as a verifier reads it: a trajectory's final
+    turn (Response.answer_text), so that no observation and no earlier turn can answer."""
+    return [(g.prompt, r.answer_text) for g in groups for r in g.responses]
 
 
 def scored_groups(groups: list[SampledGroup], verdicts: list[Verdict]) -> list[ScoredGroup]:

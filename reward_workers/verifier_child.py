@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 
 _HEADER = struct.Struct(">I")
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.sandbox import parent_death_prefix, with_parent_death
 from groupflow.reward_workers.verifier_child import read_exactly, write_frame
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from groupflow.records import Prompt, Response
+from groupflow.core.records import Prompt, Response
+from groupflow.core.user_code import UserCodeError, load_user_object
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
-from groupflow.rollout.tools import RunCode, ToolBox, ToolCallParser, make_tools
+from groupflow.rollout.python_tool import RunCode
+from groupflow.rollout.toolbox import ToolBox, ToolCallParser
+from groupflow.rollout.tools import make_tools
 from groupflow.rollout.trajectory import (
     EnvironmentFactory,
     Generate,
@@ -101,9 +104,7 @@ class Agent:
 
 def user_environment(spec: str, tools: ToolBox) -> EnvironmentFactory:
     """`agent.environment`: a factory called as factory(prompt, tools) for each trajectory."""
-    from groupflow.reward_workers.plugins import load_object
-
-    factory = load_object(spec, "agent.environment")
+    factory = load_user_object(spec, "agent.environment")
     if not callable(factory):
-        raise ValueError(f"agent.environment {spec!r}: is not callable")
+        raise UserCodeError(f"agent.environment {spec!r}: is not callable")
     return lambda prompt: factory(prompt, tools)

@@ -1,7 +1,7 @@
 """A vLLM engine for grouped sampling: one request with n = G per prompt, batched continuously,
 weights loaded while requests run.
 
-No Ray in here; actors/generator.py wraps it and calls it from the actor's event loop.
+No Ray in here; actors/generator_actor.py wraps it and calls it from the actor's event loop.
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from groupflow.adapters import (
+from groupflow.core.adapters import (
     ADAPTER_ID,
     ADAPTER_NAME,
     engine_max_rank,
     serving_config,
 )
-from groupflow.records import Prompt, Response, SampledGroup
+from groupflow.core.records import Prompt, Response, SampledGroup
+from groupflow.core.weight_format import LoadedWeights, checksums
 from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
-from groupflow.rollout.tools import RunCode
-from groupflow.rollout.weight_intake import broadcast, checksummed
-from groupflow.weight_format import Broadcaster, LoadedWeights, Manifest, checksums
+from groupflow.rollout.python_tool import RunCode
+from groupflow.rollout.weight_intake import checksummed
 
 if TYPE_CHECKING:
-    from groupflow.config import SamplingConfig
+    from groupflow.config.rollout import SamplingConfig
 
 
 @dataclass
@@ -55,7 +55,7 @@ class EngineSettings:
 
 @dataclass
 class EngineLora:
-    """The adapter an engine serves (groupflow/adapters.py): its LoRA slot's rank and the
+    """The adapter an engine serves (groupflow/core/adapters.py): its LoRA slot's rank and the
     adapter's PEFT config."""
 
     max_rank: int
@@ -340,7 +340,7 @@ class RolloutEngine:
     def load_weights(self, named_tensors, version: int) -> LoadedWeights:
         """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they
         arrive (the engine lives in this process, so the worker consumes it lazily). Returns
-        the checksum of every tensor loaded (groupflow/weight_format.py). Called from the
+        the checksum of every tensor loaded (groupflow/core/weight_format.py). Called from the
         thread that calls into vLLM (`load`), or where no request runs."""
         loaded = LoadedWeights(version)
         if self.lora is not None:
@@ -366,13 +366,6 @@ class RolloutEngine:
         engine.reset_prefix_cache(reset_running_requests=True)
         self.policy_version = version
         return loaded
-
-    def receive_weights(
-        self, group: Broadcaster, buckets: list[Manifest], version: int, device: str
-    ) -> LoadedWeights:
-        """Receive the buckets from the weight group's rank 0 and load them in one pass: vLLM
-        loads each layer once its tensors have arrived, while the next bucket is in transfer."""
-        return self.load_weights(broadcast(group, buckets, device), version)
 
     async def parameters_snapshot(self) -> dict:
         return (await self._call(self.llm.collective_rpc, "named_parameters_snapshot"))[0]

@@ -9,11 +9,15 @@ the template renders a fixed conversation (a user turn, an assistant turn) follo
 messages and a generation prompt, and the observation is everything after the assistant
 turn's content. That takes in the template's closing of the assistant turn, less what the
 model wrote of it itself (ChatML's `<|im_end|>` is the model's last token; the newline after
-it is the observation's), and nothing of how the template renders earlier turns.
+it is the observation's), and nothing of how the template renders earlier turns. The messages'
+contents are data: their text is tokenised without its special tokens
+(rollout/content_tokens.py), so that a tool's output cannot end the observation, or the model's
+turn, with a control token of its own.
 """
 
 from __future__ import annotations
 
+from groupflow.rollout.content_tokens import Piece
 from groupflow.rollout.prompt_render import PromptRenderer, PromptRenderError
 
 # The fixed conversation every observation is cut from.
@@ -48,14 +52,16 @@ class ObservationRenderer:
             )
 
     def ids(self, messages: list[dict], last_token: int | None) -> tuple[list[int], str]:
-        rendered = self.renderer.render(self._base + messages, "cannot render tool messages")
-        at = rendered.find(_ASSISTANT)
-        if at < 0:
+        pieces = self.renderer.render_pieces(self._base + messages, "cannot render tool messages")
+        assistant = len(self._base) - 1
+        at = next((k for k, p in enumerate(pieces) if p.message == assistant), None)
+        if at is None:
             raise PromptRenderError(
                 f"{self.renderer.template_name}: does not render an assistant turn's content"
             )
-        text = rendered[at + len(_ASSISTANT) :]
+        pieces = pieces[at + 1 :]
         written = "" if last_token is None else self.renderer.tokenizer.decode([last_token])
-        if written and text.startswith(written):
-            text = text[len(written) :]
-        return self.renderer.tokenizer.encode(text, add_special_tokens=False), text
+        if written and pieces and pieces[0].message is None and pieces[0].text.startswith(written):
+            pieces[0] = Piece(pieces[0].text[len(written) :])
+        text = "".join(p.text for p in pieces)
+        return self.renderer.content_tokens.ids(pieces), text

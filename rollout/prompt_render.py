@@ -4,6 +4,12 @@ one (`task.chat_template`, `task.system_prompt`).
 The engine renders every prompt once and hands the ids on with its samples, so the learner
 trains on exactly the ids vLLM generated from: no second rendering can drift from the first.
 
+A message's content is data, never markup: a dataset prompt that says `<eos>` is the text
+`<eos>`, not the end-of-text token. The template is rendered with a stand-in for each content
+(`render_pieces`), which cuts the rendering into the template's own text and each content as
+the template wrote it (trimmed, escaped, whatever it does to it), and rollout/content_tokens.py
+tokenises the contents without their special tokens.
+
 A chat template is code from a model directory. Jinja's sandbox stops attribute escapes, but
 not a template that loops without end, recurses until the interpreter dies or builds a huge
 string. So the driver vets the template before any actor starts (`vetted_lengths`): a forked
@@ -20,12 +26,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import resource
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
+from groupflow.rollout.content_tokens import ContentTokens, Piece
 
 STALL_S = 5.0  # the longest one prompt may take to render (and tokenize) when vetted
 MAX_RENDERED_CHARS = 1_000_000  # far past any prompt that fits an engine
@@ -44,7 +52,7 @@ class PromptRenderError(ValueError):
 class ChatSettings:
     chat_template: str = "auto"  # "auto" | "none" | a path to a Jinja template file
     system_prompt: str | None = None
-    tools: list[dict] | None = None  # declarations of a multi-turn job's tools (rollout/tools.py)
+    tools: list[dict] | None = None  # declarations of a multi-turn job's tools (rollout/toolbox.py)
 
 
 class PromptRenderer:
@@ -56,6 +64,10 @@ class PromptRenderer:
         self.tools = settings.tools or None
         self.template = job_chat_template(tokenizer, settings.chat_template)
         self.template_name = _template_name(tokenizer, settings.chat_template)
+        self.content_tokens = ContentTokens(tokenizer)
+        # Stand-ins for contents: letters and digits, which no template filter changes, and
+        # unknowable to whoever writes a content, so that none can hold one.
+        self._stand_in = f"gf{secrets.token_hex(8)}m{{}}e"
         if self.template is None and settings.system_prompt is not None:
             raise PromptRenderError(
                 "task.system_prompt: needs a chat template, and the tokenizer has none "
@@ -81,13 +93,92 @@ class PromptRenderer:
                     f"prompt {prompt.uid!r}: is only a list of messages, and the tokenizer has "
                     "no chat template (set task.chat_template)"
                 )
-            return self.tokenizer.encode(prompt.text)
+            return self.content_tokens.text_ids(prompt.text)
         # The template writes any BOS itself; the tokenizer must not add a second one.
-        return self.tokenizer.encode(self.chat_text(prompt), add_special_tokens=False)
+        return self.content_tokens.ids(self.prompt_pieces(prompt))
 
     def chat_text(self, prompt: Prompt) -> str:
         """The prompt through the chat template."""
-        return self.render(self.messages(prompt), f"fails on prompt {prompt.uid!r}")
+        return "".join(p.text for p in self.prompt_pieces(prompt))
+
+    def prompt_pieces(self, prompt: Prompt) -> list[Piece]:
+        return self.render_pieces(self.messages(prompt), f"fails on prompt {prompt.uid!r}")
+
+    def render_pieces(self, messages: list[dict], failure: str) -> list[Piece]:
+        """`render`, cut into the template's own text and each message's content as the
+        template wrote it. Found from stand-ins: one rendering with every content replaced by
+        its stand-in, one with the real contents, and where the template did not write the
+        contents as they are (it trimmed or escaped one), one more per content, with that
+        content real. PromptRenderError where what the template writes around a content
+        depends on the content."""
+        stand_ins = {
+            i: self._stand_in.format(i)
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), str)
+        }
+        skeleton = self._split(self._with(messages, stand_ins, None, failure), stand_ins)
+        contents = {i: messages[i]["content"] for i in stand_ins}
+        verbatim = [
+            Piece(contents[p.message], p.message) if p.message is not None else p for p in skeleton
+        ]
+        if "".join(p.text for p in verbatim) == self.render(messages, failure):
+            return verbatim
+        written = {
+            i: self._written(self._with(messages, stand_ins, i, failure), skeleton, i, failure)
+            for i in {p.message for p in skeleton if p.message is not None}
+        }
+        return [
+            Piece(written[p.message], p.message) if p.message is not None else p for p in skeleton
+        ]
+
+    def _with(
+        self, messages: list[dict], stand_ins: dict[int, str], real: int | None, failure: str
+    ) -> str:
+        """The rendering with every content but messages[real]'s replaced by its stand-in."""
+        shown = [
+            {**m, "content": stand_ins[i]} if i in stand_ins and i != real else m
+            for i, m in enumerate(messages)
+        ]
+        return self.render(shown, failure)
+
+    def _split(self, rendered: str, stand_ins: dict[int, str]) -> list[Piece]:
+        by_text = {mark: i for i, mark in stand_ins.items()}
+        pieces, at = [], 0
+        while True:
+            found = [(rendered.find(mark, at), mark) for mark in by_text]
+            found = [(where, mark) for where, mark in found if where >= 0]
+            if not found:
+                break
+            where, mark = min(found)
+            if where > at:
+                pieces.append(Piece(rendered[at:where]))
+            pieces.append(Piece(mark, by_text[mark]))
+            at = where + len(mark)
+        if at < len(rendered):
+            pieces.append(Piece(rendered[at:]))
+        return pieces
+
+    def _written(self, rendered: str, skeleton: list[Piece], message: int, failure: str) -> str:
+        """What the template wrote for messages[message]'s content in `rendered` (that content
+        real, every other a stand-in): the rendering less the skeleton's other pieces."""
+        places = sum(p.message == message for p in skeleton)
+        rest = sum(len(p.text) for p in skeleton if p.message != message)
+        size, left = divmod(len(rendered) - rest, places)
+        written = None
+        if not left and size >= 0:
+            start = 0
+            for p in skeleton:
+                if p.message == message:
+                    written = rendered[start : start + size]
+                    break
+                start += len(p.text)
+            rebuilt = "".join(written if p.message == message else p.text for p in skeleton)
+            if rebuilt == rendered:
+                return written
+        raise PromptRenderError(
+            f"{self.template_name}: {failure} (what it writes around a message depends on the "
+            "message's content, which is kept apart from the template's own tokens)"
+        )
 
     def render(self, messages: list[dict], failure: str) -> str:
         """Messages through the chat template, with a generation prompt and the job's tools;
@@ -160,16 +251,14 @@ class PromptRenderer:
     def _vetted_ids(self, prompt: Prompt) -> list[int]:
         if self.template is None:
             return self.ids(prompt)
-        return self.tokenizer.encode(self._vetted_text(prompt), add_special_tokens=False)
-
-    def _vetted_text(self, prompt: Prompt) -> str:
-        text = self.chat_text(prompt)
-        if len(text) > MAX_RENDERED_CHARS:
+        pieces = self.prompt_pieces(prompt)
+        size = sum(len(p.text) for p in pieces)
+        if size > MAX_RENDERED_CHARS:
             raise PromptRenderError(
-                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to {len(text)} "
+                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to {size} "
                 f"characters (at most {MAX_RENDERED_CHARS})"
             )
-        return text
+        return self.content_tokens.ids(pieces)
 
 
 def check_prompt_lengths(

@@ -11,8 +11,9 @@ its request (`Generate`).
 
 An environment (`agent.environment`, or the built-in `ToolEnvironment` that runs the calls of
 `agent.tools`) is made per trajectory and told each model turn; it answers with the messages
-to insert, or None to end the trajectory. One that raises ends its trajectory with
-`end_reason` "environment_error" (reward 0, counted), never the job.
+to insert, or None to end the trajectory. One that raises, whatever it raises, or answers
+with something that is not an answer ends its trajectory with `end_reason`
+"environment_error" (reward 0, counted), never the job.
 """
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from groupflow.records import Prompt, Response, ToolUse
+from groupflow.core.records import Prompt, Response, ToolUse
+from groupflow.core.user_code import raised_text
+from groupflow.rollout.environment_reply import (
+    InvalidObservation,
+    Observation,
+    checked_observation,
+)
 from groupflow.rollout.observations import ObservationRenderer
-from groupflow.rollout.tools import ToolBox, ToolCallParser
-from groupflow.rollout.user_code import USER_CODE
+from groupflow.rollout.toolbox import ToolBox, ToolCallParser
+from groupflow.rollout.user_calls import USER_CALLS, UserCodeFailed, user_attribute
 
 
 @dataclass(frozen=True)
@@ -35,15 +42,6 @@ class TurnLimits:
     turn_tokens: int  # one turn's response limit
     total_tokens: int  # the whole trajectory's, observations included
     deadline_s: float  # wall-clock, from the first turn's submission
-
-
-@dataclass
-class Observation:
-    """An environment's answer to a turn: messages to insert (`{"role", "content"}`), and the
-    tool calls it made for them."""
-
-    messages: list[dict]
-    tool_uses: list[ToolUse] = field(default_factory=list)
 
 
 class Environment(Protocol):
@@ -92,11 +90,11 @@ async def run_trajectory(
     max_model_len: int,
     clock: Callable[[], float] = time.monotonic,
 ) -> Response:
-    """One trajectory from `prompt` to its end (its `end_reason`, groupflow/records.py), as
+    """One trajectory from `prompt` to its end (its `end_reason`, groupflow/core/records.py), as
     one Response whose `loss_mask` marks the model's tokens."""
     trajectory = _Trajectory()
     deadline = clock() + limits.deadline_s
-    env = None  # made after the first turn, so that every trajectory holds one
+    step = None  # the environment's, made after the first turn: every trajectory holds one
     for turn in range(limits.max_turns):
         room = min(
             limits.turn_tokens,
@@ -113,15 +111,14 @@ async def run_trajectory(
         if left <= 0:
             return trajectory.end("deadline")
         try:
-            if env is None:  # not `env or ...`: an environment may well be falsy
-                env = await asyncio.wait_for(_user(environment, prompt), left)
-            reply = await asyncio.wait_for(_step(env, sampled.text), deadline - clock())
-        except TimeoutError:
+            if step is None:
+                env = await asyncio.wait_for(USER_CALLS.call(environment, prompt), left)
+                step = user_attribute(env, "step")
+            reply = await asyncio.wait_for(_step(step, sampled.text), deadline - clock())
+        except TimeoutError:  # the deadline's: one the environment raised is UserCodeFailed
             return trajectory.end("deadline")
-        except _OwnTimeout as err:
-            return trajectory.end("environment_error", error=_error(err.__cause__))
-        except Exception as err:  # a user's environment: whatever it raises ends this trajectory
-            return trajectory.end("environment_error", error=_error(err))
+        except (UserCodeFailed, InvalidObservation) as err:
+            return trajectory.end("environment_error", error=str(err))
         if reply is None:
             return trajectory.end("answer")
         trajectory.tool_uses += reply.tool_uses
@@ -131,7 +128,7 @@ async def run_trajectory(
             last = sampled.token_ids[-1] if sampled.token_ids else None
             ids, text = observations.ids(reply.messages, last)
         except Exception as err:  # messages the template cannot render: the environment's
-            return trajectory.end("environment_error", error=_error(err))
+            return trajectory.end("environment_error", error=raised_text(err))
         total = trajectory.length + len(ids)
         if total >= min(limits.total_tokens, max_model_len - len(prompt_ids)):
             return trajectory.end("token_limit")
@@ -139,35 +136,8 @@ async def run_trajectory(
     return trajectory.end("turn_limit")
 
 
-class _OwnTimeout(Exception):
-    """A TimeoutError the environment raised itself: its error, not the deadline."""
-
-
-async def _user(fn: Callable, *args):
-    try:
-        return await USER_CODE.call(fn, *args)
-    except TimeoutError as err:  # the deadline cancels instead: this one is the user's
-        raise _OwnTimeout from err
-
-
-async def _step(env: Environment, turn: str) -> Observation | None:
-    reply = await _user(env.step, turn)
-    if reply is None or isinstance(reply, Observation):
-        return reply
-    if isinstance(reply, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in reply
-    ):
-        return Observation(reply) if reply else None
-    raise TypeError(
-        f"step returned {type(reply).__name__}: expected a list of {{'role', 'content'}} "
-        "messages or None"
-    )
-
-
-def _error(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+async def _step(step: Callable, turn: str) -> Observation | None:
+    return checked_observation(await USER_CALLS.call(step, turn))
 
 
 class _Trajectory:
@@ -178,6 +148,7 @@ class _Trajectory:
         self.versions: list[tuple[int, int]] = []
         self.texts: list[str] = []
         self.turns = 0
+        self.final_turn = ""
         self.tool_uses: list[ToolUse] = []
 
     @property
@@ -192,6 +163,7 @@ class _Trajectory:
         self.mask += [1] * len(sampled.token_ids)
         self.logprobs += sampled.logprobs
         self.texts.append(sampled.text)
+        self.final_turn = sampled.text
         self.turns += 1
 
     def add_observation(self, ids: list[int], text: str) -> None:
@@ -211,4 +183,5 @@ class _Trajectory:
             end_reason=reason,
             tool_uses=self.tool_uses,
             error=error,
+            final_turn=self.final_turn,
         )

@@ -1,10 +1,10 @@
-"""An engine's side of a weight sync: the buckets (groupflow/weight_format.py) as they arrive,
+"""An engine's side of a weight sync: the buckets (groupflow/core/weight_format.py) as they arrive,
 by either transport, turned into the (name, tensor) pairs one vLLM load consumes
 (rollout/engine.py `RolloutEngine.load_weights`), and the checksum of each pair as it is
 handed to vLLM.
 
 No Ray in here: the object-store path is given the functions that take the next bucket's
-references and fetch them (actors/generator.py passes its queue and `ray.get`).
+references and fetch them (actors/transport_object_store.py passes its queue and `ray.get`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from groupflow.errors import first_line
-from groupflow.weight_format import (
+from groupflow.core.errors import first_line
+from groupflow.core.weight_format import (
     Broadcaster,
     Checksums,
     Manifest,

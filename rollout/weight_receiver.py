@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from groupflow.adapters import ADAPTER_ID
-from groupflow.weight_format import layer_of
+from groupflow.core.adapters import ADAPTER_ID
+from groupflow.core.weight_format import layer_of
 
 # With tied embeddings vLLM's output projection shares the input embedding's weight.
 TIED_HEAD = {"model.embed_tokens": "lm_head"}
@@ -47,7 +47,7 @@ class WeightReceiver:
         return len(layers)
 
     def load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], config: dict) -> int:
-        """Serve the LoRA adapter `named_tensors` (PEFT's names, groupflow/adapters.py) with
+        """Serve the LoRA adapter `named_tensors` (PEFT's names, groupflow/core/adapters.py) with
         PEFT config `config` in place of the one served so far, under the one adapter id;
         running requests take it from their next token. Returns the modules adapted.
 

@@ -23,7 +23,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def quickstart_model() -> str:
     from groupflow.config import Config
-    from groupflow.quickstart import quickstart_model_path
+    from groupflow.run.quickstart import quickstart_model_path
 
     cfg = Config()
     return str(
@@ -41,7 +41,7 @@ TOOL_MODEL_WARM_START = 30
 @pytest.fixture(scope="session")
 def tool_model() -> str:
     """The built-in model of the tool_arithmetic task, briefly warm-started."""
-    from groupflow.quickstart import quickstart_model_path
+    from groupflow.run.quickstart import quickstart_model_path
 
     return str(quickstart_model_path("tool_arithmetic", {}, TOOL_MODEL_WARM_START, progress=False))
 

@@ -2,7 +2,7 @@
 need not import sympy, which the math task does: half a second per process start).
 
 A task is the job's prompt source as well as its verifier (tasks/base.py: Task): the driver's
-prompt stream (groupflow/prompt_stream.py) draws the training prompts from `train_prompts` and
+prompt stream (groupflow/loop/prompt_stream.py) draws the training prompts from `train_prompts` and
 the held-out evaluation from `eval_prompts`, while the reward workers call `verify`."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "code": ("code_problems", "CodeTask"),
     # long products, answered with the calculator tool in a multi-turn trajectory
     "tool_arithmetic": ("tool_arithmetic", "ToolArithmeticTask"),
-    # several of the above in one job: groupflow/config.py builds it from a list under `task`
+    # several of the above in one job: groupflow/config/load.py reads it from a list under `task`
     "mixture": ("mixture", "MixtureTask"),
 }
 

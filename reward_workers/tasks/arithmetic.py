@@ -6,7 +6,7 @@ import random
 import re
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import GeneratedTask
 from groupflow.reward_workers.tasks.options import check_int
 

@@ -7,7 +7,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 
 
 class Task(Protocol):

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
 from groupflow.reward_workers.sandbox import default_platform, require_strong
 from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, run_tests

@@ -14,10 +14,11 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import (
     blend_format,
     check_format_weight,
+    disguised_tag,
     last_tagged_block,
 )
 from groupflow.reward_workers.tasks.base import GeneratedTask
@@ -156,6 +157,8 @@ class CountdownTask(GeneratedTask):
         return {"numbers": numbers, "target": target}
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
+        if refused := disguised_tag(response):
+            return refused
         verdict = self._check(prompt.answer, response)
         well_formatted = last_tagged_block(response) is not None
         return blend_format(verdict, well_formatted, self.format_weight)

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import (
     MAX_EXTRACTION_CHARS,
     blend_format,
     check_format_weight,
+    disguised_tag,
     last_tagged_block,
 )
 from groupflow.reward_workers.tasks.base import GeneratedTask
@@ -255,6 +256,8 @@ class KnightsAndKnavesTask(GeneratedTask):
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         response = response[-MAX_EXTRACTION_CHARS:]  # the claim patterns are not linear
+        if refused := disguised_tag(response):
+            return refused
         block = last_tagged_block(response)
         verdict = self._check(
             prompt.answer, response if block is None else block, strict=block is not None

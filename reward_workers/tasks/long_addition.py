@@ -18,15 +18,20 @@ import re
 import unicodedata
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
+from groupflow.reward_workers.reader_view import lookalike, normalised
 from groupflow.reward_workers.tasks.base import GeneratedTask, hash_position
 from groupflow.reward_workers.tasks.options import check_int
 
 ANSWER_MARKER = "answer"
-# The marker as a word, then one integer, then nothing but white space. Anything after the
-# integer (a second value, a hedge, a fraction, prose) refuses the answer.
-_FINAL = re.compile(rf"\b{ANSWER_MARKER}[ \t]+(\d+)\s*\Z", re.IGNORECASE)
-_MARKER = re.compile(rf"\b{ANSWER_MARKER}\b", re.IGNORECASE)
+# The marker as a reader would see it, in the normalised text (reward_workers/reader_view.py):
+# its letters or any letters outside ASCII that look like them (Cyrillic а), and anywhere,
+# inside a longer word too ("answers: 769." is an answer). A response holds one, at its very
+# end: the one span an answer can occupy.
+_MARKER = re.compile(lookalike(ANSWER_MARKER))
+# The marker, then one integer, then nothing but white space. Anything after the integer (a
+# second value, a hedge, a fraction, prose) refuses the answer.
+_FINAL = re.compile(rf"{_MARKER.pattern}[ \t]+(\d+)\s*\Z")
 
 
 # The separator before each column after the first and before the answer, with its share in
@@ -113,7 +118,10 @@ class LongAdditionTask(GeneratedTask):
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         """The integer after the one `answer` marker, at the very end, compared exactly as
-        digits (never converted to an int, so its length costs nothing)."""
+        digits (never converted to an int, so its length costs nothing). Markers are counted
+        in the normalised text, so that a disguised one (`аnswer`, `ANSWERS:`, `ans\u200bwer`)
+        is a second answer, not text the verifier skips."""
+        response = normalised(response)
         markers = len(_MARKER.findall(response))
         if markers == 0:
             return Verdict(0.0, f"no final '{ANSWER_MARKER} N'")

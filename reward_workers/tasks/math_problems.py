@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.format_reward import blend_format, check_format_weight
 from groupflow.reward_workers.gold_answers import worked_solutions
+from groupflow.reward_workers.reader_view import disguised
 from groupflow.reward_workers.tasks.math_answer import (
     MAX_ANSWER_CHARS,
     AnswerRefused,
@@ -112,6 +113,10 @@ class MathTask(PooledTask):
         return found.message(MAX_ANSWER_CHARS) if found.flagged else None
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
+        if any(disguised(response, marker) for marker in ("\\boxed", "\\fbox")):
+            # a box a reader sees and extract_answer does not: the answer read is not the one
+            # shown last, nor counted in the hedge check
+            return Verdict(0.0, "a disguised \\boxed: the answer is not where it seems")
         verdict = self._check(prompt.answer, response)
         return blend_format(verdict, last_boxed(response) is not None, self.format_weight)
 

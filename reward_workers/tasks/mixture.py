@@ -1,7 +1,7 @@
 """Several tasks in one job (`task: [{name: math, weight: 3}, {name: code, weight: 1}]`):
 prompts are drawn from the tasks by weight, and each prompt keeps its task's verifier.
 
-The job config's task list becomes this task's options (groupflow/config.py), so every
+The job config's task list becomes this task's options (groupflow/config/load.py), so every
 process that builds the job's task by name (reward workers, scorer processes) builds the same
 mixture. Each prompt carries its task's label (`Prompt.task`), which routes its verification
 and splits the per-task metrics.
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import Task
 
 ENTRY_KEYS = {"name", "options", "weight", "label", "max_tokens"}

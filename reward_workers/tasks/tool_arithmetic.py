@@ -20,7 +20,7 @@ import json
 import random
 from typing import Any
 
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import GeneratedTask, hash_position
 from groupflow.reward_workers.tasks.options import check_int
 
@@ -73,13 +73,14 @@ class ToolArithmeticTask(GeneratedTask):
         return raw
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
-        """The model's last turn (after the last tool response) is exactly the product."""
-        final = response.rpartition(RESPONSE_END)[2].strip()
+        """The model's final turn (what the scorer hands a verifier of a trajectory) is
+        exactly the product. Nothing in it is cut at a marker: a `</tool_response>` the model
+        writes itself is part of a wrong answer."""
+        final = response.strip()
         if final == str(prompt.answer):
-            used = RESPONSE_END in response
-            return Verdict(1.0, f"correct{' with the tool' if used else ''}: {final}")
+            return Verdict(1.0, f"correct: {final}")
         if not final:
-            return Verdict(0.0, "no answer after the tool's response")
+            return Verdict(0.0, "no answer in the final turn")
         return Verdict(0.0, f"wrong: {final[:40]!r} != {prompt.answer}")
 
     def demonstration_turns(self, prompt: Prompt) -> list[tuple[str, bool]]:

@@ -26,7 +26,7 @@ class DriverProcess:
         self.log_path = output_dir / "driver.log"
         address = ray.get_runtime_context().gcs_address
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "groupflow.cli", "train", *train_args]
+            [sys.executable, "-m", "groupflow.run.cli", "train", *train_args]
             + ["--set", f"trainer.output_dir={output_dir}", "--set", f"cluster.address={address}"],
             stdout=self.log_path.open("w"),
             stderr=subprocess.STDOUT,

@@ -15,10 +15,11 @@ from transformers import AutoTokenizer
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.tools import ToolPoolClient, start_tool_pool
-from groupflow.catalogue import BY_KEY
-from groupflow.cli import main
-from groupflow.config import SamplingConfig, build_config, small_model_config
+from groupflow.config import SamplingConfig
+from groupflow.observe.catalogue import BY_KEY
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.cli import main
+from groupflow.run.job_config import build_config, small_model_config
 from tests.integration.plugins.environments import MARKER
 from tests.integration.prometheus_server import PrometheusServer
 from tests.integration.ray_nodes import free_port

@@ -32,8 +32,8 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
-    from groupflow.checkpoint import CheckpointError
     from groupflow.config import LearnerConfig, Zero3Config
+    from groupflow.core.errors import CheckpointError
     from groupflow.learner.auto_threshold import RunningProbabilityThreshold, probability_histogram
     from groupflow.learner.checkpoint import TAG, load_rank_checkpoint, save_rank_checkpoint
     from groupflow.learner.zero_config import deepspeed_config

@@ -9,10 +9,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from groupflow.catalogue import BY_KEY
-from groupflow.cli import main
-from groupflow.config import load_config
 from groupflow.learner.lr_schedule import lr_at
+from groupflow.observe.catalogue import BY_KEY
+from groupflow.run.cli import main
+from groupflow.run.job_config import load_config
 from tests.hf_cache import cache_model, read_offline
 from tests.integration.test_presets import DIAGNOSTICS
 
@@ -95,6 +95,10 @@ def test_three_steps_with_overlap_write_the_run_directory(
     run = tmp_path / "e2e"
     assert (run / "config.resolved.yaml").is_file()
     assert load_config(run / "config.resolved.yaml").model.path == "groupflow/quickstart"
+    # what resolve decided at max_staleness 1 heads the file (docs/config.md, "Resolved")
+    resolved = (run / "config.resolved.yaml").read_text()
+    assert "\n#   rollout.partial_rollout: true (unset: " in resolved
+    assert '\n#   algorithm.off_policy.mode: "tis" (unset: ' in resolved
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
@@ -138,7 +142,9 @@ def test_three_steps_with_overlap_write_the_run_directory(
     # the driver's story in the run directory (issue 37), from the run's start (held until the
     # directory existed) to its end, with a line a step: its elapsed time and ETA
     driver_log = (run / "driver.log").read_text().splitlines()
-    step_lines = [line.split(": ", 1)[1] for line in driver_log if "groupflow.run: step " in line]
+    step_lines = [
+        line.split(": ", 1)[1] for line in driver_log if "groupflow.run_log: step " in line
+    ]
     assert [line.split(" reward=")[0] for line in step_lines] == [
         "step 1/3",
         "step 2/3",

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from groupflow.saved_model import complete_saved_model
+from groupflow.loop.saved_model import complete_saved_model
 from tests.hf_cache import cache_model, offline_env
 
 pytestmark = pytest.mark.integration
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def _eval(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "groupflow.cli", "eval", *args],
+        [sys.executable, "-m", "groupflow.run.cli", "eval", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -75,7 +75,7 @@ RAW_TEXT_TEMPLATE = (
 def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstart_model, tmp_path):
     """Under a chat template (chat_template.jinja) with a system turn, which needs a template:
     the adapter served on its base scores as the model it merges into, saved as groupflow saves
-    a policy (groupflow/saved_model.py), whose own template it renders. The base is named by a
+    a policy (groupflow/loop/saved_model.py), whose own template it renders. The base is named by a
     hub id, from a Hugging Face cache read offline: the adapter's base_model_name_or_path, and
     the plain model evaluated last."""
     from transformers import AutoTokenizer
@@ -116,7 +116,7 @@ def test_eval_of_a_model_and_of_an_adapter_is_that_of_its_merged_model(quickstar
 def test_an_adapter_of_another_model_is_one_line(quickstart_model, tmp_path):
     from transformers import AutoConfig
 
-    from groupflow.random_model import random_causal_lm
+    from groupflow.core.random_model import random_causal_lm
 
     other = tmp_path / "other"
     random_causal_lm(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.pipeline import HEARTBEAT_S
+from groupflow.loop.pipeline import HEARTBEAT_S
 from tests.integration.prometheus_server import PrometheusServer
 from tests.integration.ray_nodes import FAST_HEALTH_CHECKS, RayNode, free_port
 from tests.integration.test_presets import (
@@ -61,7 +61,7 @@ def ray_head():
 
 def _groupflow(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "groupflow.cli", *args],
+        [sys.executable, "-m", "groupflow.run.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -254,7 +254,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
     rules.write_text(re.sub(r"\bfor: \w+", "for: 0s", ALERTS.read_text()))
     prometheus = PrometheusServer(tmp_path, port, rules)
     driver = subprocess.Popen(
-        [sys.executable, "-m", "groupflow.cli", "train", *args],
+        [sys.executable, "-m", "groupflow.run.cli", "train", *args],
         env=env,
         stdout=log_path.open("w"),
         stderr=subprocess.STDOUT,

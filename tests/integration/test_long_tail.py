@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import ray
 
-import groupflow.driver
-from groupflow.config import small_model_config
-from groupflow.driver import run
+import groupflow.run.job_actors
+from groupflow.run.driver import run
+from groupflow.run.job_config import small_model_config
 from tests.integration.test_presets import ON_LONG_TAIL, check_preset_run, preset_settings
 
 pytestmark = pytest.mark.integration
@@ -44,14 +44,14 @@ def _long_tail():
 @pytest.fixture
 def long_tail_engines(monkeypatch):
     install = _long_tail()
-    start = groupflow.driver.start_generator_pool
+    start = groupflow.run.job_actors.start_generator_pool
 
     def start_long_tailed(*args, **kwargs):
         pool = start(*args, **kwargs)
         ray.get([e.__ray_call__.remote(lambda _: install()) for e in pool.engines])
         return pool
 
-    monkeypatch.setattr(groupflow.driver, "start_generator_pool", start_long_tailed)
+    monkeypatch.setattr(groupflow.run.job_actors, "start_generator_pool", start_long_tailed)
 
 
 def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(

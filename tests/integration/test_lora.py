@@ -13,10 +13,12 @@ from safetensors.torch import load_file
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
-from groupflow.adapters import MERGED_DIR
-from groupflow.config import SamplingConfig, small_model_config
+from groupflow.actors.transport_collective import CollectiveTransport
+from groupflow.actors.transport_object_store import ObjectStoreTransport
+from groupflow.config import SamplingConfig
+from groupflow.core.adapters import MERGED_DIR
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.job_config import small_model_config
 from tests.integration.test_stack import _sample_sequences, _sync, _train
 
 pytestmark = pytest.mark.integration
@@ -135,7 +137,7 @@ def test_a_lora_checkpoint_resumes_to_the_same_adapter_and_optimizer_state(lora_
 def test_the_quickstart_learns_with_lora_and_saves_the_adapter(ray_cluster, tmp_path):
     """The quickstart job trained with rank-16 adapters for 20 steps (lr 1e-3, ten times the
     whole model's: 0.330 to 0.602 when measured, docs/lora.md)."""
-    from groupflow.cli import main
+    from groupflow.run.cli import main
 
     code = main(
         [

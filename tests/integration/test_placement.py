@@ -1,5 +1,5 @@
 """Placement you can see, on the shared local Ray cluster: a pool no node can hold fails the
-job at cluster.placement_timeout_s with one line naming it (groupflow/placement.py), in
+job at cluster.placement_timeout_s with one line naming it (groupflow/core/placement.py), in
 seconds (the unplaced engine never loads a model; nothing trains)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from groupflow.cli import main
+from groupflow.run.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +73,7 @@ def test_an_actor_that_dies_starting_fails_with_its_own_error_and_node(ray_clust
     import ray
 
     from groupflow.actors.starting import wait_started
-    from groupflow.start_errors import StartError
+    from groupflow.core.start_errors import StartError
 
     missing = tmp_path / "not-on-this-node" / "config.json"
     actor = ray.remote(_NeedsAModel).options(num_cpus=0.1).remote(str(missing))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.presets import PRESETS
+from groupflow.config.presets import PRESETS
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from groupflow.cli import main
+from groupflow.run.cli import main
 from tests.conftest import CHAT_SYSTEM_PROMPT
 from tests.integration.prometheus_server import PrometheusServer
 from tests.integration.ray_nodes import free_port

@@ -15,11 +15,11 @@ import ray
 import torch
 
 from groupflow.actors.learner import LearnerGroup
-from groupflow.checkpoint import CheckpointStore
-from groupflow.cli import main
-from groupflow.config import small_model_config
+from groupflow.core.records import TrainSequence
 from groupflow.learner.figures import learner_record
-from groupflow.records import TrainSequence
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.run.cli import main
+from groupflow.run.job_config import small_model_config
 from tests.integration.driver_process import DriverProcess, run_records
 from tests.integration.learner_weights import learner_weights
 
@@ -184,7 +184,7 @@ def test_a_job_survives_a_dead_engine_a_dead_learner_rank_and_ctrl_c(
     steps = [
         line.split(": ", 1)[1].split(" ")[1]
         for line in driver_log
-        if "groupflow.run: step " in line
+        if "groupflow.run_log: step " in line
     ]
     assert steps == [f"{step}/5" for step in range(1, 6)], steps
     assert sum("driver started" in line for line in driver_log) == 2

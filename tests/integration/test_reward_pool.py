@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from groupflow.actors.reward import RewardPool
-from groupflow.config import small_model_config
-from groupflow.records import Response, SampledGroup
+from groupflow.actors.reward import start_reward_pool
+from groupflow.core.records import Response, SampledGroup
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.job_config import small_model_config
 
 pytestmark = pytest.mark.integration
 PLUGINS = Path(__file__).parent / "plugins" / "rewards.py"
@@ -37,7 +37,7 @@ def _groups(n: int, group_size: int = 4) -> list[SampledGroup]:
 
 def test_a_worker_killed_mid_batch_loses_no_sample(ray_cluster):
     cfg = small_model_config({}, ["reward.num_workers=2", f"reward.verifier={PLUGINS}:slow_exact"])
-    pool = RewardPool(cfg)
+    pool = start_reward_pool(cfg)
     # asked first: an actor answers calls in order
     victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
     killed = pool.workers[0]
@@ -67,7 +67,7 @@ def test_batches_wait_for_a_replacement_when_every_worker_was_lost(ray_cluster):
     """The pool's one worker dies in its first of two batches: both (retried) and one
     submitted while no worker is left wait for the replacement and are scored there."""
     cfg = small_model_config({}, ["reward.num_workers=1", f"reward.verifier={PLUGINS}:slow_exact"])
-    pool = RewardPool(cfg)
+    pool = start_reward_pool(cfg)
     victim = ray.get(pool.workers[0].__ray_call__.remote(lambda _: os.getpid()))
     groups = _groups(12)
     pool.submit(groups[:4], chunk_id=0)  # about 0.8 s each: the kill lands in the first

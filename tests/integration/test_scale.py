@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from groupflow.cli import main
+from groupflow.run.cli import main
 from tests.integration.driver_process import DriverProcess, run_records
 from tests.integration.ray_nodes import free_port
 

@@ -13,12 +13,19 @@ import torch
 
 from groupflow.actors.generator import start_generator_pool
 from groupflow.actors.learner import LearnerGroup
-from groupflow.actors.transport import CollectiveTransport, ObjectStoreTransport
-from groupflow.config import SamplingConfig, build_config, small_model_config
-from groupflow.records import Prompt, ScoredGroup, TrainSequence, Verdict
+from groupflow.actors.transport_collective import CollectiveTransport
+from groupflow.actors.transport_object_store import (
+    ObjectStoreTransport,
+    load_streamed,
+    push_partitions,
+    receive_part,
+)
+from groupflow.config import SamplingConfig
+from groupflow.core.records import Prompt, ScoredGroup, TrainSequence, Verdict
+from groupflow.core.weight_format import WeightSyncMismatch, bucket_manifest
+from groupflow.loop.sequences import group_advantages, train_sequences
 from groupflow.reward_workers.tasks import make_task
-from groupflow.sequences import group_advantages, train_sequences
-from groupflow.weight_format import WeightSyncMismatch, bucket_manifest
+from groupflow.run.job_config import build_config, small_model_config
 from tests.conftest import CHAT_SYSTEM_PROMPT as SYSTEM
 from tests.integration.learner_weights import learner_weights
 
@@ -209,16 +216,15 @@ class CorruptingEngine:
         self.engine = engine
         self.corrupted = False
 
-    async def add_weights(self, sync, index, rank, part):
-        if part is not None and (index, rank) == (0, 0):
-            array = (await part[0]).copy()
-            array[0] ^= 1
-            part = [ray.put(array)]
-            self.corrupted = True
-        await self.engine.add_weights.remote(sync, index, rank, part)
-
-    async def load_streamed_weights(self, *args):
-        return await self.engine.load_streamed_weights.remote(*args)
+    async def weight_sync(self, step, *args):
+        if step is receive_part:
+            sync, index, rank, part = args
+            if part is not None and (index, rank) == (0, 0):
+                array = (await part[0]).copy()
+                array[0] ^= 1
+                args = (sync, index, rank, [ray.put(array)])
+                self.corrupted = True
+        return await self.engine.weight_sync.remote(step, *args)
 
     def has_corrupted(self) -> bool:
         return self.corrupted
@@ -296,16 +302,16 @@ def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream
     manifest = ray.get(learner.ranks[0].weight_manifest.remote())
     buckets = bucket_manifest(manifest, 2**20)
     assert len(buckets) > 1
-    pushes = learner.async_push_weights(buckets[:1], "broken", [engines[0]])
-    load = engines[0].load_streamed_weights.remote(buckets, 3, "broken", pushes)
+    pushes = push_partitions(learner.ranks, buckets[:1], "broken", [engines[0]])
+    load = engines[0].weight_sync.remote(load_streamed, buckets, 3, "broken", pushes)
     ray.get(pushes)
-    engines[0].add_weights.remote("broken", 1, 0, None)
+    engines[0].weight_sync.remote(receive_part, "broken", 1, 0, None)
     assert ray.get(load, timeout=120) is None, "the load is abandoned, not failed"
     groups = ray.get(engines[0].sample.remote([Prompt("after", "1+1=", 2)], 2, SHORT))
     assert len(groups[0].responses) == 2
     # A rank lost in a sync (its push's handle fails) abandons the load just as well.
     lost = [_lost_rank.remote(), _lost_rank.remote()]
-    assert ray.get(engines[0].load_streamed_weights.remote(buckets, 4, "lost", lost)) is None
+    assert ray.get(engines[0].weight_sync.remote(load_streamed, buckets, 4, "lost", lost)) is None
     _sync(ObjectStoreTransport(learner, engines), version=4)
     _assert_engines_match(engines, learner_weights(learner))
 

@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from groupflow.random_model import random_causal_lm
+from groupflow.core.random_model import random_causal_lm
 
 pytestmark = pytest.mark.integration
 

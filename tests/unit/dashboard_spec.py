@@ -3,7 +3,8 @@ dashboard's rows, and every series name as a PromQL query spells it."""
 
 from __future__ import annotations
 
-from groupflow.catalogue import LIVE_GAUGES, METRICS, Series
+from groupflow.observe.catalogue import METRICS, Series
+from groupflow.observe.live_gauges import LIVE_GAUGES
 
 # Grafana panel -> its dashboard row (the layout users expect).
 PANEL_ROWS = {

@@ -1,5 +1,5 @@
 """In-process fakes of the job loop's peers on a virtual clock, and `run_job`, a job over
-them (groupflow.job.TrainingJob), for the job loop's unit tests.
+them (groupflow.loop.job.TrainingJob), for the job loop's unit tests.
 
 The generator pool is the real one (actors/generator.py: chunking, least outstanding work)
 over fake engines; the reward pool, learner and transport are fakes. A fake handle is ready at
@@ -16,15 +16,16 @@ from pathlib import Path
 
 from groupflow.actors.generator import GeneratorPool
 from groupflow.actors.starting import Replacements
-from groupflow.checkpoint import Checkpointing, CheckpointStore, read_checkpoint
-from groupflow.config import build_config
-from groupflow.job import TrainingJob
+from groupflow.core.peers import PeerDied, SyncHandles
+from groupflow.core.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.core.recovery import LearnerLost, RestartBudget
+from groupflow.core.scaling_protocol import PoolState
+from groupflow.core.weight_format import WeightSyncMismatch
 from groupflow.learner.figures import RankFigures
-from groupflow.peers import PeerDied, SyncHandles
-from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
-from groupflow.recovery import LearnerLost, RestartBudget
-from groupflow.scaling import PoolState
-from groupflow.weight_format import WeightSyncMismatch
+from groupflow.loop.checkpoint import Checkpointing, CheckpointStore
+from groupflow.loop.checkpointer import read_checkpoint
+from groupflow.loop.job import TrainingJob
+from groupflow.run.job_config import build_config
 
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 2
@@ -440,8 +441,7 @@ def run_job(
         newest = CheckpointStore(run_dir).newest()
         job.restore(newest, read_checkpoint(newest, MODEL_CONFIG, learner.num_ranks))
     else:
-        job.warm_eval = job.evaluate()
-        job.warm_accuracy = job.warm_eval["eval_accuracy"]
+        job.evaluation.score_before()
     sink = Sink()
     try:
         job.train([sink])

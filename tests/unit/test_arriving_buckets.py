@@ -1,6 +1,6 @@
 """An engine's bucket partitions arrive from every learner rank in any order (Ray starts an
 async actor's calls in no guaranteed order) and whole buckets are taken in bucket order
-(actors/generator.py ArrivingBuckets)."""
+(actors/transport_object_store.py ArrivingBuckets)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from groupflow.actors.generator import ArrivingBuckets
+from groupflow.actors.transport_object_store import ArrivingBuckets
 
 
 def _reader(arriving: ArrivingBuckets, n: int) -> tuple[threading.Thread, list]:

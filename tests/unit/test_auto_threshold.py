@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
 from groupflow.learner.auto_threshold import (
     BINS_PER_DECADE,
     NUM_BINS,
@@ -13,6 +13,7 @@ from groupflow.learner.auto_threshold import (
     probability_histogram,
 )
 from groupflow.learner.credit import LocalReducer, plan_credit
+from groupflow.run.job_config import build_config
 from tests.unit.test_credit import loop_stapo, random_tokens, rows_of, split_over_ranks
 from tests.unit.threaded_ranks import RankReducer, ThreadedRanks
 

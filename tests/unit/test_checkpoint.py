@@ -1,4 +1,4 @@
-"""A run's checkpoints on disk (groupflow/checkpoint.py): all-or-nothing saves, retention,
+"""A run's checkpoints on disk (groupflow/loop/checkpoint.py): all-or-nothing saves, retention,
 the checks before a resume, and metrics.jsonl rewound to the checkpoint."""
 
 from __future__ import annotations
@@ -17,43 +17,39 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 
-from groupflow.adapters import adapter_shape
-from groupflow.checkpoint import (
-    LEARNER_DIR,
-    CheckpointError,
-    CheckpointStore,
-    DriverState,
-    read_checkpoint,
-    resume_target,
-    rewind_metrics,
-)
-from groupflow.cli import main
 from groupflow.config import LoraConfig
+from groupflow.core.adapters import adapter_shape
+from groupflow.core.errors import CheckpointError
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner.auto_threshold import (
     NUM_BINS,
     RunningProbabilityThreshold,
     probability_histogram,
 )
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint
-from groupflow.prompt_stream import StreamState
-from groupflow.random_model import random_causal_lm
+from groupflow.loop.checkpoint import LEARNER_DIR, CheckpointStore, Provenance, rewind_metrics
+from groupflow.loop.checkpointer import DriverState, Parts, read_checkpoint
+from groupflow.loop.prompt_stream import StreamState
+from groupflow.run.cli import main
 from tests.unit.test_auto_threshold import random_probabilities
 
 F64 = torch.float64
 MODEL = {"model_type": "qwen2", "hidden_size": 64, "vocab_size": 100, "_name_or_path": "/a"}
 
 
-def state(step: int, **changes) -> DriverState:
-    fields = dict(
+def state(step: int, adapter: dict | None = None) -> DriverState:
+    parts = Parts(
+        prompt_stream=StreamState(consumed=32 * step),
+        restarts={"engine_restarts": 1, "learner_restarts": 0},
+        reward_totals={"reward_errors": 1.0, "reward_timeouts": 0.0},
+        held_out={"eval_accuracy": 0.25},
+    )
+    return DriverState(
         step=step,
         policy_version=step,
-        stream=StreamState(consumed=32 * step),
-        warm_start_accuracy=0.25,
-        counters={"reward_errors": 1.0},
-        model_config_json=MODEL,
-        num_ranks=2,
+        provenance=Provenance(model_config_json=MODEL, num_ranks=2, adapter=adapter),
+        parts=parts,
     )
-    return DriverState(**(fields | changes))
 
 
 # What a rank writes (learner/checkpoint.py), with the structures DeepSpeed's ZeRO-3 save puts
@@ -130,7 +126,7 @@ def save(store: CheckpointStore, step: int, keep: int = 5, **changes) -> Path:
     for rank in range(2):
         for name, value in shard_files(rank).items():
             torch.save(value, staging / LEARNER_DIR / name)
-    return store.commit(staging, state(step, **changes), "trainer: {}\n", keep)
+    return store.commit(staging, step, state(step, **changes), "trainer: {}\n", keep)
 
 
 def test_a_commit_makes_the_whole_checkpoint_appear_under_its_step(tmp_path):
@@ -166,7 +162,7 @@ WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from groupflow.checkpoint import CheckpointStore
+    from groupflow.loop.checkpoint import CheckpointStore
     staging = CheckpointStore(Path(sys.argv[1])).staging(int(sys.argv[2]))
     with (staging / "shard.pt").open("wb") as f:
         f.write(b"x" * 4096)
@@ -235,8 +231,8 @@ def test_adapters_resume_only_adapters_of_their_shape(tmp_path):
     adapter = adapter_shape(LoraConfig(rank=8, target_modules=["q_proj", "v_proj"]))
     lora = save(CheckpointStore(tmp_path / "lora"), 2, adapter=adapter)
     whole = save(CheckpointStore(tmp_path / "whole"), 2)
-    assert read_checkpoint(lora, MODEL, 2, adapter).adapter == adapter
-    assert read_checkpoint(whole, MODEL, 2, None).adapter is None
+    assert read_checkpoint(lora, MODEL, 2, adapter).provenance.adapter == adapter
+    assert read_checkpoint(whole, MODEL, 2, None).provenance.adapter is None
     cases = [
         (
             lora,
@@ -263,16 +259,17 @@ def test_another_number_of_ranks_is_refused_naming_the_key(tmp_path):
 
 
 def test_resume_targets(tmp_path):
-    assert resume_target(None, tmp_path) is None
-    assert resume_target("never", tmp_path) is None
-    assert resume_target("auto", tmp_path) is None  # nothing to resume: a fresh run
-    assert "trainer.resume" in one_line_error(lambda: resume_target("latest", tmp_path))
+    resume_target = CheckpointStore(tmp_path).target
+    assert resume_target(None) is None
+    assert resume_target("never") is None
+    assert resume_target("auto") is None  # nothing to resume: a fresh run
+    assert "trainer.resume" in one_line_error(lambda: resume_target("latest"))
     save(CheckpointStore(tmp_path), 2)
     newest = save(CheckpointStore(tmp_path), 4)
-    assert resume_target("auto", tmp_path) == newest == resume_target("latest", tmp_path)
+    assert resume_target("auto") == newest == resume_target("latest")
     older = tmp_path / "checkpoints" / "step_2"
-    assert resume_target(str(older), tmp_path) == older
-    assert "trainer.resume" in one_line_error(lambda: resume_target(str(tmp_path / "x"), tmp_path))
+    assert resume_target(str(older)) == older
+    assert "trainer.resume" in one_line_error(lambda: resume_target(str(tmp_path / "x")))
 
 
 def test_metrics_are_rewound_to_the_checkpoints_step(tmp_path):
@@ -316,7 +313,7 @@ def test_a_submitted_job_resumes_by_itself_unless_its_config_says_otherwise(
 ):
     import yaml
 
-    from groupflow import jobs
+    from groupflow.run import jobs
 
     submitted = {}
 
@@ -335,7 +332,7 @@ def test_a_submitted_job_resumes_by_itself_unless_its_config_says_otherwise(
 def test_train_resume_sets_trainer_resume(capsys):
     assert main(["config", "--set", "trainer.resume=auto"]) == 0
     assert "resume: auto" in capsys.readouterr().out
-    from groupflow.cli import build_parser
+    from groupflow.run.cli import build_parser
 
     assert build_parser().parse_args(["train", "--resume"]).resume == "latest"
     assert build_parser().parse_args(["train", "j.yaml", "--resume", "/c/step_4"]).resume == (
@@ -391,7 +388,7 @@ def plant(target: Path, kind: str, marker: Path) -> None:
 
 def rewrite_manifest(checkpoint: Path) -> None:
     """What an attacker with write access does too: record the crafted file's hash."""
-    from groupflow.checkpoint import STATE_FILE, _manifest
+    from groupflow.loop.checkpoint import STATE_FILE, _manifest
 
     state_file = checkpoint / STATE_FILE
     saved = DriverState.model_validate_json(state_file.read_text())
@@ -563,38 +560,39 @@ def test_a_changed_added_or_symlinked_file_is_refused_naming_it(tmp_path):
     assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{rng}:")
 
 
+def merged(saved: dict, changes: dict) -> dict:
+    """`saved` with `changes` written over it, key by key into nested dicts."""
+    out = dict(saved)
+    for key, value in changes.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict) and value
+        out[key] = merged(out[key], value) if both else value
+    return out
+
+
 @pytest.mark.parametrize(
     "changes",
     [
         {"step": -1},
         {"policy_version": -3},
-        {"stream": {"consumed": -32}},
-        {"prompts_consumed": -32},  # the position as checkpoints before StreamState kept it
-        {"num_ranks": 0},
-        {"warm_start_accuracy": float("nan")},
-        {"counters": {"reward_errors": float("inf")}},
+        {"parts": {"prompt_stream": {"consumed": -32}}},
+        {"provenance": {"num_ranks": 0}},
+        {"parts": {"held_out": {"eval_accuracy": float("nan")}}},
+        {"parts": {"reward_totals": {"reward_errors": float("inf")}}},
+        {"parts": {"restarts": {"engine_restarts": 1.5}}},
+        {"parts": {"surprise": {}}},
         {"files": {"../../escape.pt": {"size": 1, "sha256": "0" * 64}}},
         {"files": {"/etc/passwd": {"size": 1, "sha256": "0" * 64}}},
         {"files": {"learner/rng_rank_0.pt": 5}},  # a manifest of sizes only
         {"surprise": 1},
+        {"format": 3},  # a newer groupflow's
     ],
 )
 def test_a_hostile_driver_state_is_refused_naming_the_state_file(tmp_path, changes):
     path = save(CheckpointStore(tmp_path / "run"), 2)
     state_file = path / "driver_state.json"
     saved = json.loads(state_file.read_text())
-    state_file.write_text(json.dumps(saved | changes))
+    state_file.write_text(json.dumps(merged(saved, changes)))
     assert one_line_error(lambda: read_checkpoint(path, MODEL, 2)).startswith(f"{state_file}:")
-
-
-def test_a_driver_state_saved_before_the_stream_had_a_state_of_its_own_still_loads(tmp_path):
-    """Older checkpoints kept the stream's position as `prompts_consumed`."""
-    path = save(CheckpointStore(tmp_path / "run"), 2)
-    state_file = path / "driver_state.json"
-    saved = json.loads(state_file.read_text())
-    assert saved.pop("stream") == {"consumed": 64}
-    state_file.write_text(json.dumps(saved | {"prompts_consumed": 40}))
-    assert read_checkpoint(path, MODEL, 2).stream == StreamState(consumed=40)
 
 
 # ----- a full disk, and pruning -----------------------------------------------------------------
@@ -603,7 +601,7 @@ def test_a_commit_on_a_full_disk_is_one_line_and_leaves_the_previous_checkpoint_
     save(store, 2)
     staging = store.staging(4)
     (staging / "config.resolved.yaml").symlink_to("/dev/full")  # every write: ENOSPC
-    message = one_line_error(lambda: store.commit(staging, state(4), "trainer: {}\n", 5))
+    message = one_line_error(lambda: store.commit(staging, 4, state(4), "trainer: {}\n", 5))
     assert message.startswith(f"{staging}:") and "No space left on device" in message
     assert [p.name for p in store.root.iterdir()] == ["step_2"]  # staging cleared
     assert read_checkpoint(store.newest(), MODEL, 2).step == 2
@@ -679,7 +677,7 @@ def test_a_failed_pruning_is_logged_and_the_save_stands(tmp_path, monkeypatch, c
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("groupflow.checkpoint.shutil.rmtree", refuse)
+    monkeypatch.setattr("groupflow.loop.checkpoint.shutil.rmtree", refuse)
     final = save(store, 4, keep=1)
     assert read_checkpoint(final, MODEL, 2).step == 4
     assert "step_2" in caplog.text and "Permission denied" in caplog.text

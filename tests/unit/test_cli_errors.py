@@ -1,5 +1,5 @@
 """The `groupflow` command end to end on hostile input: every expected failure is one line on
-stderr and a non-zero exit, never a traceback (groupflow/errors.py); a bug still raises."""
+stderr and a non-zero exit, never a traceback (groupflow/core/errors.py); a bug still raises."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 import ray.job_submission
 
-from groupflow.cli import main
+from groupflow.run.cli import main
 from tests.unit.test_config import HOSTILE_YAML
 
 
@@ -64,7 +64,7 @@ def test_a_bomb_from_the_shell_is_one_line_and_quick(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(HOSTILE_YAML["alias_bomb"][0])
     proc = subprocess.run(
-        [sys.executable, "-m", "groupflow.cli", "config", str(path)],
+        [sys.executable, "-m", "groupflow.run.cli", "config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -194,7 +194,7 @@ def test_a_refusal_of_the_jobs_api_is_one_line(monkeypatch, tmp_path, capsys, ar
 
 
 def test_a_bug_still_raises(monkeypatch):
-    from groupflow import jobs
+    from groupflow.run import jobs
 
     def buggy(args):
         raise KeyError("a bug")

@@ -1,4 +1,4 @@
-"""The one cluster address (groupflow/cluster_address.py): where it comes from, the Jobs API's
+"""The one cluster address (groupflow/run/cluster_address.py): where it comes from, the Jobs API's
 and a driver's address derived from each other, and Ray kept from reading $RAY_ADDRESS over
 it. No cluster runs here: the dashboard is a stand-in, and a refused loopback port is a cluster
 that is not there."""
@@ -12,8 +12,8 @@ import pytest
 import ray
 import ray.job_submission
 
-from groupflow import cluster_address, live
-from groupflow.cluster_address import (
+from groupflow.run import cluster_address, live
+from groupflow.run.cluster_address import (
     DEFAULT_ADDRESS,
     AddressError,
     ClusterAddress,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks.code_problems import CodeTask
 from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, same_value
 

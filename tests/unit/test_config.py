@@ -7,15 +7,8 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from groupflow.config import (
-    Config,
-    ConfigError,
-    Section,
-    build_config,
-    load_config,
-    parse_override,
-    parse_yaml,
-)
+from groupflow.config import Config, ConfigError, Section, parse_override, parse_yaml
+from groupflow.run.job_config import build_config, load_config
 
 
 def test_defaults_validate_and_round_trip(tmp_path):

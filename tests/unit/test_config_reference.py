@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.cli import main
-from groupflow.config import Config, build_config, load_config, small_model_config
-from groupflow.config_reference import (
+from groupflow.config import Config
+from groupflow.config.reference import (
     TABLE_END,
     TABLE_START,
     _keys,
@@ -22,6 +21,8 @@ from groupflow.config_reference import (
     with_reference_table,
 )
 from groupflow.reward_workers.tasks import TASKS, task_class
+from groupflow.run.cli import main
+from groupflow.run.job_config import build_config, load_config, small_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "config.md"
@@ -35,7 +36,7 @@ def test_every_key_has_a_description():
 
 def test_the_reference_table_in_docs_is_the_schemas():
     assert with_reference_table(DOC.read_text()) == DOC.read_text(), (
-        "docs/config.md's table is stale: python -m groupflow.config_reference docs/config.md"
+        "docs/config.md's table is stale: python -m groupflow.config.reference docs/config.md"
     )
 
 
@@ -202,8 +203,8 @@ def test_version_prints_groupflow_and_its_stack_on_one_line(capsys):
 
 # ----- defaults past a model's positions ----------------------------------------------------------
 def test_a_context_past_the_models_positions_is_refused_in_one_line_before_any_engine(tmp_path):
-    from groupflow.driver import resolve_model_path
-    from groupflow.model_dir import ModelDirError
+    from groupflow.core.model_dir import ModelDirError
+    from groupflow.run.inputs import resolve_model_path
 
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 1024}')
     with pytest.raises(ModelDirError, match=r"rollout.max_model_len \(2048\) is past the 1024"):
@@ -230,6 +231,6 @@ def test_a_context_past_the_models_positions_is_refused_in_one_line_before_any_e
     ],
 )
 def test_a_models_context_is_read_from_its_config(config, context):
-    from groupflow.model_dir import model_context
+    from groupflow.core.model_dir import model_context
 
     assert model_context(config) == context

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks.countdown import (
     BadExpression,
     CountdownTask,

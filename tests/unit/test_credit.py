@@ -13,7 +13,7 @@ from dataclasses import astuple, replace
 import pytest
 import torch
 
-from groupflow.config import AlgorithmConfig, ConfigError, build_config
+from groupflow.config import AlgorithmConfig, ConfigError
 from groupflow.learner.advantages import compute_advantages
 from groupflow.learner.credit import (
     CreditPlan,
@@ -31,6 +31,7 @@ from groupflow.learner.credit import (
     stapo_mask,
 )
 from groupflow.learner.losses import token_loss
+from groupflow.run.job_config import build_config
 from tests.unit.threaded_ranks import RankReducer, ThreadedRanks
 
 F64 = torch.float64

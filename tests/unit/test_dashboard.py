@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.catalogue import LIVE_GAUGES, METRICS
+from groupflow.observe.catalogue import METRICS
+from groupflow.observe.live_gauges import LIVE_GAUGES
 from tests.unit.dashboard_spec import EXPORTED_METRICS, FEATURE_PANELS, PANEL_ROWS, promql_name
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "groupflow.json"

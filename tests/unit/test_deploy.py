@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.config import build_config
+from groupflow.run.job_config import build_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 IMAGE = "ghcr.io/groupflow/groupflow:0.1.0-cuda"

@@ -1,4 +1,4 @@
-"""runs/<name>/driver.log (groupflow/driver_log.py): the driver's lines from the run's start,
+"""runs/<name>/driver.log (groupflow/observe/driver_log.py): the driver's lines from the run's start,
 appended to by a resumed run, with its warnings and its failure."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 
-from groupflow.driver_log import FILE_NAME, FILE_ONLY, DriverLog
-from groupflow.errors import UserError
+from groupflow.core.errors import UserError
+from groupflow.observe.driver_log import FILE_NAME, FILE_ONLY, DriverLog
 
-log = logging.getLogger("groupflow.driver")
+log = logging.getLogger("groupflow.run.driver")
 
 
 @pytest.fixture(autouse=True)
@@ -41,16 +41,16 @@ def test_the_lines_before_the_run_directory_exists_are_kept_and_later_ones_follo
         FILE_ONLY.info("step 1/2 reward=0.500")  # what a bar shows on a terminal
     log.info("after the run")  # not the run's
     lines = _lines(run_dir)
-    assert lines[0].startswith("INFO groupflow.run: driver started (pid ")
+    assert lines[0].startswith("INFO groupflow.run_log: driver started (pid ")
     assert lines[1:] == [
-        "INFO groupflow.driver: building the quickstart model",
-        "WARNING groupflow.driver: a reward worker is slow",
-        "INFO groupflow.run: step 1/2 reward=0.500",
+        "INFO groupflow.run.driver: building the quickstart model",
+        "WARNING groupflow.run.driver: a reward worker is slow",
+        "INFO groupflow.run_log: step 1/2 reward=0.500",
     ]
 
 
 def test_the_lines_held_are_bounded(tmp_path, monkeypatch):
-    import groupflow.driver_log as driver_log_module
+    import groupflow.observe.driver_log as driver_log_module
 
     monkeypatch.setattr(driver_log_module, "HELD_LINES", 3)
     with DriverLog() as driver_log:  # its first line, and two of the three below, are held
@@ -60,11 +60,11 @@ def test_the_lines_held_are_bounded(tmp_path, monkeypatch):
         log.info("after")
     lines = (tmp_path / FILE_NAME).read_text().splitlines()
     assert [line.split(" ", 2)[2] for line in lines[1:3]] == [
-        "INFO groupflow.driver: line 0",
-        "INFO groupflow.driver: line 1",
+        "INFO groupflow.run.driver: line 0",
+        "INFO groupflow.run.driver: line 1",
     ]
     assert lines[3] == "(and 1 more of the run's first lines, not kept)"
-    assert lines[4].endswith("INFO groupflow.driver: after")
+    assert lines[4].endswith("INFO groupflow.run.driver: after")
 
 
 def test_a_resumed_run_appends_to_the_log(tmp_path):
@@ -74,8 +74,8 @@ def test_a_resumed_run_appends_to_the_log(tmp_path):
             FILE_ONLY.info("step %d/2", step)
     lines = _lines(tmp_path)
     assert [line for line in lines if "step" in line] == [
-        "INFO groupflow.run: step 1/2",
-        "INFO groupflow.run: step 2/2",
+        "INFO groupflow.run_log: step 1/2",
+        "INFO groupflow.run_log: step 2/2",
     ]
     assert sum("driver started" in line for line in lines) == 2
 
@@ -112,7 +112,7 @@ def test_a_failed_run_ends_its_log_with_the_failure(tmp_path):
         driver_log.open(tmp_path)
         raise UserError("model.path: /nope is not a Hugging Face model directory")
     assert _lines(tmp_path)[-1] == (
-        "ERROR groupflow.run: groupflow: error: model.path: /nope is not a "
+        "ERROR groupflow.run_log: groupflow: error: model.path: /nope is not a "
         "Hugging Face model directory"
     )
     with pytest.raises(ZeroDivisionError), DriverLog() as driver_log:

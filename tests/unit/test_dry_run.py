@@ -1,4 +1,4 @@
-"""`groupflow train --dry-run`: a run's checks of its inputs (driver.check_inputs) and a short
+"""`groupflow train --dry-run`: a run's checks of its inputs (run_inputs.check_inputs) and a short
 report, with no Ray started and nothing written; a bad input is one line, exit 2."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import pytest
 import ray
 
-from groupflow.cli import main
+from groupflow.run.cli import main
 
 
 @pytest.fixture
@@ -20,10 +20,10 @@ def nothing_starts(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("the command started a run or joined Ray")
 
-    import groupflow.driver
+    import groupflow.run.driver
 
     for name in ("open_run", "start_job", "run"):
-        monkeypatch.setattr(groupflow.driver, name, started)
+        monkeypatch.setattr(groupflow.run.driver, name, started)
     monkeypatch.setattr(ray, "init", started)
 
 
@@ -37,8 +37,8 @@ CHAT_TEMPLATE = (
 def user_model(tmp_path_factory) -> str:
     """A local Hugging Face model directory of the user's own: a random model with a chat
     template, as a new user brings one."""
-    from groupflow.quickstart import build_tokenizer
-    from groupflow.random_model import random_causal_lm
+    from groupflow.core.random_model import random_causal_lm
+    from groupflow.run.quickstart import build_tokenizer
 
     path = tmp_path_factory.mktemp("user_model")
     tokenizer = build_tokenizer()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.config import load_config
 from groupflow.reward_workers.tasks import task_class
 from groupflow.reward_workers.tasks.mixture import mixture_entries
+from groupflow.run.job_config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CASES = ["math_gsm8k_qwen_gpu", "mixture", "agent_tools", "lora", "multi_node"]

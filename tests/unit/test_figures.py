@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from groupflow.core.records import TrainSequence
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.figures import (
@@ -20,7 +21,6 @@ from groupflow.learner.figures import (
 )
 from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats
-from groupflow.records import TrainSequence
 
 F64 = torch.float64
 
@@ -205,8 +205,8 @@ def test_rank_figures_survive_pickling():
 def test_rollout_figures_split_by_task_only_in_a_job_of_several():
     import random
 
-    from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
-    from groupflow.rollout_figures import rollout_record
+    from groupflow.core.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+    from groupflow.observe.rollout_figures import rollout_record
 
     rng = random.Random()
 

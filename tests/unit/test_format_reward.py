@@ -2,7 +2,7 @@
 
 import pytest
 
-from groupflow.records import Verdict
+from groupflow.core.records import Verdict
 from groupflow.reward_workers.format_reward import (
     blend_format,
     check_format_weight,

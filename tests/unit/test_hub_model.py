@@ -1,4 +1,4 @@
-"""`model.path` as a Hugging Face model id (groupflow/hub_model.py), resolved offline from a
+"""`model.path` as a Hugging Face model id (groupflow/core/hub_model.py), resolved offline from a
 cache the test builds: nothing reaches the network."""
 
 from __future__ import annotations
@@ -7,10 +7,9 @@ import json
 
 import pytest
 
-from groupflow.adapters import read_adapter_dir
 from groupflow.config import Config
-from groupflow.driver import resolve_model_path
-from groupflow.hub_model import (
+from groupflow.core.adapters import read_adapter_dir
+from groupflow.core.hub_model import (
     MODEL_FILES,
     PYTORCH_WEIGHTS,
     SAFETENSORS,
@@ -19,6 +18,7 @@ from groupflow.hub_model import (
     hub_model_id,
     local_model_path,
 )
+from groupflow.run.inputs import resolve_model_path
 from tests.hf_cache import COMMIT, cache_model, read_offline
 
 
@@ -31,7 +31,7 @@ def hf_home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tiny_model(tmp_path):
-    from groupflow.random_model import random_causal_lm
+    from groupflow.core.random_model import random_causal_lm
 
     path = tmp_path / "tiny"
     random_causal_lm(32, seed=0).save_pretrained(path)

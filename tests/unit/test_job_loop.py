@@ -1,4 +1,4 @@
-"""The job loop (groupflow.job.TrainingJob) over in-process fakes on a virtual clock
+"""The job loop (groupflow.loop.job.TrainingJob) over in-process fakes on a virtual clock
 (tests/unit/job_loop_fakes.py)."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ from dataclasses import replace
 
 import pytest
 
-from groupflow.actors.generator import CHUNKS_PER_ENGINE
 from groupflow.actors.starting import ASK_AGAIN_S
-from groupflow.catalogue import BY_KEY
-from groupflow.checkpoint import CheckpointStore
-from groupflow.held_out import EVAL_CHUNK
-from groupflow.learning_signal import nothing_learned
-from groupflow.pipeline import HEARTBEAT_S
-from groupflow.placement import NOTE_AFTER_S
-from groupflow.prompt_stream import MAX_REFILLS
-from groupflow.records import Prompt
-from groupflow.recovery import RestartsExhausted
-from groupflow.scaling import Scaler
-from groupflow.weight_format import WeightSyncMismatch
+from groupflow.core.peers import CHUNKS_PER_ENGINE
+from groupflow.core.placement import NOTE_AFTER_S
+from groupflow.core.records import Prompt
+from groupflow.core.recovery import RestartsExhausted
+from groupflow.core.weight_format import WeightSyncMismatch
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.loop.held_out import EVAL_CHUNK
+from groupflow.loop.pipeline import HEARTBEAT_S
+from groupflow.loop.prompt_stream import MAX_REFILLS
+from groupflow.loop.scaling import Scaler
+from groupflow.observe.catalogue import BY_KEY
+from groupflow.observe.learning_signal import nothing_learned
 from tests.unit.job_loop_fakes import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
@@ -315,7 +315,7 @@ def test_engines_dying_in_a_row_end_the_job_after_max_restarts():
 
 
 class PendingGauges:
-    """The live series as the job sets them (groupflow.scaling.LiveGauges), on its clock."""
+    """The live series as the job sets them (groupflow.loop.scaling.LiveGauges), on its clock."""
 
     def __init__(self, clock):
         self.clock, self.pending = clock, []  # (virtual time, pool, count)
@@ -538,11 +538,13 @@ def test_a_mixture_is_scored_per_task_too_and_a_resume_keeps_the_warm_start_scor
     overrides = ["trainer.checkpoint_every=1", "trainer.eval_every=1"]
     run = run_job(steps=2, overrides=overrides, **opts)
     warm = {"eval_accuracy": 0.5, "eval_task_accuracy": {"even": 1.0, "odd": 0.0}}
-    assert run.job.warm_eval == warm
+    assert run.job.evaluation.before_training == warm
     assert run.records[0]["eval_task_accuracy"] == {"even": 1.0, "odd": 0.0}
     resumed = run_job(steps=3, overrides=overrides, resume=True, **opts)
-    assert resumed.job.warm_eval == warm  # from the checkpoint: summary.json reports it
-    assert "eval_task_accuracy" not in run_job(steps=1).job.warm_eval  # one task: no split
+    assert (
+        resumed.job.evaluation.before_training == warm
+    )  # from the checkpoint: summary.json reports it
+    assert "eval_task_accuracy" not in run_job(steps=1).job.evaluation.before_training  # one task
 
 
 class FakeHeldOutSet:

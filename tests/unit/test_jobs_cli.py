@@ -12,9 +12,9 @@ import ray.job_submission
 import yaml
 from ray.job_submission import JobStatus
 
-from groupflow.cli import main
-from groupflow.config import load_config
-from groupflow.jobs import (
+from groupflow.run.cli import main
+from groupflow.run.job_config import load_config
+from groupflow.run.jobs import (
     ENTRYPOINT,
     JOB_CONFIG_NAME,
     SUBPACKAGES,
@@ -265,7 +265,7 @@ def test_ship_code_uploads_one_groupflow_package(tmp_path):
     env = job_runtime_env(tmp_path / "config", code)
     assert env["working_dir"] == str(tmp_path / "config")
     [shipped] = [Path(d) for d in env["py_modules"]]
-    assert shipped.name == "groupflow" and (shipped / "cli.py").is_file()
+    assert shipped.name == "groupflow" and (shipped / "run" / "cli.py").is_file()
     for name in SUBPACKAGES:
         assert (shipped / name / "__init__.py").is_file()
     assert (shipped / "reward_workers" / "tasks" / "__init__.py").is_file()
@@ -320,7 +320,8 @@ def test_stop_of_a_job_without_its_control_actor_goes_through_the_jobs_api(
 ):
     """A submitted job still starting has no control actor for a graceful stop yet: it is
     stopped through the Jobs API at once, saying so."""
-    from groupflow import live, run_target
+    from groupflow.run import live
+    from groupflow.run import target as run_target
 
     running = SimpleNamespace(
         submission_id="raysubmit_fake",

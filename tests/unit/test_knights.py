@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks.knights import (
     KnightsAndKnavesTask,
     holds,

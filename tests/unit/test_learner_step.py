@@ -16,7 +16,10 @@ from dataclasses import astuple
 import pytest
 import torch
 
-from groupflow.config import AlgorithmConfig, build_config
+from groupflow.config import AlgorithmConfig
+from groupflow.config.presets import PRESETS
+from groupflow.core.random_model import random_causal_lm
+from groupflow.core.records import TrainSequence
 from groupflow.learner.advantages import compute_advantages
 from groupflow.learner.credit import LocalReducer, plans_per_micro_batch
 from groupflow.learner.figures import RankFigures
@@ -30,9 +33,7 @@ from groupflow.learner.step import (
     train_step,
 )
 from groupflow.learner.token_head import install_token_head
-from groupflow.presets import PRESETS
-from groupflow.random_model import random_causal_lm
-from groupflow.records import TrainSequence
+from groupflow.run.job_config import build_config
 from tests.unit.threaded_ranks import RankReducer, ThreadedRanks
 
 F64 = torch.float64

@@ -1,5 +1,5 @@
 """Steps without a group whose rewards differ: the warning while a job runs, and the end line of
-a run that had nothing to learn from (groupflow/learning_signal.py), on fake step records."""
+a run that had nothing to learn from (groupflow/observe/learning_signal.py), on fake step records."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from groupflow.learning_signal import NO_SPREAD_WARN_AFTER, SpreadWatch, nothing_learned
-from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
-from groupflow.rollout_figures import rollout_record
+from groupflow.core.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.observe.learning_signal import NO_SPREAD_WARN_AFTER, SpreadWatch, nothing_learned
+from groupflow.observe.rollout_figures import rollout_record
 
 
 def record(step, spread, mean=0.0, std=0.0):
@@ -99,11 +99,11 @@ def test_records_without_the_count_say_nothing():
 def test_groupflow_train_ends_with_the_line_of_a_run_that_learned_nothing(
     monkeypatch, capsys, line
 ):
-    import groupflow.driver
-    from groupflow.cli import main
+    import groupflow.run.driver
+    from groupflow.run.cli import main
 
     summary = {"warm_start_accuracy": 0.0, "final_accuracy": 0.0, "nothing_learned": line}
-    monkeypatch.setattr(groupflow.driver, "run", lambda cfg, how_to_resume: summary)
+    monkeypatch.setattr(groupflow.run.driver, "run", lambda cfg, how_to_resume: summary)
     assert main(["train", "--set", "trainer.run_name=flat"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "done: held-out accuracy 0.000 -> 0.000; run directory runs/flat"

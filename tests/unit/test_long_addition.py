@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks import make_task
 from groupflow.reward_workers.tasks.long_addition import (
     SEPARATORS,

@@ -1,4 +1,4 @@
-"""LoRA on the learner (learner/lora.py, groupflow/adapters.py), without DeepSpeed: on the tiny
+"""LoRA on the learner (learner/lora.py, groupflow/core/adapters.py), without DeepSpeed: on the tiny
 float64 transformer of test_learner_step, only the adapters move, micro-batches and ranks leave
 their update unchanged, the adapters-off reference is the base model, a merged export is
 PEFT's own merge; and the settings a job is refused for."""
@@ -11,8 +11,9 @@ import json
 import pytest
 import torch
 
-from groupflow.adapters import AdapterError, engine_max_rank, read_adapter_dir, wire_name
-from groupflow.config import ConfigError, LoraConfig, build_config
+from groupflow.config import ConfigError, LoraConfig
+from groupflow.core.adapters import AdapterError, engine_max_rank, read_adapter_dir, wire_name
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner.lora import (
     AdaptersOff,
     adapter_parameters,
@@ -21,7 +22,7 @@ from groupflow.learner.lora import (
     merged_weights,
 )
 from groupflow.learner.token_head import response_positions, response_token_stats
-from groupflow.random_model import random_causal_lm
+from groupflow.run.job_config import build_config
 from tests.unit.test_learner_step import (
     F64,
     algorithm,

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from groupflow.config import AlgorithmConfig, build_config
+from groupflow.config import AlgorithmConfig
 from groupflow.learner.losses import KL_ESTIMATORS, POLICY_LOSSES, token_loss
+from groupflow.run.job_config import build_config
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks.math_answer import REL_TOL, extract_answer, last_boxed
 from groupflow.reward_workers.tasks.math_problems import MathTask
 

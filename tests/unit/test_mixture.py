@@ -5,10 +5,11 @@ import random
 
 import pytest
 
-from groupflow.config import ConfigError, build_config
-from groupflow.records import Prompt
+from groupflow.config import ConfigError
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.job_config import build_config
 
 TWO = [
     {"name": "arithmetic", "label": "sums", "weight": 3},
@@ -67,7 +68,7 @@ def test_scorer_processes_route_a_mixture_too():
         ([{"name": "nope"}], "unknown task 'nope'"),
         ([{"name": "mixture"}], "unknown task 'mixture'"),
         ([{"name": "arithmetic", "weight": 0}], "positive and finite"),
-        # refused by the schema's rule for every number (groupflow/config.py: Section)
+        # refused by the schema's rule for every number (groupflow/config/base.py: Section)
         (
             [{"name": "arithmetic", "weight": float("inf")}],
             r"^task\.options: numbers must be finite",
@@ -92,8 +93,8 @@ def test_a_task_list_takes_overrides_of_the_task_section():
 
 def test_an_extra_held_out_set_scores_with_its_own_task():
     from groupflow.config import EvalSetConfig
-    from groupflow.evaluate import HeldOutSet
-    from groupflow.records import Response, SampledGroup
+    from groupflow.core.records import Response, SampledGroup
+    from groupflow.loop.held_out import HeldOutSet
 
     held_out = HeldOutSet(
         EvalSetConfig(name="long", task="arithmetic", options={"terms": 4}, size=6), 5.0

@@ -12,12 +12,12 @@ from dataclasses import astuple, replace
 import pytest
 import torch
 
+from groupflow.config.presets import PRESETS
+from groupflow.core.records import TrainSequence
 from groupflow.learner.auto_threshold import RunningProbabilityThreshold
 from groupflow.learner.credit import LocalReducer, MiniBatchTokens, plan_credit
 from groupflow.learner.micro_batch import MicroBatchForward, micro_batch_loss
 from groupflow.learner.token_stats import TokenStats
-from groupflow.presets import PRESETS
-from groupflow.records import TrainSequence
 from tests.unit.test_credit import algorithm, random_tokens
 from tests.unit.test_learner_step import algorithm as preset_algorithm
 from tests.unit.test_learner_step import (

@@ -14,11 +14,12 @@ from dataclasses import astuple, replace
 import pytest
 import torch
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.config.presets import PRESETS
 from groupflow.learner.credit import LocalReducer, plan_credit
 from groupflow.learner.off_policy import importance_weights
 from groupflow.learner.step import no_grad_stats
-from groupflow.presets import PRESETS
+from groupflow.run.job_config import build_config
 from tests.unit.test_credit import algorithm, pass_gradients, random_tokens
 from tests.unit.test_learner_step import algorithm as preset_algorithm
 from tests.unit.test_learner_step import layout, run_step, sample_step, settings, tiny_model

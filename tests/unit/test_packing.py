@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
+from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.micro_batch import check_packing, model_inputs, response_token_stats
 from groupflow.learner.token_head import install_token_head
-from groupflow.records import TrainSequence
 from tests.unit.test_token_head import tiny_qwen2
 
 

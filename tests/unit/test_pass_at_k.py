@@ -6,7 +6,7 @@ from itertools import combinations
 
 import pytest
 
-from groupflow.evaluate import greedy_share, pass_at_k, sampled_scores
+from groupflow.loop.held_out import greedy_share, pass_at_k, sampled_scores
 
 
 def _by_enumeration(n: int, correct: int, k: int) -> Fraction:

@@ -1,6 +1,6 @@
-"""Placement you can see: a pool's resources merge with its defaults (groupflow/config.py),
+"""Placement you can see: a pool's resources merge with its defaults (groupflow/config/base.py),
 and every pool is placed within the startup deadline or the job fails in one line naming it
-(groupflow/placement.py), on a virtual clock."""
+(groupflow/core/placement.py), on a virtual clock."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import random
 
 import pytest
 
-from groupflow.config import Config, build_config
-from groupflow.placement import NOTE_AFTER_S, Placement, PlacementError, PoolAsk, describe_cluster
+from groupflow.config import Config
+from groupflow.core.placement import (
+    NOTE_AFTER_S,
+    Placement,
+    PlacementError,
+    PoolAsk,
+    describe_cluster,
+)
+from groupflow.run.job_config import build_config
 
 POOLS = {"rollout": 0.5, "reward": 0.25, "learner": 0.5}  # each pool's default num_cpus
 

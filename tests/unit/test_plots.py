@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.catalogue import BY_KEY, RENAMED_KEYS
-from groupflow.plots import (
+from groupflow.observe.catalogue import BY_KEY, RENAMED_KEYS
+from groupflow.observe.plots import (
     FIGURES,
     latest_run,
     moving_average,
@@ -126,7 +126,7 @@ def test_per_task_figures_draw_a_line_per_task(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from groupflow import plots
+    from groupflow.observe import plots
 
     records = [
         {**synthetic_record(s), "task_reward_mean": {"math": 0.1 * s, "code": 0.2}} for s in (1, 2)

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.plugins import RewardPlugin, call_plugin, load_plugin
 
 PLUGIN_SOURCE = textwrap.dedent(

@@ -1,5 +1,5 @@
-"""The driver's progress lines: long phases (groupflow/progress.py) and the step line's elapsed
-time and ETA (groupflow/metrics.py), off a terminal, on a fake clock."""
+"""The driver's progress lines: long phases (groupflow/observe/progress.py) and the step line's elapsed
+time and ETA (groupflow/observe/metrics.py), off a terminal, on a fake clock."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from groupflow.config import load_config
-from groupflow.driver_log import FILE_ONLY
-from groupflow.metrics import RECENT_STEPS, ProgressReporter
-from groupflow.progress import PhaseProgress, clock_text, heartbeat
+from groupflow.observe.driver_log import FILE_ONLY
+from groupflow.observe.metrics import RECENT_STEPS, ProgressReporter
+from groupflow.observe.progress import PhaseProgress, clock_text, heartbeat
+from groupflow.run.job_config import load_config
 
 
 class FakeClock:
@@ -140,10 +140,10 @@ def test_the_last_step_has_nothing_left():
 
 
 def test_the_warm_start_says_how_far_it_has_got_off_a_terminal(monkeypatch, caplog):
-    import groupflow.progress as progress
-    from groupflow.quickstart import build_tokenizer, warm_start
-    from groupflow.random_model import random_causal_lm
+    import groupflow.observe.progress as progress
+    from groupflow.core.random_model import random_causal_lm
     from groupflow.reward_workers.tasks import make_task
+    from groupflow.run.quickstart import build_tokenizer, warm_start
 
     monkeypatch.setattr(progress, "EVERY_S", 0.0)  # a line per step
     tokenizer = build_tokenizer()

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from groupflow.prometheus import PrometheusExporter
+from groupflow.observe.prometheus import PrometheusExporter
 from tests.unit.dashboard_spec import EXPORTED_METRICS
 
 STEP_1 = {

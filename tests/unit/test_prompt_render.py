@@ -5,14 +5,14 @@ import random
 
 import pytest
 
-from groupflow.quickstart import CHARACTERS, build_tokenizer
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.rollout.prompt_render import (
     ChatSettings,
     PromptRenderer,
     PromptRenderError,
     check_prompt_lengths,
 )
+from groupflow.run.quickstart import CHARACTERS, build_tokenizer
 
 # A template in the quickstart tokenizer's alphabet: "S(...) U(...) A(" for a generation prompt.
 TEMPLATE = (
@@ -210,7 +210,7 @@ def dataset(path, lengths: list[int]):
 
 
 def job_config(task: dict | list, **sections):
-    from groupflow.config import build_config
+    from groupflow.run.job_config import build_config
 
     raw = {"task": task, "rollout": {"max_model_len": 64, "sampling": {"max_tokens": 16}}}
     cfg = build_config(raw | sections)
@@ -219,9 +219,9 @@ def job_config(task: dict | list, **sections):
 
 
 def check(cfg, tokenizer_dir) -> dict[str, int]:
-    from groupflow.driver import check_prompt_rendering
+    from groupflow.run.job_prompts import vet_prompts
 
-    return check_prompt_rendering(cfg, tokenizer_dir)
+    return vet_prompts(cfg, tokenizer_dir).left_out
 
 
 def test_a_few_rows_too_long_are_left_out_and_logged(tmp_path, tokenizer_dir, caplog):

@@ -1,4 +1,4 @@
-"""The prompt stream (groupflow/prompt_stream.py) on its own: its checkpoint state.
+"""The prompt stream (groupflow/loop/prompt_stream.py) on its own: its checkpoint state.
 
 Chunks are "generated" by a stand-in for the pipeline that samples every chunk at the
 learner's current version and scores it with a reward drawn from the prompt's text.
@@ -11,11 +11,10 @@ from itertools import islice
 
 import pytest
 
-from groupflow.checkpoint import DriverState
-from groupflow.config import build_config
-from groupflow.prompt_stream import PromptStream, StreamState
-from groupflow.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.core.records import Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.loop.prompt_stream import PromptStream, StreamState
 from groupflow.reward_workers.tasks import make_task
+from groupflow.run.job_config import build_config
 
 GROUP_SIZE = 4
 
@@ -90,17 +89,9 @@ def test_a_stream_restored_from_its_state_goes_on_with_the_same_prompts(stalenes
     after = train(straight, 5, 4, version=4)
 
     assert state.consumed >= 4 * 6
-    saved = DriverState(
-        step=4,
-        policy_version=4,
-        stream=state,
-        warm_start_accuracy=None,
-        counters={},
-        model_config_json={},
-        num_ranks=1,
-    ).model_dump_json()
+    saved = state.model_dump_json()
     restored = new_stream(cfg)
-    restored.load_state_dict(DriverState.model_validate_json(saved).stream)
+    restored.load_state_dict(StreamState.model_validate_json(saved))
     assert train(restored, 5, 4, version=4) == after
     # the steps trained the stream in its order, each prompt once: all of it, or with
     # dynamic sampling the informative prompts it found

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from groupflow import driver
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.core.errors import RunError
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.run import driver
+from groupflow.run.job_config import build_config
 
 
 @pytest.mark.parametrize("address", ["ray://head:10001", " RAY://10.0.0.1:10001"])
@@ -27,6 +30,6 @@ def test_a_ray_client_address_in_RAY_ADDRESS_is_refused_before_the_run_opens(mon
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
     cfg = build_config({"trainer": {"output_dir": str(tmp_path)}})
-    with pytest.raises(driver.RunError, match=r"^RAY_ADDRESS: ray://head:10001 is a Ray Client"):
-        driver.open_run(cfg)
+    with pytest.raises(RunError, match=r"^RAY_ADDRESS: ray://head:10001 is a Ray Client"):
+        driver.open_run(cfg, CheckpointStore(tmp_path), None)
     assert list(tmp_path.iterdir()) == []  # nothing was made

@@ -1,11 +1,11 @@
-"""One restart budget for engines and learner ranks (groupflow/recovery.py): on its own, and
+"""One restart budget for engines and learner ranks (groupflow/core/recovery.py): on its own, and
 in the job loop on the virtual clock (tests/unit/job_loop_fakes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from groupflow.recovery import RestartBudget, RestartsExhausted
+from groupflow.core.recovery import RestartBudget, RestartsExhausted
 from tests.unit.job_loop_fakes import Faults, run_job, trained_prompts
 
 

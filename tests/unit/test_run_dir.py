@@ -1,4 +1,4 @@
-"""The run directory (groupflow/driver.py): a fresh one keeps the earlier run, a live run's
+"""The run directory (groupflow/run/directory.py, groupflow/run/driver.py): a fresh one keeps the earlier run, a live run's
 name is held, a resume is checked whole before the directory is touched, and what cannot be
 written is one line naming the path."""
 
@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from groupflow.checkpoint import CheckpointStore
-from groupflow.config import ConfigError, build_config
-from groupflow.driver import RunError, claim_run_name, find_resume, fresh_run_dir, prepare_run_dir
+from groupflow.config import ConfigError
+from groupflow.core.errors import RunError
+from groupflow.loop.checkpoint import CheckpointStore
+from groupflow.run.directory import claim_run_name, fresh_run_dir
+from groupflow.run.driver import check_resume, prepare_run_dir, read_resume
+from groupflow.run.job_config import build_config
 
 
 def test_an_earlier_run_is_kept_under_a_new_name(tmp_path):
@@ -103,6 +107,14 @@ def _edit_state(checkpoint: Path, **changes) -> None:
     state_file.write_text(json.dumps(json.loads(state_file.read_text()) | changes))
 
 
+def find_resume(cfg, run: Path, model_path: str):
+    """What a run does with `trainer.resume` before it touches the run directory: the
+    checkpoint read (once), then checked against the job."""
+    resume = read_resume(cfg, CheckpointStore(run))
+    check_resume(cfg, resume, model_path)
+    return resume
+
+
 def _hostile(kind: str, tmp_path: Path, run: Path) -> Path:
     from tests.unit.test_checkpoint import save
 
@@ -154,3 +166,42 @@ def test_a_checked_resume_rewinds_the_metrics(tmp_path):
     resume = find_resume(cfg, run, _model(tmp_path))
     assert prepare_run_dir(cfg, run, resume) == run
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+class _RayJoined(Exception):
+    """Where the test stops a run: everything before Ray is done."""
+
+
+def test_a_resume_reads_the_checkpoints_driver_state_once(tmp_path, monkeypatch):
+    """`groupflow train --resume` up to joining Ray: the finished-run check, the checks
+    against the job and the rewind of the run directory read the checkpoint's driver state
+    once, through the run's one store."""
+    import groupflow.run.driver
+    from groupflow.run.cli import main
+
+    run = tmp_path / "runs" / "job"
+    checkpoint = _hostile("none", tmp_path, run)
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
+    model = _model(tmp_path)
+    reads = []
+    read_text = Path.read_text
+
+    def counted(path: Path, *args, **kwargs) -> str:
+        if path.name == "driver_state.json":
+            reads.append(path)
+        return read_text(path, *args, **kwargs)
+
+    def joined(*args, **kwargs):
+        raise _RayJoined
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    checked = SimpleNamespace(model_path=model, prompts=SimpleNamespace(left_out={}))
+    monkeypatch.setattr(groupflow.run.driver, "check_inputs", lambda cfg: checked)
+    monkeypatch.setattr(groupflow.run.driver, "join_ray", joined)
+    monkeypatch.setattr(groupflow.run.driver.ray, "is_initialized", lambda: False)
+    overrides = [f"trainer.output_dir={tmp_path / 'runs'}", "trainer.run_name=job"]
+    overrides += ["trainer.steps=20", "learner.num_ranks=2", f"model.path={model}"]
+    with pytest.raises(_RayJoined):
+        main(["train", *[x for o in overrides for x in ("--set", o)], "--resume"])
+    assert reads == [checkpoint / "driver_state.json"]
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'  # rewound

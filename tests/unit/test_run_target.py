@@ -1,5 +1,5 @@
-"""What `groupflow status | logs | stop | scale RUN` act on (groupflow/run_target.py), a run
-directory read from disk (groupflow/run_on_disk.py) and `groupflow list`, against run
+"""What `groupflow status | logs | stop | scale RUN` act on (groupflow/run/target.py), a run
+directory read from disk (groupflow/run/on_disk.py) and `groupflow list`, against run
 directories written here and a stand-in for the Ray Jobs client."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from types import SimpleNamespace
 import pytest
 import ray.job_submission
 
-from groupflow import cluster_address, live, run_target
-from groupflow.cli import main
-from groupflow.live import write_cluster_file
-from groupflow.run_on_disk import read_run, runs_in
-from groupflow.run_target import Job, pick_job
+from groupflow.run import cluster_address, live
+from groupflow.run import target as run_target
+from groupflow.run.cli import main
+from groupflow.run.live import write_cluster_file
+from groupflow.run.on_disk import read_run, runs_in
+from groupflow.run.target import Job, pick_job
 from tests.integration.ray_nodes import free_port
 
 

@@ -3,8 +3,8 @@
 import json
 import random
 
-from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
-from groupflow.sample_log import TABLE_WIDTH, sample_rows, sample_table, write_samples
+from groupflow.core.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
+from groupflow.observe.sample_log import TABLE_WIDTH, sample_rows, sample_table, write_samples
 
 
 def _decode(ids: list[int]) -> str:
@@ -64,7 +64,7 @@ def test_table_is_one_bounded_line_per_row():
 
 def test_sample_log_writes_every_nth_step_only(tmp_path, capsys):
     from groupflow.config import TrainerConfig
-    from groupflow.sample_log import SampleLog
+    from groupflow.observe.sample_log import SampleLog
 
     rng = random.Random()
     every = rng.randint(2, 4)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.sandbox import Limits, default_platform, probe_platform, run_python
+from groupflow.reward_workers.sandbox.run import _fresh_id
 
 SMALL = Limits(wall_s=5.0, cpu_s=5, memory_mb=256, max_processes=6, disk_mb=1)
 IS_ROOT = os.geteuid() == 0
@@ -327,6 +327,6 @@ def test_escape_hatches_from_the_audit_hook_are_refused(attempt):
 def test_fresh_ids_come_from_mapped_ranges(tmp_path, id_map, low, high):
     path = tmp_path / "uid_map"
     path.write_text(id_map)
-    ids = {sandbox._fresh_id(str(path)) for _ in range(20)}
+    ids = {_fresh_id(str(path)) for _ in range(20)}
     assert all(low <= i < high for i in ids)
     assert len(ids) > 1 or low == 65534

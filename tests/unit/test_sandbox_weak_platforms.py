@@ -24,6 +24,7 @@ import pytest
 
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.sandbox import Limits, run_python
+from groupflow.reward_workers.sandbox.host_workdir import remove_tree
 from tests.unit.as_nobody import run_sandbox_as_nobody
 
 SMALL = Limits(wall_s=5.0, cpu_s=5, memory_mb=128, max_processes=6, disk_mb=1)
@@ -230,11 +231,11 @@ def test_ordinary_programs_still_run(platform):
 
 
 def test_the_hook_reads_no_global_or_builtin_name():
-    """Its code and helpers take everything from their arguments (see sandbox_child.py)."""
+    """Its code and helpers take everything from their arguments (see sandbox/child.py)."""
     import dis
 
-    source = (Path(sandbox.__file__).parent / "sandbox_child.py").read_text()
-    module = compile(source, "sandbox_child.py", "exec")
+    source = (Path(sandbox.__file__).parent / "child.py").read_text()
+    module = compile(source, "child.py", "exec")
     names = {"_text", "_resolve", "_inside", "_check_open", "_check_paths", "_check_import"}
     names.add("_audit_hook")
     codes = [c for c in module.co_consts if getattr(c, "co_name", None) in names]
@@ -350,7 +351,7 @@ def test_cleanup_removes_planted_links_without_following_them(tmp_path, victim_d
     os.mkfifo(tree / "work" / "fifo")
     (tree / "work" / "locked" / "deeper").chmod(0)
     (tree / "work" / "locked").chmod(0)
-    sandbox._remove_tree(str(tree))
+    remove_tree(str(tree))
     assert not tree.exists()
     assert _intact(victim_dir)
 
@@ -358,7 +359,7 @@ def test_cleanup_removes_planted_links_without_following_them(tmp_path, victim_d
 def test_cleanup_of_a_work_directory_replaced_by_a_link(tmp_path, victim_dir):
     tree = tmp_path / "gf-sandbox-x"
     tree.symlink_to(victim_dir)
-    sandbox._remove_tree(str(tree))
+    remove_tree(str(tree))
     assert _intact(victim_dir)
 
 

@@ -1,4 +1,4 @@
-"""A saved policy is a complete model directory (groupflow/saved_model.py): loaded alone, its
+"""A saved policy is a complete model directory (groupflow/loop/saved_model.py): loaded alone, its
 tokenizer renders a chat exactly as the base's did, whatever format the base's tokenizer came in,
 with the template the job trained with."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from groupflow.adapters import MERGED_DIR
-from groupflow.quickstart import build_tokenizer
-from groupflow.saved_model import complete_saved_model
+from groupflow.core.adapters import MERGED_DIR
+from groupflow.loop.saved_model import complete_saved_model
+from groupflow.run.quickstart import build_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "answer with a number"},

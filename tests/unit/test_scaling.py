@@ -1,25 +1,24 @@
-"""Scaling a running job (groupflow/scaling.py): request checks, the autoscale policy, the
-Scaler, and the real generator pool growing and shrinking inside the job loop over the fake
-engines of tests/unit/job_loop_fakes.py (no Ray)."""
+"""Scaling a running job (groupflow/loop/scaling.py and its control protocol,
+groupflow/core/scaling_protocol.py): request checks, the autoscale policy, the Scaler, and the real
+generator pool growing and shrinking inside the job loop over the fake engines of
+tests/unit/job_loop_fakes.py (no Ray)."""
 
 from __future__ import annotations
 
 import pytest
 
-from groupflow.config import build_config
-from groupflow.scaling import (
-    AutoscalePolicy,
+from groupflow.actors.control import limits_for
+from groupflow.core.scaling_protocol import (
     LiveStatus,
     PoolState,
     ScaleError,
     ScaleLimits,
-    Scaler,
     ScaleRequest,
     check_request,
-    limits_for,
-    policy_for,
     ray_demand,
 )
+from groupflow.loop.scaling import AutoscalePolicy, Scaler, policy_for
+from groupflow.run.job_config import build_config
 from tests.unit.job_loop_fakes import (
     GROUP_SIZE,
     PROMPTS_PER_STEP,
@@ -293,7 +292,7 @@ def test_engines_added_and_removed_while_the_job_trains(staleness):
 def parse(argv: list[str]):
     import argparse
 
-    from groupflow.jobs import add_job_commands
+    from groupflow.run.jobs import add_job_commands
 
     parser = argparse.ArgumentParser(prog="groupflow")
     add_job_commands(parser.add_subparsers(dest="command", required=True))
@@ -317,7 +316,7 @@ def test_scale_arguments():
 def test_bad_counts_fail_before_any_cluster_is_contacted(monkeypatch, capsys, argv, message):
     import ray.job_submission
 
-    from groupflow.cli import main
+    from groupflow.run.cli import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cluster was contacted")
@@ -333,8 +332,8 @@ def test_a_run_whose_driver_has_ended_is_not_running(tmp_path, capsys):
     import subprocess
     import sys
 
-    from groupflow.cli import main
-    from groupflow.live import write_cluster_file
+    from groupflow.run.cli import main
+    from groupflow.run.live import write_cluster_file
 
     (tmp_path / "r").mkdir()
     path = write_cluster_file(tmp_path / "r", "r", "127.0.0.1:1")
@@ -362,7 +361,7 @@ class PendingPool(FakePool):
 
 
 def test_live_counts_pending_actors_and_scale_events_are_exported():
-    from groupflow.prometheus import PrometheusExporter
+    from groupflow.observe.prometheus import PrometheusExporter
     from tests.unit.test_prometheus_exporter import scrape
 
     exporter = PrometheusExporter("unit", port=0, addr="127.0.0.1")

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from groupflow.actors.reward import RewardWorker
-from groupflow.records import Prompt, Response, SampledGroup, Verdict
+from groupflow.core.records import Prompt, Response, SampledGroup, Verdict
 from groupflow.reward_workers.scorer import Scorer, response_items, scored_groups
 from groupflow.reward_workers.verifier_pool import DEADLINE_MARGIN_S
 

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from groupflow.config import build_config
+from groupflow.core.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.learner.advantages import compute_advantages
-from groupflow.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
-from groupflow.sequences import group_advantages, train_sequences
+from groupflow.loop.sequences import group_advantages, train_sequences
+from groupflow.run.job_config import build_config
 
 MAX_TOKENS = 12
 

@@ -1,5 +1,5 @@
 """An actor that fails while it starts is said in one line: its own error and its node
-(groupflow/start_errors.py), read from reports shaped as Ray writes them, around tracebacks
+(groupflow/core/start_errors.py), read from reports shaped as Ray writes them, around tracebacks
 raised here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import string
 import traceback
 
-from groupflow.start_errors import own_error, start_failure
+from groupflow.core.start_errors import own_error, start_failure
 
 ERRORS = [FileNotFoundError, ImportError, ValueError, RuntimeError, MemoryError, OSError]
 

@@ -1,6 +1,6 @@
-"""Stopping a job early (groupflow/stopping.py) in the job loop, over the in-process fakes of
+"""Stopping a job early (groupflow/loop/stopping.py) in the job loop, over the in-process fakes of
 tests/unit/job_loop_fakes.py, on their virtual clock; Ctrl-C's handlers; and what a run's end
-says (groupflow/run_end.py)."""
+says (groupflow/run/end.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import signal
 
 import pytest
 
-from groupflow.checkpoint import STATE_FILE, CheckpointStore, DriverState
-from groupflow.pipeline import HEARTBEAT_S
-from groupflow.prompt_stream import StreamState
-from groupflow.run_end import already_finished, how_to_resume, stopped_line
-from groupflow.stopping import StopAborted, StopRequest, stop_on_signals
+from groupflow.loop.checkpoint import STATE_FILE, CheckpointStore, Provenance
+from groupflow.loop.checkpointer import DriverState, Parts, find_resume
+from groupflow.loop.pipeline import HEARTBEAT_S
+from groupflow.loop.prompt_stream import StreamState
+from groupflow.loop.stopping import StopAborted, StopRequest, stop_on_signals
+from groupflow.run.end import already_finished as finished_line
+from groupflow.run.end import how_to_resume, stopped_line
 from tests.unit.job_loop_fakes import (
     PROMPTS_PER_STEP,
     run_job,
@@ -56,11 +58,15 @@ def test_a_stop_ends_the_job_after_the_step_in_flight_and_checkpoints_it(tmp_pat
     with caplog.at_level(logging.INFO):
         run = run_job(steps=6, run_dir=tmp_path, overrides=CHECKPOINTS, stop=stop_at(asked))
     assert [r["step"] for r in run.records] == [1, 2]
-    assert run.job.stopped and run.job.last_step == 2 and run.job.stop.source == "groupflow stop"
+    assert (
+        run.job.stopped
+        and run.job.last_step == 2
+        and run.job.stopping.request.source == "groupflow stop"
+    )
     assert [p.name for p in CheckpointStore(tmp_path).complete()] == ["step_2"]
     state = saved_state(tmp_path, 2)
     assert (state.step, state.policy_version) == (2, 2)
-    assert state.stream == StreamState(consumed=2 * PROMPTS_PER_STEP)
+    assert state.parts.prompt_stream == StreamState(consumed=2 * PROMPTS_PER_STEP)
     lines = [r.getMessage() for r in caplog.records]
     assert any(
         line.startswith("groupflow stop: stopping after the step in flight") for line in lines
@@ -104,7 +110,7 @@ def test_a_step_whose_samples_are_late_is_abandoned_at_the_deadline(tmp_path):
     assert [r["step"] for r in run.records] == [1] and len(run.learner.steps) == 1
     assert run.job.stopped and run.job.last_step == 1
     state = saved_state(tmp_path, 1)
-    assert state.stream == StreamState(consumed=PROMPTS_PER_STEP)
+    assert state.parts.prompt_stream == StreamState(consumed=PROMPTS_PER_STEP)
     # the save began within the deadline (plus a poll and a heartbeat) of the stop
     saved = next(e[2] for e in run.log if e[:2] == ("get", "save"))
     save_s = 5.0  # the fake learner's
@@ -179,17 +185,27 @@ def write_summary(run_dir, **fields):
 def write_checkpoint(run_dir, step: int):
     path = CheckpointStore(run_dir).root / f"step_{step}"
     path.mkdir(parents=True)
+    parts = Parts(
+        prompt_stream=StreamState(consumed=8 * step),
+        restarts={},
+        reward_totals={},
+        held_out={"eval_accuracy": 0.5},
+    )
     state = DriverState(
         step=step,
         policy_version=step,
-        stream=StreamState(consumed=8 * step),
-        warm_start_accuracy=0.5,
-        counters={},
-        model_config_json={},
-        num_ranks=2,
+        provenance=Provenance(model_config_json={}, num_ranks=2),
+        parts=parts,
     )
     (path / STATE_FILE).write_text(state.model_dump_json())
     return path
+
+
+def already_finished(resume, steps: int, run_dir):
+    """What a resume of `run_dir` finds (groupflow/run/driver.py `run`): the checkpoint asked
+    for, read once, and whether the run finished its steps already."""
+    found = find_resume(resume, CheckpointStore(run_dir))
+    return finished_line(resume, steps, run_dir, found)
 
 
 @pytest.mark.parametrize("resume", ["latest", "auto"])
@@ -268,13 +284,13 @@ def test_resuming_a_finished_run_says_so_and_starts_nothing(
 ):
     import ray
 
-    import groupflow.driver
-    from groupflow.cli import main
+    import groupflow.run.driver
+    from groupflow.run.cli import main
 
     def started(*args, **kwargs):  # the suite shares one Ray cluster: is_initialized can't tell
         raise AssertionError("a finished run was started again")
 
-    monkeypatch.setattr(groupflow.driver, "run", started)
+    monkeypatch.setattr(groupflow.run.driver, "open_run", started)
     monkeypatch.setattr(ray, "init", started)
 
     run = tmp_path / "quickstart"
@@ -297,7 +313,7 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
     without Ray): a stop, which --now raises to an abort that a later plain stop does not
     lower, and the job's last line, whose reading the driver waits for."""
     from groupflow.actors.control import JobControl
-    from groupflow.scaling import ScaleLimits
+    from groupflow.core.scaling_protocol import ScaleLimits
 
     control = JobControl(ScaleLimits(True, {}, {}))
     assert control.stop_asked() is None
@@ -313,9 +329,9 @@ def test_the_control_actor_keeps_the_stop_and_the_last_line_for_groupflow_stop()
 
 
 def test_the_drivers_side_of_the_control_actor_is_a_whole_inbox():
-    """ActorInbox serves the scaler (groupflow.scaling.Inbox) and the stop alike."""
+    """ActorInbox serves the scaler (groupflow.core.scaling_protocol.Inbox) and the stop alike."""
     from groupflow.actors.control import ActorInbox
-    from groupflow.scaling import Inbox
+    from groupflow.core.scaling_protocol import Inbox
 
     wanted = {n for n in vars(Inbox) if not n.startswith("_")} | {"stop_asked", "ended"}
     assert all(callable(getattr(ActorInbox, name, None)) for name in wanted), wanted

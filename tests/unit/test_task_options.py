@@ -7,9 +7,10 @@ import inspect
 
 import pytest
 
-from groupflow.cli import main
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
 from groupflow.reward_workers.tasks import TASKS, check_options, make_task, task_options
+from groupflow.run.cli import main
+from groupflow.run.job_config import build_config
 
 
 def one_error_line(capsys) -> str:

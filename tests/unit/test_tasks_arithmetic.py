@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from groupflow.records import Prompt
+from groupflow.core.records import Prompt
 from groupflow.reward_workers.tasks import TASKS, make_task
 from groupflow.reward_workers.tasks.arithmetic import ArithmeticTask
 

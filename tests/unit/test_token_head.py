@@ -3,13 +3,13 @@ import copy
 import pytest
 import torch
 
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner.token_head import (
     install_token_head,
     response_positions,
     response_token_stats,
 )
 from groupflow.learner.token_stats import token_stats
-from groupflow.random_model import random_causal_lm
 
 
 def tiny_qwen2(gen: torch.Generator, tied: bool, dtype: torch.dtype):

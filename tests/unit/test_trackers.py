@@ -5,8 +5,8 @@ import random
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from groupflow import trackers
-from groupflow.config import build_config
+from groupflow.observe import trackers
+from groupflow.run.job_config import build_config
 
 
 def _records(n: int) -> list[dict]:

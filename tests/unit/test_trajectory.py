@@ -1,38 +1,35 @@
 """Multi-turn trajectories without an engine: token in, token out, limits, end reasons, tools
-and their failures (rollout/trajectory.py, rollout/tools.py, rollout/observations.py)."""
+and their failures (rollout/trajectory.py, rollout/toolbox.py and the built-in tools,
+rollout/observations.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from fractions import Fraction
 
 import pytest
 
-from groupflow.config import build_config
-from groupflow.quickstart import build_tokenizer
-from groupflow.records import Prompt, Response, SampledGroup, ToolUse, Verdict
+from groupflow.actors.tools import in_process_run_code
+from groupflow.core.records import Prompt, Response, SampledGroup, ToolUse, Verdict
+from groupflow.loop.sequences import group_advantages, train_sequences
+from groupflow.observe.rollout_figures import agent_figures
+from groupflow.observe.sample_log import sample_rows
 from groupflow.reward_workers.scorer import scored_groups
 from groupflow.reward_workers.tasks.tool_arithmetic import (
     CHAT_TEMPLATE,
     ToolArithmeticTask,
     tool_call_text,
 )
+from groupflow.rollout.calculator_tool import Calculator
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, PromptRenderError
-from groupflow.rollout.tools import (
-    Calculator,
-    PythonTool,
-    ToolBox,
-    ToolCall,
-    ToolCallParser,
-    ToolError,
-    in_process_run_code,
-)
+from groupflow.rollout.python_tool import PythonTool
+from groupflow.rollout.toolbox import ToolBox, ToolCall, ToolCallParser, ToolError
 from groupflow.rollout.trajectory import ToolEnvironment, TurnLimits, run_trajectory
-from groupflow.rollout_figures import agent_figures
-from groupflow.sample_log import sample_rows
-from groupflow.sequences import group_advantages, train_sequences
+from groupflow.run.job_config import build_config
+from groupflow.run.quickstart import build_tokenizer
 
 TASK = ToolArithmeticTask()
 EXTRA = TASK.EXTRA_CHARACTERS
@@ -116,7 +113,7 @@ def test_trained_ids_are_the_generated_and_inserted_ids_exactly(name):
     assert engine.requests == [prompt_ids, prompt_ids + first + inserted]
     assert len(response.logprobs) == sum(response.loss_mask)
     if name == "tool_arithmetic":  # the task reads its own template's tool responses
-        assert TASK.verify(prompt, response.text).reward == 1.0
+        assert TASK.verify(prompt, response.answer_text).reward == 1.0
     # the trap: rendering the whole conversation again gives other ids for the forgetful one
     conversation = renderer.messages(prompt) + [
         {"role": "assistant", "content": call},
@@ -379,8 +376,51 @@ def test_the_calculator_computes_exactly():
 
 
 @pytest.mark.parametrize(
+    ("expression", "shown"),
+    [
+        ("0.1+0.2", "0.3"),  # binary floats gave 0.30000000000000004
+        ("0.1*3", "0.3"),
+        ("1.1**2", "1.21"),
+        ("2**-3", "0.125"),
+        ("1e-5", "0.00001"),
+        ("-1/8", "-0.125"),
+        ("10/4", "2.5"),
+        ("1/3", "0.33333333333333333333"),  # correctly rounded to 20 digits
+        ("2/3", "0.66666666666666666667"),
+        ("1e999-1e999", "0"),  # inf - inf was nan
+        ("1e999*0", "0"),
+        ("1e308*10", "1" + "0" * 309),  # was inf
+        ("2**0.5*2**0.5", "2"),  # a fractional power: a float, to 15 digits
+    ],
+)
+def test_the_calculator_answers_in_exact_decimals(expression, shown):
+    assert Calculator()({"expression": expression}) == shown
+
+
+def test_the_calculators_decimals_are_the_exact_values():
+    rng = random.Random()
+    calc = Calculator()
+
+    def decimal() -> str:
+        return f"{rng.randint(-(10**6), 10**6)}.{rng.randint(0, 10**6):06d}"
+
+    for _ in range(200):
+        a, b = decimal(), decimal()
+        for op, exact in (("+", Fraction(a) + Fraction(b)), ("*", Fraction(a) * Fraction(b))):
+            assert Fraction(calc({"expression": f"{a}{op}({b})"})) == exact
+        if Fraction(b):
+            quotient = Fraction(calc({"expression": f"{a}/({b})"}))
+            # exact where the decimal ends, else within the 20 digits shown
+            assert abs(quotient - Fraction(a) / Fraction(b)) <= abs(quotient) * Fraction(1, 10**19)
+
+
+@pytest.mark.parametrize(
     "expression",
     [
+        "1e999999999",  # checked before 10**999999999 is computed
+        "1e-999999999",
+        "1e300**1.5",
+        "(-8)**(1/3)",
         "9**9**9",
         "10**5000",
         "1/0",

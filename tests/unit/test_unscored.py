@@ -1,4 +1,4 @@
-"""Never train on nothing (groupflow/unscored.py): the rule, and the job loop that follows it
+"""Never train on nothing (groupflow/loop/unscored.py): the rule, and the job loop that follows it
 (over the fakes of tests/unit/job_loop_fakes.py on the virtual clock)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from groupflow.records import Prompt, SampledGroup, ScoredGroup, Verdict
-from groupflow.unscored import UnscoredError, UnscoredSteps, unscored_reason
+from groupflow.core.records import Prompt, SampledGroup, ScoredGroup, Verdict
+from groupflow.loop.unscored import UnscoredError, UnscoredSteps, unscored_reason
 from tests.unit import job_loop_fakes
 from tests.unit.job_loop_fakes import (
     PROMPTS_PER_STEP,

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.config import build_config
-from groupflow.records import Prompt, Verdict
+from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers import sandbox
 from groupflow.reward_workers.datasets import load_prompts
+from groupflow.reward_workers.sandbox import probe as sandbox_probe
 from groupflow.reward_workers.score_cli import main as score_main
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import code_problems, make_task
 from groupflow.reward_workers.tasks.code_problems import CodeTask
 from groupflow.reward_workers.tasks.math_problems import MathTask
+from groupflow.run.job_config import build_config
 from tests.unit.as_nobody import run_sandbox_as_nobody
 
 IS_ROOT = os.geteuid() == 0
@@ -461,7 +462,7 @@ def test_a_non_root_worker_gets_namespaces_and_a_non_root_program():
 
 def test_weak_platforms_refuse_code_rewards_unless_opted_out(monkeypatch):
     weak = sandbox.probe_platform(namespaces=False)
-    monkeypatch.setattr(sandbox, "_platform", weak)
+    monkeypatch.setattr(sandbox_probe, "_platform", weak)
     with pytest.raises(ValueError, match="lacks minimal-root.*allow_weak_sandbox") as err:
         CodeTask()
     assert "\n" not in str(err.value)
@@ -492,7 +493,7 @@ def test_correct_solutions_that_use_files_score_one(
     platform_kind, monkeypatch, nothing_left_behind
 ):
     if platform_kind == "no-namespaces":
-        monkeypatch.setattr(sandbox, "_platform", sandbox.probe_platform(namespaces=False))
+        monkeypatch.setattr(sandbox_probe, "_platform", sandbox.probe_platform(namespaces=False))
     task = CodeTask(timeout_s=5.0, case_timeout_s=2.0, memory_mb=128, allow_weak_sandbox=True)
     prompt = next(p for p in task.pool.train if p.answer["entry_point"] == "gcd")
     for solution in CORRECT_WITH_FILES:

@@ -1,4 +1,4 @@
-"""Weight sync in buckets (groupflow/weight_format.py, learner/weight_export.py,
+"""Weight sync in buckets (groupflow/core/weight_format.py, learner/weight_export.py,
 rollout/weight_intake.py): how a model is cut, the checksums that verify a load, and a round
 trip through a real gloo weight group between two threads."""
 
@@ -10,18 +10,11 @@ import threading
 import pytest
 import torch
 
-from groupflow import weight_format
-from groupflow.actors.weight_group import open_weight_group
-from groupflow.errors import expected_failure
-from groupflow.learner.weight_export import (
-    broadcast_weights,
-    joined,
-    shard_buckets,
-    weight_manifest,
-)
-from groupflow.random_model import random_causal_lm
-from groupflow.rollout.engine import RolloutEngine
-from groupflow.weight_format import (
+from groupflow.actors.transport_collective import open_weight_group
+from groupflow.core import weight_format
+from groupflow.core.errors import expected_failure
+from groupflow.core.random_model import random_causal_lm
+from groupflow.core.weight_format import (
     LoadedWeights,
     WeightSyncMismatch,
     add_checksums,
@@ -33,6 +26,14 @@ from groupflow.weight_format import (
     shard_checksums,
     unpack_bucket,
 )
+from groupflow.learner.weight_export import (
+    broadcast_weights,
+    joined,
+    shard_buckets,
+    weight_manifest,
+)
+from groupflow.rollout.engine import RolloutEngine
+from groupflow.rollout.weight_intake import broadcast
 
 
 def random_manifest(gen: torch.Generator) -> list[tuple[str, tuple[int, ...], str]]:
@@ -224,7 +225,6 @@ class RecordingLLM:
 class RecordingEngine:
     """The engine's receiving and loading steps, over a recording stand-in for vLLM."""
 
-    receive_weights = RolloutEngine.receive_weights
     load_weights = RolloutEngine.load_weights
 
     def __init__(self, tensor_parallel_size: int = 1):
@@ -232,6 +232,11 @@ class RecordingEngine:
         self.policy_version = 0
         self.tensor_parallel_size = tensor_parallel_size
         self.lora = None  # the whole model
+
+    def receive_weights(self, group, buckets, version: int, device: str):
+        """The collective transport's engine side (actors/transport_collective.py `receive`):
+        the buckets received as each lands and loaded in one pass."""
+        return self.load_weights(broadcast(group, buckets, device), version)
 
 
 def free_port() -> int:
@@ -409,7 +414,7 @@ def test_a_load_that_differs_is_one_line_naming_engine_version_and_tensor(gen):
         assert message.startswith("weight sync of policy version 4: engine 1 (actor 12ab): tensor")
         name = "lm_head.weight" if what == "did not send" else "model.norm.weight"
         assert f"tensor {name}:" in message
-        # the command line ends with this line and exit 1 (groupflow/errors.py)
+        # the command line ends with this line and exit 1 (groupflow/core/errors.py)
         assert expected_failure(err.value) == (message, 1)
 
 

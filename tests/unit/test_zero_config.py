@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from groupflow.config import ConfigError, build_config
+from groupflow.config import ConfigError
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner.zero_config import (
     MID_MODEL_PARAMETERS,
     WHOLE_MODEL_PARAMETERS,
@@ -11,7 +12,7 @@ from groupflow.learner.zero_config import (
     model_parameter_count,
     zero3_tuning,
 )
-from groupflow.random_model import random_causal_lm
+from groupflow.run.job_config import build_config
 
 B = 1_000_000_000
 

@@ -2,7 +2,7 @@
 
 import itertools
 
-from groupflow.rollout.tools import ToolCall
+from groupflow.rollout.toolbox import ToolCall
 from groupflow.rollout.trajectory import Observation
 
 # Printed by a program that could read this file from inside the sandbox: it must never show.

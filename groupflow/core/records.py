@@ -1,0 +1,150 @@
+"""The records that cross actor boundaries, defined once.
+
+prompt -> SampledGroup (rollout) -> ScoredGroup (reward workers) -> TrainSequence
+(driver, with advantages) -> learner. Weights do not travel as records: they go from the
+learner ranks to the engines in buckets (groupflow/core/weight_format.py, actors/transport.py).
+Plain dataclasses of lists, so they pickle cheaply through Ray's object store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Prompt:
+    """One task instance: the text the model sees and what the verifier checks against."""
+
+    uid: str
+    text: str  # the raw (completion) prompt; "" for a dataset prompt given only as messages
+    answer: Any
+    # The chat wording ({"role", "content"} dicts) that a chat template renders; None = `text`
+    # as one user turn.
+    messages: list[dict] | None = None
+    task: str | None = None  # its task's label in a job of several tasks (routes verification)
+    max_tokens: int | None = None  # its task's response limit; None = rollout.sampling's
+
+
+# How a tool call ended (rollout/toolbox.py), as the step's figures count them.
+TOOL_OUTCOMES = ("ok", "error", "timeout", "malformed", "unknown")
+
+
+@dataclass
+class ToolUse:
+    """One tool call in a trajectory: the tool the model named ("" where the call could not be
+    read), how it ended (one of TOOL_OUTCOMES) and how long it took."""
+
+    tool: str
+    outcome: str
+    seconds: float = 0.0
+
+
+@dataclass
+class Response:
+    """One sampled response: a single completion, or a multi-turn trajectory (the model's turns
+    and the observations inserted between them, rollout/trajectory.py)."""
+
+    token_ids: list[int]
+    text: str
+    # vLLM's log-probs of the tokens the model sampled, one per model token (observations
+    # have none)
+    logprobs: list[float]
+    finish_reason: str = "stop"  # "stop": EOS or a stop string; "length": cut at max_tokens
+    # (policy version, index of its first token) for each run of tokens one version sampled,
+    # in order: more than one where a weight sync landed while the response was generating
+    # (rollout.partial_rollout). [] = all by its group's policy_version.
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    # A trajectory's: per response token, 1 where the model sampled it, 0 for an observation
+    # (TrainSequence.loss_mask); None for a single completion.
+    loss_mask: list[int] | None = None
+    turns: int = 1
+    # Why a trajectory ended: "answer", "turn_limit", "token_limit", "deadline" or
+    # "environment_error" (rollout/trajectory.py); None for a single completion.
+    end_reason: str | None = None
+    tool_uses: list[ToolUse] = field(default_factory=list)
+    error: str | None = None  # what the environment raised, when end_reason says it did
+    # A trajectory's last model turn, the one span its answer can occupy: what a verifier
+    # reads (reward_workers/scorer.py). None for a single completion, whose text is all its own.
+    final_turn: str | None = None
+
+    @property
+    def answer_text(self) -> str:
+        """The text a verifier scores: the model's final turn, never an observation or a
+        marker the model wrote in an earlier turn."""
+        return self.text if self.final_turn is None else self.final_turn
+
+
+@dataclass
+class SampledGroup:
+    """G responses to one prompt, from one vLLM request with n = G. `policy_version` is that
+    of its oldest token: staleness counts from it."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    responses: list[Response]
+    policy_version: int
+
+
+@dataclass
+class Verdict:
+    """A verifier's score for one response: reward in [0, 1] and a human-readable reason."""
+
+    reward: float
+    reason: str
+    error: str | None = None  # "error" or "timeout" when the verifier failed
+
+
+@dataclass
+class ScoredGroup:
+    group: SampledGroup
+    verdicts: list[Verdict]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [v.reward for v in self.verdicts]
+
+
+@dataclass
+class TrainSequence:
+    """One response ready for the learner: prompt + response ids and its advantage."""
+
+    input_ids: list[int]
+    prompt_len: int
+    advantage: float
+    group_id: int  # index of its group within the step (cancellation diagnostics use it)
+    policy_version: int
+    # The behaviour policy's log-prob of each model token, as vLLM sampled it
+    # (learner/off_policy.py); [] = unknown, the learner's own stand in for it.
+    vllm_logprobs: list[float]
+    # Per response token: 1 where the model sampled it, 0 for an observation inserted between
+    # turns (a tool's result): in the forward as context, out of the loss and of every token
+    # statistic (docs/algorithms.md, 'Observation tokens'). None: every one is the model's.
+    loss_mask: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        where = f"sequence of group {self.group_id}"
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != self.num_response_tokens:
+                raise ValueError(
+                    f"{where}: a loss mask of {len(self.loss_mask)} for "
+                    f"{self.num_response_tokens} response tokens"
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError(f"{where}: a loss mask holds 0 and 1 only")
+        if self.vllm_logprobs and len(self.vllm_logprobs) != self.num_model_tokens:
+            raise ValueError(
+                f"{where}: {len(self.vllm_logprobs)} vLLM log-probs for "
+                f"{self.num_model_tokens} model tokens"
+            )
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the model sampled (observations left out)."""
+        if self.loss_mask is None:
+            return self.num_response_tokens
+        return sum(self.loss_mask)

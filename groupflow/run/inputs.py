@@ -1,0 +1,61 @@
+"""What a run reads and checks before it holds its name, writes anything or touches Ray: the
+model (`model.path`, a hub id read from the local cache, or the built-in one, built), LoRA's
+target modules, the trackers, and the prompts the model can take (groupflow/run/job_prompts.py).
+`groupflow train` checks them first (groupflow/run/driver.py); `train --dry-run` and
+`config --check` stop there (groupflow/run/dry_run.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from groupflow.config import Config
+from groupflow.core.errors import RunError
+from groupflow.core.hub_model import local_model_path
+from groupflow.core.model_dir import check_context, model_context, read_model_config
+from groupflow.learner.lora import check_target_modules
+from groupflow.observe.trackers import check_trackers
+from groupflow.run.job_config import check_resolved
+from groupflow.run.job_prompts import VettedPrompts, vet_prompts
+from groupflow.run.quickstart import ARCHITECTURE, quickstart_model_path
+
+
+def resolve_model_path(cfg: Config) -> str:
+    """The model directory the job trains (or `groupflow eval` scores), its context checked
+    against `rollout.max_model_len`; the built-in model is built here when `model.path` is
+    unset."""
+    if cfg.model.path is None:
+        # A config file's defaults fit a real model: say so before the built-in one is built.
+        check_context(
+            cfg.rollout.max_model_len,
+            ARCHITECTURE["max_position_embeddings"],
+            "the built-in model (model.path unset; `groupflow config --quickstart` shows the "
+            "sizes that fit it)",
+        )
+        return str(
+            quickstart_model_path(
+                cfg.task.name, cfg.task.options, cfg.model.warm_start_steps, cfg.metrics.progress
+            )
+        )
+    path = Path(local_model_path(cfg.model.path))
+    if not (path / "config.json").is_file():
+        raise RunError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    check_context(cfg.rollout.max_model_len, model_context(read_model_config(path)), str(path))
+    return str(path)
+
+
+@dataclass
+class CheckedInputs:
+    model_path: str
+    prompts: VettedPrompts
+
+
+def check_inputs(cfg: Config) -> CheckedInputs:
+    """The model, LoRA's target modules, the trackers, the tokenizer and chat template on every
+    prompt, the datasets and the task options; the first failure raises its one-line error."""
+    check_resolved(cfg)
+    model_path = resolve_model_path(cfg)
+    if cfg.learner.lora is not None:
+        check_target_modules(model_path, cfg.learner.lora)
+    check_trackers(cfg)
+    return CheckedInputs(model_path, vet_prompts(cfg, model_path))
