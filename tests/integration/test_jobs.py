@@ -107,7 +107,11 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
             f"trainer.output_dir={tmp_path}",
             "--set",
             "trainer.checkpoint_every=100",
-            # STAPO and its riders (two learner ranks, wandb offline) ride on this job
+            # STAPO and its riders (two learner ranks, wandb offline) ride on this job, on the
+            # 16 prompts a step of a preset's run: its micro-batches of 96 tokens make a step's
+            # cost grow with its tokens, and nothing here depends on how many there are
+            "--set",
+            "rollout.prompts_per_step=16",
             *[arg for setting in preset_settings(ON_SUBMITTED_JOB) for arg in ("--set", setting)],
         ],
         env,
@@ -239,6 +243,7 @@ def test_a_lost_node_holds_up_only_its_work_and_replacements_join_a_new_node(
         "cluster.address": gcs,
         "task.eval_size": 8,
         "learner.num_ranks": 1,  # on the head, which is not lost: one rank is enough
+        "rollout.prompts_per_step": 16,  # as STAPO's job: DAPO's micro-batches are of 96 tokens
         "rollout.num_engines": 2,
         "rollout.resources.num_cpus": 0,  # the engines node has no CPU: nothing else goes there
         "rollout.resources.custom": "{gf_engines: 1}",
