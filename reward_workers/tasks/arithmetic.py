@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
+from itertools import product
 from typing import Any
 
 from groupflow.core.records import Prompt, Verdict
@@ -45,6 +47,16 @@ class ArithmeticTask(GeneratedTask):
         ask = f"Compute {expr}. Reply with the resulting integer only."
         return Prompt(
             uid=expr, text=f"{expr}=", answer=answer, messages=[{"role": "user", "content": ask}]
+        )
+
+    def _problem_uids(self, at_most: int) -> Iterator[str] | None:
+        values, ops = [str(v) for v in range(10**self.digits)], sorted(set(self.ops))
+        if len(values) ** self.terms * len(ops) ** (self.terms - 1) > at_most:
+            return None
+        return (
+            first + "".join(op + value for op, value in zip(signs, rest, strict=True))
+            for first, *rest in product(values, repeat=self.terms)
+            for signs in product(ops, repeat=self.terms - 1)
         )
 
     def parse_answer(self, raw: Any) -> int:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from groupflow.core.records import Prompt, Verdict
+
+logger = logging.getLogger(__name__)
+
+# The (task, size) pairs this process has said are larger than the task's held-out set.
+_warned_sizes: set[tuple[str, int]] = set()
 
 
 class Task(Protocol):
@@ -42,6 +48,8 @@ class GeneratedTask:
     """Prompts drawn from a seeded generator (`_make`), split into train and held-out sets
     by a hash of each problem, so the two never meet whatever the seed."""
 
+    name: str
+
     def _make(self, rng: random.Random) -> Prompt:
         raise NotImplementedError
 
@@ -52,13 +60,38 @@ class GeneratedTask:
             if not is_held_out(prompt.uid):
                 yield prompt
 
+    def _problem_uids(self, at_most: int) -> Iterable[str] | None:
+        """The uid of every problem the generator can make, when there are at most `at_most`
+        of them; None when there are more (or the generator cannot list them)."""
+        return None
+
     def eval_prompts(self, n: int) -> list[Prompt]:
+        """The first n distinct held-out problems the generator draws from seed -1. A problem
+        space with fewer than n held-out problems gives them all (and says so), found without
+        drawing the 1000 * n candidates the search is bounded by."""
+        wanted = n
+        # A tenth of a space is held out, so only one under 20 * n holds fewer than n (past
+        # that, a freak of the hash is still ended by the bounded search).
+        uids = self._problem_uids(20 * n)
+        if uids is not None:
+            held_out = sum(1 for uid in uids if is_held_out(uid))
+            if held_out < n and (self.name, n) not in _warned_sizes:
+                _warned_sizes.add((self.name, n))  # the driver builds a job's task more than once
+                logger.warning(
+                    "%s: %d held-out prompts asked for, but the task has only %d distinct "
+                    "held-out problems: evaluating on those %d",
+                    self.name,
+                    n,
+                    held_out,
+                    held_out,
+                )
+            wanted = min(n, held_out)
         rng = random.Random(-1)
         seen: dict[str, Prompt] = {}
         for _ in range(1000 * n):
+            if len(seen) == wanted:
+                break
             prompt = self._make(rng)
             if is_held_out(prompt.uid):
                 seen.setdefault(prompt.uid, prompt)
-                if len(seen) == n:
-                    break
         return list(seen.values())

@@ -5,8 +5,9 @@ import itertools
 import pytest
 
 from groupflow.core.records import Prompt
-from groupflow.reward_workers.tasks import TASKS, make_task
+from groupflow.reward_workers.tasks import TASKS, base, make_task
 from groupflow.reward_workers.tasks.arithmetic import ArithmeticTask
+from groupflow.run.job_config import load_config
 
 
 def test_train_prompts_are_reproducible_and_endless():
@@ -25,6 +26,29 @@ def test_eval_prompts_are_disjoint_from_training():
     assert len(held_out) == 50
     train = {p.uid for p in itertools.islice(task.train_prompts(0), 5000)}
     assert not held_out & train
+
+
+def test_a_held_out_set_larger_than_the_task_is_all_of_it_found_without_the_long_search(
+    caplog, monkeypatch
+):
+    """The quickstart's 1-digit, 3-term problems have 382 held-out ones: 400 asked for gives
+    those 382 (in the order a search finds them) and says so, without drawing the 400,000
+    candidates a search for a 400th would (seconds at every start)."""
+    monkeypatch.setattr(base, "_warned_sizes", set())  # said once a process
+    task, draws = ArithmeticTask(), []
+    make = task._make
+    task._make = lambda rng: draws.append(1) or make(rng)
+    every = task.eval_prompts(400)
+    assert len(every) == len({p.uid for p in every}) == 382
+    assert len(draws) < 40_000
+    assert [p.uid for p in every] == [p.uid for p in ArithmeticTask().eval_prompts(382)]
+    assert "400 held-out prompts asked for, but the task has only 382" in caplog.text
+
+
+def test_the_quickstart_evaluates_on_no_more_than_its_held_out_problems():
+    cfg = load_config()
+    task = make_task(cfg.task.name, cfg.task.options)
+    assert len(task.eval_prompts(10 * cfg.task.eval_size)) == cfg.task.eval_size
 
 
 def test_prompt_answer_matches_expression():
