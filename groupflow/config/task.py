@@ -32,7 +32,11 @@ class TaskConfig(Section):
         "mixes several in one job, each with a weight",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="task-specific settings")
-    eval_size: int = Field(256, ge=1, description="held-out prompts for greedy accuracy")
+    eval_size: int = Field(
+        256,
+        ge=1,
+        description="held-out prompts for greedy accuracy (all of them where the task has fewer)",
+    )
     chat_template: str = Field(
         "auto",
         min_length=1,
