@@ -11,6 +11,7 @@ from groupflow.config import Config
 from groupflow.core.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
 from groupflow.core.model_dir import read_model_config
 from groupflow.loop.held_out import Scores, held_out_scores
+from groupflow.observe.environment_errors import environment_verdict
 from groupflow.observe.progress import PhaseProgress, heartbeat
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task
@@ -53,11 +54,14 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         loop = asyncio.new_event_loop()  # the engine's requests are coroutines
         trainer = cfg.trainer
         n = trainer.eval_samples
+        answered: list = []  # every answer, for what the environment did to them
 
         def answers(greedy: bool) -> list:
-            return loop.run_until_complete(
+            groups = loop.run_until_complete(
                 engine.complete(prompts, n, cfg.rollout.sampling, greedy)
             )
+            answered.extend(groups)
+            return groups
 
         def rewards(groups: list) -> list[list[float]]:
             return [sg.rewards for sg in scorer.score_groups(groups)]
@@ -70,7 +74,8 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
             scorer.pool.close()
             loop.close()
     about = {"model": model_path, "task": cfg.task.name, "prompts": len(prompts)}
-    return about | eval_keys(scores, n, trainer.eval_pass_k or n)
+    verdict = environment_verdict(answered)  # most answers failed by it: no scores
+    return about | eval_keys(scores, n, trainer.eval_pass_k or n) | verdict
 
 
 def eval_keys(scores: Scores, n: int, k: int) -> dict:
