@@ -33,7 +33,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     settings = engine_settings(cfg, base, seed=cfg.trainer.seed)
     if adapter is not None:
         tensors = adapter.tensors()  # checked against the base before an engine starts
-        settings.lora = EngineLora(engine_max_rank(adapter.config["r"]), adapter.config)
+        settings.lora = EngineLora(engine_max_rank(max(adapter.ranks)), adapter.config)
     # no tool pool here: the python tool's sandboxes start from this process
     python = "python" in cfg.agent_tools()
     run_code = in_process_run_code(cfg.agent.allow_weak_sandbox) if python else None
