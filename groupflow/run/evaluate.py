@@ -9,7 +9,7 @@ import asyncio
 from groupflow.actors.tools import in_process_run_code
 from groupflow.config import Config
 from groupflow.core.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
-from groupflow.core.model_dir import read_model_config
+from groupflow.core.model_dir import check_tensor_parallel, read_model_config
 from groupflow.loop.held_out import Scores, held_out_scores
 from groupflow.observe.environment_errors import environment_verdict
 from groupflow.observe.progress import PhaseProgress, heartbeat
@@ -27,7 +27,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     check_resolved(cfg)
     adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
     base = model_path if adapter is None else adapter.base
-    read_model_config(base)
+    check_tensor_parallel(cfg.rollout.tensor_parallel_size, read_model_config(base), base)
     vet_prompts(cfg, base)  # the template vetted, prompts too long left out
     prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
     settings = engine_settings(cfg, base, seed=cfg.trainer.seed)
