@@ -19,6 +19,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
+from groupflow.core.errors import first_line
 from groupflow.core.records import ToolUse
 from groupflow.core.user_code import text_of
 from groupflow.rollout.user_calls import USER_CALLS, UserCodeFailed
@@ -75,7 +76,6 @@ class ToolCallParser:
         if name not in known:
             raise ValueError(f"agent.tool_parser: vLLM has no tool parser {name!r} ({known})")
         parser_class = ToolParserManager.get_tool_parser(name)
-        self._parser = parser_class(tokenizer)
         self._request = ChatCompletionRequest(
             messages=[{"role": "user", "content": ""}], model="groupflow", tools=schemas or None
         )
@@ -87,7 +87,18 @@ class ToolCallParser:
             model="groupflow",
             tools=[{"type": "function", "function": {"name": "probe", "parameters": {}}}],
         )
-        self.skip_special_tokens = self._parser.adjust_request(probe).skip_special_tokens
+        # Many parsers look for their model's call markers in the tokenizer as they are built,
+        # and raise where it lacks them (deepseek_v3, jamba, lfm2, mistral...): said here, in
+        # one line naming the setting, where the driver vets the job before anything starts.
+        try:
+            self._parser = parser_class(tokenizer)
+            self.skip_special_tokens = self._parser.adjust_request(probe).skip_special_tokens
+        except Exception as err:
+            raise ValueError(
+                f"agent.tool_parser: {name!r} cannot read this model's turns "
+                f"({type(err).__name__}: {first_line(err, 200)}); choose the parser of the "
+                "model's own tool-call format"
+            ) from None
         # Where the parser's own start marker is in a turn it could not read, the model tried a
         # call: that is a malformed call, which the model is told about, not an answer.
         self._marker = getattr(parser_class, "tool_call_start_token", None)

@@ -5,9 +5,9 @@ also writes the task's own tools here when `tools` is unset."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
-from groupflow.config.base import Section
+from groupflow.config.base import FloatSetting, Section
 
 
 class AgentConfig(Section):
@@ -34,22 +34,22 @@ class AgentConfig(Section):
         description="vLLM's tool parser that reads calls from a turn: 'hermes' for the "
         "Hermes/Qwen <tool_call> JSON format, or any other vLLM registers",
     )
-    max_turns: int = Field(4, ge=1, le=64, description="model turns per trajectory")
-    max_total_tokens: int | None = Field(
+    max_turns: StrictInt = Field(4, ge=1, le=64, description="model turns per trajectory")
+    max_total_tokens: StrictInt | None = Field(
         None,
         ge=2,
         description="a trajectory's token budget, observations included (DAPO's overlong "
         "penalty counts against it); unset = what the context leaves; each turn is limited by "
         "rollout.sampling.max_tokens",
     )
-    deadline_s: float = Field(
+    deadline_s: FloatSetting = Field(
         300.0, gt=0, le=86_400, description="wall-clock limit of one trajectory"
     )
-    tool_timeout_s: float = Field(10.0, gt=0, le=3600, description="limit of one tool call")
-    tool_output_chars: int = Field(
+    tool_timeout_s: FloatSetting = Field(10.0, gt=0, le=3600, description="limit of one tool call")
+    tool_output_chars: StrictInt = Field(
         2000, ge=16, le=1_000_000, description="a tool result is cut to this many characters"
     )
-    tool_workers: int = Field(
+    tool_workers: StrictInt = Field(
         1, ge=1, le=4096, description="tool-pool actors that run the python tool's sandboxes"
     )
     allow_weak_sandbox: bool = Field(

@@ -8,28 +8,31 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from groupflow.config.base import Section
+from groupflow.config.base import FloatSetting, Section
 from groupflow.config.presets import PRESETS
 
 
 class ClipConfig(Section):
     """PPO's clipping of the probability ratio."""
 
-    eps_low: float = Field(
+    eps_low: FloatSetting = Field(
         0.2,
         ge=0,
+        le=1,
         description="PPO clip below: the ratio r = pi/pi_old is held at >= 1 - eps_low for A < 0 "
         "(Schulman et al., PPO, arXiv 1707.06347)",
     )
-    eps_high: float = Field(
+    eps_high: FloatSetting = Field(
         0.28,
         ge=0,
+        le=10,
         description="PPO clip above: r is held at <= 1 + eps_high for A > 0; 0.28 > eps_low is "
         "DAPO's clip-higher, which keeps low-probability tokens able to rise (arXiv 2503.14476)",
     )
-    dual_clip: float | None = Field(
+    dual_clip: FloatSetting | None = Field(
         None,
         gt=1,
+        le=100,
         description="dual clip c: for A < 0 the token loss is capped at -c A, so a huge ratio "
         "cannot blow up a negative sample (Ye et al., arXiv 1912.09729); unset = off",
     )
@@ -38,9 +41,10 @@ class ClipConfig(Section):
 class KLConfig(Section):
     """A KL penalty to the initial policy."""
 
-    coef: float = Field(
+    coef: FloatSetting = Field(
         0.0,
         ge=0,
+        le=10,
         description="beta of a KL penalty to the frozen initial policy, added per token (GRPO, "
         "arXiv 2402.03300); 0 = off and no reference model is loaded",
     )
@@ -59,19 +63,19 @@ class StapoConfig(Section):
         description="STAPO: silence spurious tokens (low probability, low entropy, in positive "
         "responses) and renormalise (arXiv 2602.15620); its would-be share is always measured",
     )
-    tau_p: float | Literal["auto"] = Field(
+    tau_p: FloatSetting | Literal["auto"] = Field(
         0.002,
         description="STAPO probability threshold: candidates have p < tau_p (arXiv 2602.15620); "
         "'auto' sets it each mini-batch so that target_share of the running distribution of "
         "the probabilities STAPO examines (tokens of positive-advantage responses) is below it",
     )
-    target_share: float = Field(
+    target_share: FloatSetting = Field(
         0.01,
         gt=0,
         lt=1,
         description="with tau_p: auto, the share of examined tokens to put below the threshold",
     )
-    auto_decay: float = Field(
+    auto_decay: FloatSetting = Field(
         0.8,
         ge=0,
         lt=1,
@@ -88,7 +92,7 @@ class StapoConfig(Section):
             raise ValueError("must be a probability in (0, 1] or 'auto'")
         return tau_p
 
-    quantile: float = Field(
+    quantile: FloatSetting = Field(
         0.75,
         ge=0,
         le=1,
@@ -106,7 +110,7 @@ class StapoConfig(Section):
 class ARConfig(Section):
     """Advantage Reweighting of low-probability tokens."""
 
-    alpha: float = Field(
+    alpha: FloatSetting = Field(
         0.0,
         ge=0,
         le=1,
@@ -124,7 +128,7 @@ class LoptiConfig(Section):
         description="Lopti: two optimizer passes per mini-batch, tokens with p_old < eta first, "
         "then the rest (Yang et al., arXiv 2505.12929)",
     )
-    eta: float = Field(
+    eta: FloatSetting = Field(
         0.5,
         ge=-1,
         le=1,
@@ -141,7 +145,7 @@ class EntropyMaskConfig(Section):
         description="train only the highest-entropy tokens ('forking tokens'); the denominator "
         "keeps every valid token (Wang et al., 'Beyond the 80/20 Rule', arXiv 2506.01939)",
     )
-    rho: float = Field(
+    rho: FloatSetting = Field(
         0.2,
         gt=0,
         le=1,
@@ -177,22 +181,23 @@ class OffPolicyConfig(Section):
         description="token: one w per token; sequence: one w per response, the product of its "
         "tokens' ratios, truncated or masked as a whole",
     )
-    cap: float = Field(
+    cap: FloatSetting = Field(
         2.0,
         ge=1,
+        le=100,
         description="tis: the largest weight (>= 1, so an on-policy weight of 1 stays 1)",
     )
-    band: tuple[float, float] = Field(
+    band: tuple[FloatSetting, FloatSetting] = Field(
         (0.5, 2.0),
-        description="mis: [low, high] of the weights kept, low <= 1 <= high; a token (or "
+        description="mis: [low, high] of the weights kept, low <= 1 <= high <= 100 (cap's bound); a token (or "
         "response) outside it gets weight 0 and stays in the aggregation's denominator",
     )
 
     @model_validator(mode="after")
     def _check_band(self) -> OffPolicyConfig:
         low, high = self.band
-        if not 0 <= low <= 1 <= high:
-            raise ValueError(f"band {list(self.band)}: must satisfy 0 <= low <= 1 <= high")
+        if not 0 <= low <= 1 <= high <= 100:
+            raise ValueError(f"band {list(self.band)}: must satisfy 0 <= low <= 1 <= high <= 100")
         return self
 
 
@@ -234,8 +239,10 @@ class AlgorithmConfig(Section):
     )
     clip: ClipConfig = Field(default_factory=ClipConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
-    entropy_coef: float = Field(
+    entropy_coef: FloatSetting = Field(
         0.0,
+        ge=-1,
+        le=1,
         description="weight of an entropy bonus subtracted from the loss (Williams and Peng, "
         "1991); 0 = off",
     )
@@ -250,7 +257,7 @@ class AlgorithmConfig(Section):
     entropy_mask: EntropyMaskConfig = Field(default_factory=EntropyMaskConfig)
     dfpo: DFPOConfig = Field(default_factory=DFPOConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
-    lowprob_eta: float = Field(
+    lowprob_eta: FloatSetting = Field(
         0.5,
         gt=0,
         le=1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from groupflow.core.errors import UserError
 
@@ -16,6 +16,20 @@ INT64 = 1 << 63
 
 class ConfigError(UserError, ValueError):
     """A config problem, phrased as one line that names the offending key."""
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+# The type of every float setting: what pydantic reads as a float (YAML 1.1 reads 1e-5 as a
+# string), but never a boolean, which pydantic's lax float would read as 1.0. Every integer
+# setting is pydantic's StrictInt: no boolean (`learner.lora.rank: true` was a rank-1 adapter),
+# no float, no string. tests/unit/test_config.py walks the schema and holds every number
+# setting, later ones included, to both.
+FloatSetting = Annotated[float, BeforeValidator(_not_a_bool)]
 
 
 def _unfit_number(value: Any) -> str | None:
@@ -55,19 +69,19 @@ class Section(BaseModel):
 class Resources(Section):
     """Ray resources for one actor. CPU machines use fractional CPUs; GPU clusters set num_gpus."""
 
-    num_cpus: float = Field(
+    num_cpus: FloatSetting = Field(
         1.0, ge=0, description="CPUs Ray reserves for the actor (fractions allowed)"
     )
-    num_gpus: float = Field(
+    num_gpus: FloatSetting = Field(
         0.0, ge=0, description="GPUs Ray reserves for the actor; 0 = runs on CPU"
     )
-    torch_threads: int = Field(1, ge=1, description="intra-op threads for torch in the actor")
-    cpu_cores: list[Annotated[int, Field(ge=0)]] = Field(
+    torch_threads: StrictInt = Field(1, ge=1, description="intra-op threads for torch in the actor")
+    cpu_cores: list[Annotated[StrictInt, Field(ge=0)]] = Field(
         default_factory=list,
         description="cores the actor's threads are pinned to (os.sched_setaffinity; empty: "
         "not pinned), e.g. to keep generation and learning off each other's cores",
     )
-    custom: dict[str, float] = Field(
+    custom: dict[str, Annotated[FloatSetting, Field(ge=0)]] = Field(
         default_factory=dict,
         description="custom Ray resources, e.g. {groupflow_rollout: 1} to pin a worker group",
     )
@@ -77,12 +91,14 @@ class Resources(Section):
 # only `custom`, to pin the pool to a worker group) keeps the pool's defaults for every key it
 # leaves out, rather than Resources' 1 CPU, which would starve a CPU cluster of room.
 class EngineResources(Resources):
-    num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves for each engine")
+    num_cpus: FloatSetting = Field(0.5, ge=0, description="CPUs Ray reserves for each engine")
 
 
 class RewardWorkerResources(Resources):
-    num_cpus: float = Field(0.25, ge=0, description="CPUs Ray reserves for each reward worker")
+    num_cpus: FloatSetting = Field(
+        0.25, ge=0, description="CPUs Ray reserves for each reward worker"
+    )
 
 
 class LearnerRankResources(Resources):
-    num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves for each learner rank")
+    num_cpus: FloatSetting = Field(0.5, ge=0, description="CPUs Ray reserves for each learner rank")

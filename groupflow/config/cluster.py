@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from groupflow.config.base import Section
+from groupflow.config.base import FloatSetting, Section
 
 
 class ClusterConfig(Section):
@@ -16,10 +16,10 @@ class ClusterConfig(Section):
         "of docs/jobs.md's address rule (e.g. auto, HOST:6379, http://HEAD:8265) but ray:// "
         "(Ray Client: use groupflow submit); unset = $RAY_ADDRESS, else a local cluster",
     )
-    num_cpus: float | None = Field(
+    num_cpus: FloatSetting | None = Field(
         None, gt=0, description="CPUs of a local cluster; unset = detected"
     )
-    placement_timeout_s: float = Field(
+    placement_timeout_s: FloatSetting = Field(
         300.0,
         gt=0,
         le=86_400,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, model_validator
 
 from groupflow.config.agent import AgentConfig
 from groupflow.config.algorithm import AlgorithmConfig
@@ -34,7 +34,7 @@ class ModelConfig(Section):
         "weight sync is bit-exact): bfloat16 for a real model on GPUs (the learner keeps fp32 "
         "master weights); float32 on CPU",
     )
-    warm_start_steps: int = Field(
+    warm_start_steps: StrictInt = Field(
         300, ge=0, description="supervised warm-start steps for the built-in model (cached)"
     )
 

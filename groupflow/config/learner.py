@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictInt, field_validator
 
-from groupflow.config.base import LearnerRankResources, Section
+from groupflow.config.base import FloatSetting, LearnerRankResources, Section
 
 
 class OptimizerConfig(Section):
     """The learner's optimizer and learning-rate schedule."""
 
     name: Literal["adamw"] = Field("adamw", description="the optimizer: AdamW (the only one)")
-    lr: float = Field(1e-5, gt=0, description="peak learning rate (after the warmup)")
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW's (beta1, beta2): decay of the gradient's moments"
+    lr: FloatSetting = Field(1e-5, gt=0, le=1, description="peak learning rate (after the warmup)")
+    betas: tuple[
+        Annotated[FloatSetting, Field(ge=0, lt=1)], Annotated[FloatSetting, Field(ge=0, lt=1)]
+    ] = Field((0.9, 0.999), description="AdamW's (beta1, beta2): decay of the gradient's moments")
+    weight_decay: FloatSetting = Field(
+        0.0, ge=0, le=1, description="AdamW's decoupled weight decay"
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
-    max_grad_norm: float = Field(
+    max_grad_norm: FloatSetting = Field(
         1.0, gt=0, description="gradients are clipped to this global norm before each update"
     )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -26,7 +28,7 @@ class OptimizerConfig(Section):
         description="learning rate after the warmup: constant, or a linear or cosine decay "
         "towards 0 at trainer.steps (transformers' schedules), per training step",
     )
-    warmup_steps: int = Field(
+    warmup_steps: StrictInt = Field(
         0, ge=0, description="training steps over which the rate rises linearly to lr"
     )
 
@@ -35,20 +37,20 @@ class Zero3Config(Section):
     """ZeRO-3's parameter handling; each unset knob comes from the table in
     docs/zero3_tuning.md, chosen by the model's parameter count and the number of ranks."""
 
-    param_persistence_threshold: int | None = Field(
+    param_persistence_threshold: StrictInt | None = Field(
         None,
         ge=0,
         description="parameters of at most this many elements stay whole on every rank: never "
         "gathered, so their modules pay no gather hooks; costs their full size on each rank. "
         "Unset: from docs/zero3_tuning.md's table",
     )
-    prefetch_bucket_size: int | None = Field(
+    prefetch_bucket_size: StrictInt | None = Field(
         None,
         ge=0,
         description="elements of the parameters gathered ahead of the module that needs them. "
         "Unset: from docs/zero3_tuning.md's table",
     )
-    max_live_parameters: int | None = Field(
+    max_live_parameters: StrictInt | None = Field(
         None,
         ge=0,
         description="elements of gathered parameters a rank holds at once before it releases "
@@ -65,7 +67,7 @@ class LoraConfig(Section):
     """Low-rank adapters (Hu et al., LoRA, arXiv 2106.09685) trained with PEFT in place of the
     full model: W + (alpha / rank) * B A on each targeted linear layer, B starting at zero."""
 
-    rank: int = Field(
+    rank: StrictInt = Field(
         16,
         ge=1,
         le=512,
@@ -73,10 +75,14 @@ class LoraConfig(Section):
         "engines' LoRA slot is sized to the next rank vLLM supports (1, 8, 16, 32, 64, 128, "
         "256, 320, 512)",
     )
-    alpha: float = Field(
-        32.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)"
+    alpha: FloatSetting = Field(
+        32.0,
+        gt=0,
+        le=1024,
+        description="the update is scaled by alpha / rank (PEFT's lora_alpha; at most 1024, "
+        "twice the largest rank)",
     )
-    dropout: float = Field(
+    dropout: FloatSetting = Field(
         0.0,
         ge=0,
         lt=1,
@@ -104,14 +110,14 @@ class LoraConfig(Section):
 class LearnerConfig(Section):
     """Learning: the DeepSpeed ZeRO-3 ranks, their optimizer and micro-batches."""
 
-    num_ranks: int = Field(
+    num_ranks: StrictInt = Field(
         2, ge=1, description="DeepSpeed ranks (Ray actors), each holding a ZeRO-3 shard"
     )
     zero_stage: Literal[3] = Field(
         3, description="DeepSpeed ZeRO stage; 3 only (parameters, gradients and optimizer sharded)"
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    micro_batch_tokens: int = Field(
+    micro_batch_tokens: StrictInt = Field(
         16384,
         ge=1,
         description="positions of one micro-batch, padding included (rows x longest row, "
@@ -121,7 +127,7 @@ class LearnerConfig(Section):
         "parameter in its forward and again in its backward, so fewer, larger ones cost less. "
         "A longer sequence gets a micro-batch of its own",
     )
-    mini_batches_per_step: int = Field(1, ge=1, description="optimizer updates per step")
+    mini_batches_per_step: StrictInt = Field(1, ge=1, description="optimizer updates per step")
     pack_sequences: bool = Field(
         True,
         description="padding-free micro-batches: several sequences share a row as wide as the "

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
-from groupflow.config.base import RewardWorkerResources, Section
+from groupflow.config.base import FloatSetting, RewardWorkerResources, Section
 
 
 class OverlongPenaltyConfig(Section):
     """DAPO's soft penalty of responses near the length limit."""
 
-    buffer_tokens: int = Field(
+    buffer_tokens: StrictInt = Field(
         ge=1,
         description="the last buffer_tokens before rollout.sampling.max_tokens, over which the "
         "penalty grows linearly from 0 to max_penalty (DAPO's L_cache)",
     )
-    max_penalty: float = Field(1.0, gt=0, description="the penalty of a response cut at the limit")
+    max_penalty: FloatSetting = Field(
+        1.0, gt=0, le=10, description="the penalty of a response cut at the limit"
+    )
 
 
 class RewardConfig(Section):
     """Scoring: the reward workers and the verifier they run."""
 
-    num_workers: int = Field(
+    num_workers: StrictInt = Field(
         2,
         ge=1,
         description="reward workers (Ray actors) that score responses; groupflow scale changes it",
@@ -29,7 +31,7 @@ class RewardConfig(Section):
     verifier: str | None = Field(
         None, description="unset = the task's own verifier; or a plugin 'module:function' / file.py"
     )
-    timeout_s: float = Field(
+    timeout_s: FloatSetting = Field(
         30.0,
         gt=0,
         le=86_400,
@@ -38,7 +40,7 @@ class RewardConfig(Section):
         "responses still unscored then get reward 0 (a timeout), so a stuck verifier never "
         "stalls a step longer than this (docs/sandbox.md)",
     )
-    plugin_timeout_s: float = Field(
+    plugin_timeout_s: FloatSetting = Field(
         10.0,
         gt=0,
         le=86_400,
@@ -46,10 +48,10 @@ class RewardConfig(Section):
         description="seconds one call of a reward plugin may take; its scorer process is "
         "killed and replaced past that (built-in tasks use their own timeout_s option)",
     )
-    max_retries: int = Field(
+    max_retries: StrictInt = Field(
         2, ge=0, le=100, description="retries of a batch whose reward worker died"
     )
-    scorer_processes: int = Field(
+    scorer_processes: StrictInt = Field(
         2,
         ge=1,
         le=64,
@@ -57,7 +59,7 @@ class RewardConfig(Section):
         "each in a process killed and replaced at its deadline",
     )
     resources: RewardWorkerResources = Field(default_factory=RewardWorkerResources)
-    max_unscored_steps: int = Field(
+    max_unscored_steps: StrictInt = Field(
         3,
         ge=1,
         le=1000,

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
-from groupflow.config.base import EngineResources, Section
+from groupflow.config.base import EngineResources, FloatSetting, Section
 
 
 class SamplingConfig(Section):
     """How the engines sample responses (vLLM's SamplingParams)."""
 
-    temperature: float = Field(1.0, gt=0, le=2, description="vLLM accepts (0, 2]")
-    top_p: float = Field(
+    temperature: FloatSetting = Field(1.0, gt=0, le=2, description="vLLM accepts (0, 2]")
+    top_p: FloatSetting = Field(
         1.0, gt=0, le=1, description="nucleus sampling: the likeliest tokens of this total mass"
     )
-    top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
-    min_p: float = Field(
+    top_k: StrictInt = Field(0, ge=0, description="sample from the k likeliest tokens; 0 = all")
+    min_p: FloatSetting = Field(
         0.0, ge=0, le=1, description="drop tokens below min_p x the likeliest token's probability"
     )
-    max_tokens: int = Field(
+    max_tokens: StrictInt = Field(
         1024,
         ge=1,
         description="response length limit in tokens (a longer response is cut, finish_reason "
@@ -36,7 +36,7 @@ class SamplingConfig(Section):
         description="generate past the end-of-text token, to max_tokens or a stop string: for "
         "benchmarks and tests that need responses of a known length, never for training",
     )
-    seed: int | None = Field(
+    seed: StrictInt | None = Field(
         None,
         description="seeds each request from (seed, prompt, policy version): a step's samples "
         "repeat across runs and restarts; unset = the engine's own random stream",
@@ -54,9 +54,9 @@ class AutoscaleConfig(Section):
     """Engines added while the learner waits for generation, removed while they sit idle
     (groupflow/loop/scaling.py: AutoscalePolicy)."""
 
-    min_engines: int = Field(1, ge=1, description="never fewer engines than this")
-    max_engines: int = Field(ge=1, description="never more engines than this")
-    patience: int = Field(
+    min_engines: StrictInt = Field(1, ge=1, description="never fewer engines than this")
+    max_engines: StrictInt = Field(ge=1, description="never more engines than this")
+    patience: StrictInt = Field(
         2,
         ge=1,
         description="steps in a row a signal must hold before an engine is added or removed",
@@ -74,7 +74,7 @@ class AutoscaleConfig(Section):
 class RolloutConfig(Section):
     """Generation: the vLLM engines, groups and their sampling."""
 
-    num_engines: int = Field(
+    num_engines: StrictInt = Field(
         1, ge=1, description="vLLM engines (Ray actors) that sample; groupflow scale changes it"
     )
     autoscale: AutoscaleConfig | None = Field(
@@ -83,23 +83,23 @@ class RolloutConfig(Section):
         "learner waits for generation, remove one when the engines sit idle, within the bounds "
         "(needs weight_transport object_store; num_engines is the starting count)",
     )
-    group_size: int = Field(8, ge=1, description="G: responses sampled per prompt")
-    prompts_per_step: int = Field(
+    group_size: StrictInt = Field(8, ge=1, description="G: responses sampled per prompt")
+    prompts_per_step: StrictInt = Field(
         32, ge=1, description="groups (prompts, each with group_size responses) trained per step"
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     resources: EngineResources = Field(default_factory=EngineResources)
-    kv_cache_gib: float = Field(
+    kv_cache_gib: FloatSetting = Field(
         1.0, gt=0, le=1 << 20, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)"
     )
-    gpu_memory_utilization: float = Field(
+    gpu_memory_utilization: FloatSetting = Field(
         0.5,
         gt=0,
         le=1,
         description="share of each engine GPU's memory vLLM may take (weights and KV cache); "
         "raise it (e.g. 0.85) where an engine has its GPU to itself",
     )
-    max_model_len: int = Field(
+    max_model_len: StrictInt = Field(
         2048,
         ge=8,
         description="an engine's context in tokens: a prompt's tokens plus its max_tokens must "
@@ -112,7 +112,7 @@ class RolloutConfig(Section):
         "its decode steps and compile it (false); null (the default): eagerly on CPU, CUDA "
         "graphs on GPUs (resources.num_gpus > 0)",
     )
-    max_num_seqs: int | None = Field(
+    max_num_seqs: StrictInt | None = Field(
         None,
         ge=1,
         description="sequences an engine runs at once (a prompt's request of n = group_size "
@@ -124,7 +124,7 @@ class RolloutConfig(Section):
         "group's responses share their prompt); null: vLLM's default (on). Every weight load "
         "empties the cache",
     )
-    tensor_parallel_size: int = Field(
+    tensor_parallel_size: StrictInt = Field(
         1,
         ge=1,
         le=64,
@@ -147,7 +147,7 @@ class RolloutConfig(Section):
         description="how new weights reach the engines: Ray's object store, or a broadcast "
         "from learner rank 0 (NCCL on GPUs, gloo on CPUs)",
     )
-    weight_bucket_mb: int = Field(
+    weight_bucket_mb: StrictInt = Field(
         64,
         ge=1,
         description="size of a weight-sync bucket in MiB (whole transformer layers up to this "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, model_validator
 
 from groupflow.config.base import Section
 
@@ -20,7 +20,7 @@ class EvalSetConfig(Section):
     )
     task: str = Field(description="a built-in task whose held-out prompts make the set")
     options: dict[str, Any] = Field(default_factory=dict, description="that task's settings")
-    size: int = Field(256, ge=1, description="held-out prompts in the set")
+    size: StrictInt = Field(256, ge=1, description="held-out prompts in the set")
 
 
 class TaskConfig(Section):
@@ -32,7 +32,7 @@ class TaskConfig(Section):
         "mixes several in one job, each with a weight",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="task-specific settings")
-    eval_size: int = Field(
+    eval_size: StrictInt = Field(
         256,
         ge=1,
         description="held-out prompts for greedy accuracy (all of them where the task has fewer)",
@@ -46,7 +46,7 @@ class TaskConfig(Section):
     system_prompt: str | None = Field(
         None, description="a system turn before every prompt (needs a chat template)"
     )
-    seed: int = Field(
+    seed: StrictInt = Field(
         1234, description="seed of the task's prompt stream and of its held-out split"
     )
     eval_sets: list[EvalSetConfig] = Field(

@@ -5,35 +5,37 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
-from groupflow.config.base import Section
+from groupflow.config.base import FloatSetting, Section
 
 
 class TrainerConfig(Section):
     """The run: steps, seeds, evaluation, checkpoints and where it is written."""
 
-    eval_samples: int = Field(
+    eval_samples: StrictInt = Field(
         0,
         ge=0,
         le=1024,
         description="sampled answers per held-out prompt (rollout.sampling) for mean@n and "
         "pass@k besides greedy accuracy; 0 = greedy only",
     )
-    eval_pass_k: int | None = Field(
+    eval_pass_k: StrictInt | None = Field(
         None,
         ge=1,
         description="k of pass@k, the unbiased estimator of Chen et al. 2021 (arXiv "
         "2107.03374); at most eval_samples; unset = eval_samples",
     )
-    log_samples_every: int = Field(
+    log_samples_every: StrictInt = Field(
         0, ge=0, description="write runs/<name>/samples/step_<N>.jsonl every N steps; 0 = never"
     )
-    log_samples_shown: int = Field(
+    log_samples_shown: StrictInt = Field(
         4, ge=0, description="responses of a logged step shown as a table in the progress output"
     )
-    steps: int = Field(20, ge=1, description="training steps (one weight update and sync each)")
-    seed: int = Field(0, description="seed of the learner and of the prompt order")
+    steps: StrictInt = Field(
+        20, ge=1, description="training steps (one weight update and sync each)"
+    )
+    seed: StrictInt = Field(0, description="seed of the learner and of the prompt order")
     output_dir: str = Field(
         "runs",
         description="where run directories are written (output_dir/run_name); on a cluster a "
@@ -45,7 +47,7 @@ class TrainerConfig(Section):
         "hidden (no '/', no leading '.'); unset in a config file = the file's name less its "
         "suffix (job.yaml: job; the built-in quickstart: quickstart)",
     )
-    max_staleness: int = Field(
+    max_staleness: StrictInt = Field(
         0,
         ge=0,
         le=8,
@@ -54,17 +56,17 @@ class TrainerConfig(Section):
         "k steps ahead while the learner trains, with the off-policy correction "
         "(algorithm.off_policy)",
     )
-    eval_every: int = Field(
+    eval_every: StrictInt = Field(
         0, ge=0, description="greedy eval every N steps; 0 = start and end only"
     )
-    checkpoint_every: int = Field(
+    checkpoint_every: StrictInt = Field(
         0,
         ge=0,
         description="save a checkpoint (ZeRO-3 model and optimizer shards, the driver's state) "
         "to <run>/checkpoints/step_<N>/ every N steps; 0 = none",
     )
-    keep_checkpoints: int = Field(2, ge=1, description="the newest K checkpoints are kept")
-    save_hf_every: int = Field(
+    keep_checkpoints: StrictInt = Field(2, ge=1, description="the newest K checkpoints are kept")
+    save_hf_every: StrictInt = Field(
         0,
         ge=0,
         description="also save the policy in Hugging Face format as step_<N>/hf every N steps "
@@ -82,7 +84,7 @@ class TrainerConfig(Section):
         "there is one; latest: continue from it (there must be one); or a checkpoint directory. "
         "Unset = never for `groupflow train`, auto for `groupflow submit`",
     )
-    stop_timeout_s: float = Field(
+    stop_timeout_s: FloatSetting = Field(
         60.0,
         gt=0,
         le=86400,
@@ -90,7 +92,7 @@ class TrainerConfig(Section):
         "flight may still wait for its samples; later it is abandoned and the job ends at the "
         "step before (a step whose samples are in always finishes)",
     )
-    max_restarts: int = Field(
+    max_restarts: StrictInt = Field(
         3,
         ge=0,
         description="one budget for engines and learner ranks: a dead engine replaced or the "
@@ -128,7 +130,9 @@ class TrainerConfig(Section):
 class MetricsConfig(Section):
     """Monitoring: Prometheus, the progress bar and experiment trackers."""
 
-    prometheus_port: int | None = Field(None, ge=0, le=65535, description="unset = no endpoint")
+    prometheus_port: StrictInt | None = Field(
+        None, ge=0, le=65535, description="unset = no endpoint"
+    )
     prometheus_addr: str = Field("0.0.0.0", description="interface to serve metrics on")
     progress: bool = Field(True, description="progress bar on a terminal")
     loggers: list[Literal["tensorboard", "wandb"]] = Field(

@@ -53,3 +53,31 @@ def check_context(max_model_len: int, context: int | None, model: str) -> None:
             f"rollout.max_model_len ({max_model_len}) is past the {context} positions of "
             f"{model}: set it to at most {context} (and rollout.sampling.max_tokens below it)"
         )
+
+
+def check_tensor_parallel(tensor_parallel_size: int, model_config: dict, model: str) -> None:
+    """rollout.tensor_parallel_size against the model's attention heads, as vLLM splits them:
+    the query heads in equal shares, the key/value heads too or each replicated over an equal
+    number of workers. vLLM refuses a misfit only once an engine starts, in a validation error
+    of its own config that names neither setting."""
+    tp = tensor_parallel_size
+    text = model_config.get("text_config")
+    source = text if isinstance(text, dict) and "num_attention_heads" in text else model_config
+    heads = source.get("num_attention_heads")
+    if type(heads) is not int or heads < 1 or tp == 1:
+        return  # a model without the key: vLLM's own reading decides
+    kv = source.get("num_key_value_heads")
+    kv = kv if type(kv) is int and kv >= 1 else heads
+    if heads % tp:
+        problem = f"its {heads} attention heads"
+    elif (tp % kv if tp >= kv else kv % tp) != 0:
+        problem = f"its {kv} key/value heads (nor is it a multiple of them)"
+    else:
+        return
+    fits = [
+        n for n in range(1, heads + 1) if heads % n == 0 and (n % kv if n >= kv else kv % n) == 0
+    ]
+    raise ModelDirError(
+        f"rollout.tensor_parallel_size: {tp} does not divide {problem} of {model}; one of "
+        f"{fits} does"
+    )

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from groupflow.core.errors import CheckpointError
 from groupflow.core.safe_pickle import restricted_load
+from groupflow.loop.checkpoint_adapters import check_adapter_record
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +267,8 @@ def read_state(path: Path, model: type[_State]) -> _State:
 def check_fit(path: Path, files: dict[str, FileRecord], saved: Provenance, now: Provenance) -> None:
     """That the checkpoint at `path`, with the manifest `files`, saved for `saved`, can resume
     a job of `now`: every file as it was saved, the learner's state there, the same model,
-    rank count and adapter shape (LoRA; None: the whole model is trained), and every pickle
-    plain data. Otherwise CheckpointError naming the file or the config key."""
+    rank count and adapter shape (LoRA; None: the whole model is trained), every pickle
+    plain data, and the saved tensors what the adapter record says. Otherwise CheckpointError naming the file or the config key."""
     verify_files(path, files)
     if not any(name.startswith(f"{LEARNER_DIR}/") for name in files):
         raise CheckpointError(f"{path / LEARNER_DIR}: no learner state in the checkpoint")
@@ -284,6 +285,9 @@ def check_fit(path: Path, files: dict[str, FileRecord], saved: Provenance, now: 
     if saved.adapter != now.adapter:
         raise CheckpointError(f"learner.lora: {_adapter_words(now.adapter, path, saved.adapter)}")
     check_pickles(path, files)
+    # the record is outside the manifest's hashes: it must say what the tensors are
+    learner_files = [name for name in files if name.startswith(f"{LEARNER_DIR}/")]
+    check_adapter_record(path, learner_files, saved.adapter, path / STATE_FILE)
 
 
 def _adapter_words(now: dict | None, path: Path, saved: dict | None) -> str:

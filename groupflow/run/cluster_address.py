@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,8 +92,9 @@ def ray_env_hidden() -> Iterator[None]:
 
 # ----- is a cluster there ----------------------------------------------------------------------
 def probe(address: str) -> None:
-    """Refuse, within seconds, an address where no Ray cluster answers: ray.init would retry
-    it for about half a minute, and the Jobs client's lookup of a GCS 20 times."""
+    """Refuse, within CONNECT_TIMEOUT_S, an address where no Ray cluster answers: ray.init
+    would retry it for about half a minute, the Jobs client's lookup of a GCS 20 times, and a
+    GcsClient waits 20 s for a server that answers but is no GCS before its own read."""
     parsed = urlparse(address if "://" in address else f"gcs://{address}")
     try:
         host, port = parsed.hostname, parsed.port
@@ -99,13 +102,50 @@ def probe(address: str) -> None:
         raise AddressError(f"Ray address {address}: not HOST:PORT") from None
     if host is None or port is None:  # "auto", "local": Ray finds the cluster itself
         return
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
     try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-        if parsed.scheme == "gcs":  # something answers: ask it as Ray's GCS
-            _ask_gcs(address)
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as connection:
+            if parsed.scheme == "gcs" and not _tls():  # something answers: is it gRPC?
+                _speaks_grpc(connection, deadline)
+        if parsed.scheme == "gcs":  # then ask it as Ray's GCS
+            _ask_gcs(address, deadline)
     except OSError as err:
         reason = "no answer" if isinstance(err, TimeoutError) else err.strerror or str(err)
         raise AddressError(f"no Ray cluster answers at {address} ({reason})") from None
+
+
+# A Ray GCS is a gRPC server: HTTP/2 without TLS, which answers a client's connection preface
+# (RFC 9113 section 3.4) with a SETTINGS frame (its 4th byte, the frame's type, is 4).
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
+def _tls() -> bool:
+    """Whether Ray's gRPC runs over TLS here (then the preface would go unanswered)."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
+
+
+def _speaks_grpc(connection: socket.socket, deadline: float) -> None:
+    """ConnectionError unless the server at the other end of `connection` answers as an
+    HTTP/2 server before `deadline`."""
+    try:
+        connection.settimeout(max(deadline - time.monotonic(), 0.1))
+        connection.sendall(_HTTP2_PREFACE)
+        reply = b""
+        while len(reply) < 9:
+            chunk = connection.recv(9 - len(reply))
+            if not chunk:
+                break
+            reply += chunk
+    except TimeoutError:
+        raise ConnectionError("not a Ray GCS: no answer to a gRPC client") from None
+    if len(reply) < 9 or reply[3] != _SETTINGS:
+        said = reply.split(b"\r\n", 1)[0][:40].decode("ascii", "backslashreplace")
+        raise ConnectionError(
+            f"not a Ray GCS: it does not speak gRPC (it answered {said!r})"
+            if said
+            else "not a Ray GCS: it closed the connection of a gRPC client"
+        )
 
 
 def _no_silent_host(url: str) -> None:
@@ -122,19 +162,36 @@ def _no_silent_host(url: str) -> None:
         return
 
 
-def _ask_gcs(address: str) -> None:
-    """One read from the GCS at `address`, bounded in time; ConnectionError if none is there."""
+def _ask_gcs(address: str, deadline: float) -> None:
+    """One read from the GCS at `address`, done by `deadline`; ConnectionError if no GCS is
+    there. The GcsClient is made and read in a thread of its own, since its constructor waits
+    on its own clock; one that misses the deadline is left to end with the process."""
     from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError, RayError
 
-    try:
-        GcsClient(address=address).internal_kv_get(
-            b"groupflow_probe", None, timeout=CONNECT_TIMEOUT_S
-        )
-    except AuthenticationError:
-        raise  # a cluster is there; it wants the token (groupflow/core/errors.py: AUTH_HINT)
-    except RayError as err:
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            GcsClient(address=address).internal_kv_get(
+                b"groupflow_probe", None, timeout=CONNECT_TIMEOUT_S
+            )
+            outcome.append(None)
+        except BaseException as err:  # handed to the caller's thread
+            outcome.append(err)
+
+    asking = threading.Thread(target=ask, name="groupflow-gcs-probe", daemon=True)
+    asking.start()
+    asking.join(max(deadline - time.monotonic(), 0.1))
+    if not outcome:
+        raise ConnectionError(f"not a Ray GCS: no answer as one within {CONNECT_TIMEOUT_S:g}s")
+    err = outcome[0]
+    if isinstance(err, AuthenticationError):
+        raise err  # a cluster is there; it wants the token (groupflow/core/errors.py: AUTH_HINT)
+    if isinstance(err, RayError):
         raise ConnectionError(f"not a Ray GCS: {first_line(err)}") from None
+    if err is not None:
+        raise err
 
 
 # ----- the Jobs API's address --------------------------------------------------------------------
@@ -150,12 +207,24 @@ def jobs_client(address: ClusterAddress):
             probe(address.text)
     except AddressError as err:
         raise AddressError(f"{err} ({address.origin}; see {DOCS})") from None
+    from ray.exceptions import AuthenticationError
+
     try:
         with ray_env_hidden():
             return JobSubmissionClient(address.text)
     except ConnectionError as err:
         raise AddressError(
             f"no Ray cluster answers at {address} ({first_line(err)}); see {DOCS}"
+        ) from None
+    except AuthenticationError:
+        raise  # a cluster is there; it wants the token (groupflow/core/errors.py: AUTH_HINT)
+    except Exception as err:
+        # Something answered, but not as a Ray dashboard: the client's version check read a
+        # page that is no JSON ("Expecting value: line 1 column 1"), an error status, or JSON
+        # without Ray's version in it, and said so naming neither the address nor the cause.
+        raise AddressError(
+            f"no Ray dashboard answers at {address}: its /api/version is not Ray's "
+            f"({type(err).__name__}: {first_line(err, 120)}); see {DOCS}"
         ) from None
 
 

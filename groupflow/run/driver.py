@@ -40,6 +40,7 @@ from groupflow.loop.saved_model import complete_saved_model
 from groupflow.loop.scaling import Scaler, policy_for
 from groupflow.loop.stopping import STOP_COMMAND, StopAborted, StopRequest, stop_on_signals
 from groupflow.observe.driver_log import DriverLog
+from groupflow.observe.environment_errors import TroubleWatch
 from groupflow.observe.learning_signal import SpreadWatch, nothing_learned
 from groupflow.observe.metrics import MetricsWriter, ProgressReporter
 from groupflow.observe.plots import latest_run, read_records, write_plots
@@ -234,11 +235,11 @@ def train(run: OpenRun, job: TrainingJob) -> None:
     metrics = run.run_dir / "metrics.jsonl"
     store = run.store
     trackers = open_trackers(run.cfg, run.run_dir)
-    watch = SpreadWatch()
+    watches = [SpreadWatch(), TroubleWatch()]
     while True:
         try:
             with MetricsWriter(metrics) as writer, ProgressReporter(run.cfg) as progress:
-                job.train([writer, progress, watch, *trackers])
+                job.train([writer, progress, *watches, *trackers])
             break
         except LearnerLost as err:
             lost_at = time.monotonic()

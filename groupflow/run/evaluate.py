@@ -9,8 +9,9 @@ import asyncio
 from groupflow.actors.tools import in_process_run_code
 from groupflow.config import Config
 from groupflow.core.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
-from groupflow.core.model_dir import read_model_config
+from groupflow.core.model_dir import check_tensor_parallel, read_model_config
 from groupflow.loop.held_out import Scores, held_out_scores
+from groupflow.observe.environment_errors import environment_verdict
 from groupflow.observe.progress import PhaseProgress, heartbeat
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task
@@ -26,13 +27,13 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
     check_resolved(cfg)
     adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
     base = model_path if adapter is None else adapter.base
-    read_model_config(base)
+    check_tensor_parallel(cfg.rollout.tensor_parallel_size, read_model_config(base), base)
     vet_prompts(cfg, base)  # the template vetted, prompts too long left out
     prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
     settings = engine_settings(cfg, base, seed=cfg.trainer.seed)
     if adapter is not None:
         tensors = adapter.tensors()  # checked against the base before an engine starts
-        settings.lora = EngineLora(engine_max_rank(adapter.config["r"]), adapter.config)
+        settings.lora = EngineLora(engine_max_rank(max(adapter.ranks)), adapter.config)
     # no tool pool here: the python tool's sandboxes start from this process
     python = "python" in cfg.agent_tools()
     run_code = in_process_run_code(cfg.agent.allow_weak_sandbox) if python else None
@@ -53,11 +54,14 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         loop = asyncio.new_event_loop()  # the engine's requests are coroutines
         trainer = cfg.trainer
         n = trainer.eval_samples
+        answered: list = []  # every answer, for what the environment did to them
 
         def answers(greedy: bool) -> list:
-            return loop.run_until_complete(
+            groups = loop.run_until_complete(
                 engine.complete(prompts, n, cfg.rollout.sampling, greedy)
             )
+            answered.extend(groups)
+            return groups
 
         def rewards(groups: list) -> list[list[float]]:
             return [sg.rewards for sg in scorer.score_groups(groups)]
@@ -70,7 +74,8 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
             scorer.pool.close()
             loop.close()
     about = {"model": model_path, "task": cfg.task.name, "prompts": len(prompts)}
-    return about | eval_keys(scores, n, trainer.eval_pass_k or n)
+    verdict = environment_verdict(answered)  # most answers failed by it: no scores
+    return about | eval_keys(scores, n, trainer.eval_pass_k or n) | verdict
 
 
 def eval_keys(scores: Scores, n: int, k: int) -> dict:

@@ -12,7 +12,12 @@ from pathlib import Path
 from groupflow.config import Config
 from groupflow.core.errors import RunError
 from groupflow.core.hub_model import local_model_path
-from groupflow.core.model_dir import check_context, model_context, read_model_config
+from groupflow.core.model_dir import (
+    check_context,
+    check_tensor_parallel,
+    model_context,
+    read_model_config,
+)
 from groupflow.learner.lora import check_target_modules
 from groupflow.observe.trackers import check_trackers
 from groupflow.run.job_config import check_resolved
@@ -55,6 +60,9 @@ def check_inputs(cfg: Config) -> CheckedInputs:
     prompt, the datasets and the task options; the first failure raises its one-line error."""
     check_resolved(cfg)
     model_path = resolve_model_path(cfg)
+    check_tensor_parallel(
+        cfg.rollout.tensor_parallel_size, read_model_config(model_path), model_path
+    )
     if cfg.learner.lora is not None:
         check_target_modules(model_path, cfg.learner.lora)
     check_trackers(cfg)

@@ -165,6 +165,9 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
     timeouts = sum(r["tool_timeouts"].get("python", 0) for r in records)
     errors = sum(r["tool_errors"].get("python", 0) for r in records)
     assert timeouts >= each and errors + timeouts >= 4 * each
+    # and the driver said so while the job ran, naming the limit (issue 39)
+    said = (run / "driver.log").read_text()
+    assert "calls of tool 'python' timed out at agent.tool_timeout_s" in said
     samples = [
         json.loads(line)
         for path in sorted(run.glob("samples/step_*.jsonl"))

@@ -16,7 +16,9 @@ from groupflow.actors.learner import LearnerGroup
 from groupflow.actors.transport_collective import CollectiveTransport
 from groupflow.actors.transport_object_store import ObjectStoreTransport
 from groupflow.config import SamplingConfig
-from groupflow.core.adapters import MERGED_DIR
+from groupflow.core.adapters import MERGED_DIR, adapter_shape
+from groupflow.core.errors import CheckpointError
+from groupflow.loop.checkpoint_adapters import check_adapter_record
 from groupflow.reward_workers.tasks import make_task
 from groupflow.run.job_config import small_model_config
 from tests.integration.test_stack import _sample_sequences, _sync, _train
@@ -115,6 +117,14 @@ def test_a_lora_checkpoint_resumes_to_the_same_adapter_and_optimizer_state(lora_
     _train(learner, seqs)  # Adam's moments are not zero
     ray.get(learner.async_save_checkpoint(str(tmp_path / "ckpt")))
     saved = _saved(learner, tmp_path / "saved")
+    # What a resume compares the checkpoint's adapter record with, in DeepSpeed's real files:
+    # the record of this job passes, one of another rank is refused before anything starts.
+    files = [str(f.relative_to(tmp_path)) for f in (tmp_path / "ckpt").rglob("*") if f.is_file()]
+    record = adapter_shape(cfg.learner.lora)
+    state_file = tmp_path / "driver_state.json"
+    check_adapter_record(tmp_path, files, record, state_file)
+    with pytest.raises(CheckpointError, match="provenance.adapter.rank is 16, but .*lora_A"):
+        check_adapter_record(tmp_path, files, record | {"rank": 16}, state_file)
     more = _sample_sequences(engines, n_prompts=6, group_size=4, seed=6)
     _train(learner, more)
     moved = _saved(learner, tmp_path / "moved")

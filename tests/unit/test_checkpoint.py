@@ -55,12 +55,12 @@ def state(step: int, adapter: dict | None = None) -> DriverState:
 # What a rank writes (learner/checkpoint.py), with the structures DeepSpeed's ZeRO-3 save puts
 # in its files (runtime/engine.py `_save_checkpoint`, `_save_zero_checkpoint`; stage3.py
 # `_rigid_state_dict`), its classes included.
-def model_states(rank: int) -> dict:
+def model_states(rank: int, adapter: dict | None = None) -> dict:
     return dict(
         module=None,
         buffer_names=[],
         optimizer=None,
-        param_shapes=[OrderedDict([("embed.weight", torch.Size([100, 64]))])],
+        param_shapes=[trained_shapes(adapter)],
         frozen_param_shapes=None,
         shared_params={},
         frozen_param_fragments=None,
@@ -75,6 +75,19 @@ def model_states(rank: int) -> dict:
         ds_config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": False}},
         ds_version="0.19.8",
     )
+
+
+def trained_shapes(adapter: dict | None) -> OrderedDict:
+    """The names and shapes of the trained parameters: the whole model's, or with LoRA the
+    adapters' as PEFT names them."""
+    if adapter is None:
+        return OrderedDict([("embed.weight", torch.Size([100, 64]))])
+    shapes = OrderedDict()
+    for target in adapter["target_modules"]:
+        layer = f"base_model.model.model.layers.0.self_attn.{target}"
+        shapes[f"{layer}.lora_A.default.weight"] = torch.Size([adapter["rank"], 64])
+        shapes[f"{layer}.lora_B.default.weight"] = torch.Size([64, adapter["rank"]])
+    return shapes
 
 
 def optim_states(rank: int, numel: int) -> dict:
@@ -110,9 +123,9 @@ def running_threshold(seed: int, minibatches: int = 3) -> RunningProbabilityThre
     return threshold
 
 
-def shard_files(rank: int) -> dict[str, object]:
+def shard_files(rank: int, adapter: dict | None = None) -> dict[str, object]:
     return {
-        f"zero/zero_pp_rank_{rank}_mp_rank_00_model_states.pt": model_states(rank),
+        f"zero/zero_pp_rank_{rank}_mp_rank_00_model_states.pt": model_states(rank, adapter),
         f"zero/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": optim_states(rank, 25),
         f"rng_rank_{rank}.pt": torch.get_rng_state(),
         f"stapo_threshold_rank_{rank}.pt": running_threshold(rank).state_dict(),
@@ -124,7 +137,7 @@ def save(store: CheckpointStore, step: int, keep: int = 5, **changes) -> Path:
     staging = store.staging(step)
     (staging / LEARNER_DIR / "zero").mkdir(parents=True)
     for rank in range(2):
-        for name, value in shard_files(rank).items():
+        for name, value in shard_files(rank, changes.get("adapter")).items():
             torch.save(value, staging / LEARNER_DIR / name)
     return store.commit(staging, step, state(step, **changes), "trainer: {}\n", keep)
 
@@ -681,3 +694,85 @@ def test_a_failed_pruning_is_logged_and_the_save_stands(tmp_path, monkeypatch, c
     final = save(store, 4, keep=1)
     assert read_checkpoint(final, MODEL, 2).step == 4
     assert "step_2" in caplog.text and "Permission denied" in caplog.text
+
+
+# ----- the adapter record against the saved tensors ---------------------------------------------
+LORA_RECORD = adapter_shape(LoraConfig(rank=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _edit_record(path: Path, adapter) -> None:
+    """The driver state's adapter record rewritten: the state file is outside the manifest."""
+    state_file = path / "driver_state.json"
+    saved = json.loads(state_file.read_text())
+    saved["provenance"]["adapter"] = adapter
+    state_file.write_text(json.dumps(saved))
+
+
+def _rewrite_shard(path: Path, name: str, value) -> None:
+    """A learner file replaced, its manifest entry with it (whoever can do the one can do the
+    other)."""
+    import hashlib
+
+    torch.save(value, path / LEARNER_DIR / name)
+    data = (path / LEARNER_DIR / name).read_bytes()
+    state_file = path / "driver_state.json"
+    saved = json.loads(state_file.read_text())
+    saved["files"][f"{LEARNER_DIR}/{name}"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    state_file.write_text(json.dumps(saved))
+
+
+STATES_0 = "zero/zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+@pytest.mark.parametrize(
+    "record, said",
+    [
+        (
+            LORA_RECORD | {"rank": 16},
+            "provenance.adapter.rank is 16, but {states} holds "
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight of shape "
+            "[8, 64]",
+        ),
+        (
+            LORA_RECORD | {"target_modules": ["q_proj"]},
+            "provenance.adapter.target_modules ['q_proj'] does not name "
+            "base_model.model.model.layers.0.self_attn.v_proj",
+        ),
+        (None, "provenance.adapter is null (the whole model), but {states} holds LoRA matrices"),
+    ],
+)
+def test_an_edited_adapter_record_is_refused_against_the_saved_tensors(tmp_path, record, said):
+    """The record matched the config, so the start check passed, and every rank's load failed
+    with a traceback after every actor started (issue 39)."""
+    path = save(CheckpointStore(tmp_path), 2, adapter=LORA_RECORD)
+    _edit_record(path, record)
+    message = one_line_error(lambda: read_checkpoint(path, MODEL, 2, record))
+    states = path / LEARNER_DIR / STATES_0
+    assert message.startswith(f"{path / 'driver_state.json'}: ")
+    assert said.format(states=states) in message, message
+
+
+def test_a_whole_model_record_over_adapter_tensors_and_the_reverse_are_refused(tmp_path):
+    whole = save(CheckpointStore(tmp_path / "whole"), 2)
+    _edit_record(whole, LORA_RECORD)
+    message = one_line_error(lambda: read_checkpoint(whole, MODEL, 2, LORA_RECORD))
+    assert "records LoRA adapters, but" in message and "holds embed.weight, not a LoRA" in message
+
+
+def test_an_adapter_checkpoint_with_a_lone_matrix_or_nan_weights_is_refused(tmp_path):
+    path = save(CheckpointStore(tmp_path), 2, adapter=LORA_RECORD)
+    shapes = trained_shapes(LORA_RECORD)
+    shapes.pop("base_model.model.model.layers.0.self_attn.v_proj.lora_B.default.weight")
+    _rewrite_shard(path, STATES_0, model_states(0) | {"param_shapes": [shapes]})
+    message = one_line_error(lambda: read_checkpoint(path, MODEL, 2, LORA_RECORD))
+    assert message.endswith("layers.0.self_attn.v_proj.lora_A has no lora_B"), message
+
+    path = save(CheckpointStore(tmp_path / "nan"), 2, adapter=LORA_RECORD)
+    optim = optim_states(1, 25)
+    optim["optimizer_state_dict"]["fp32_flat_groups"] = [torch.full((25,), float("nan"))]
+    _rewrite_shard(path, "zero/zero_pp_rank_1_mp_rank_00_optim_states.pt", optim)
+    message = one_line_error(lambda: read_checkpoint(path, MODEL, 2, LORA_RECORD))
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: the adapters' weights hold NaN" in message

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import ray.job_submission
@@ -132,6 +134,35 @@ def test_a_run_whose_cluster_does_not_answer_is_one_line(
     err = one_line_failure(capsys, ["status", "r", "--runs", str(tmp_path)], code=1)
     assert address in err and "run r" in err
     assert (host == HOST) != ("another-host" in err)
+
+
+@pytest.mark.parametrize("command", [["status", "r"], ["scale", "r", "--engines", "2"]])
+def test_a_run_whose_recorded_gcs_answers_but_is_no_gcs_is_refused_within_the_deadline(
+    no_jobs_api, tmp_path, capsys, command
+):
+    """A web server where the record says the GCS is: 40 s to the line until issue 39."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from groupflow.run.cluster_address import CONNECT_TIMEOUT_S
+
+    class Quiet(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        (tmp_path / "r").mkdir()
+        record = RECORD | {"gcs_address": address}
+        (tmp_path / "r" / "cluster.json").write_text(json.dumps(record))
+        started = time.monotonic()
+        err = one_line_failure(capsys, [*command, "--runs", str(tmp_path)], code=1)
+        assert time.monotonic() - started < CONNECT_TIMEOUT_S
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert f"run r: no Ray cluster answers at {address} (not a Ray GCS: " in err
 
 
 # ----- eval's model directory ------------------------------------------------------------------

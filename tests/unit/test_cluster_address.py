@@ -6,6 +6,10 @@ that is not there."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -153,3 +157,69 @@ def test_a_dashboard_host_that_drops_connections_is_refused_in_seconds(monkeypat
     assert str(refused.value).startswith(
         "no Ray cluster answers at http://head.example:8265 (no answer) ($RAY_ADDRESS; see "
     )
+
+
+# ----- a server that answers, but not as Ray ------------------------------------------------------
+class _NotRay(BaseHTTPRequestHandler):
+    """A web server of something else: pages, an error status, JSON without Ray's version."""
+
+    def do_GET(self):
+        reply = {
+            "/api/version": (200, b"<!DOCTYPE html><html>a router</html>"),
+        }.get(self.path, (404, b"not found"))
+        if self.server.json_reply is not None:
+            reply = (200, self.server.json_reply)
+        self.send_response(reply[0])
+        self.end_headers()
+        self.wfile.write(reply[1])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def web_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotRay)
+    server.json_reply = None
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("reply", [None, b'{"version": "1"}', b"[1, 2]"])
+def test_a_dashboard_address_at_a_server_that_is_not_ray_is_one_line_naming_it(web_server, reply):
+    """`groupflow logs | submit | status --address` there said only "Expecting value: line 1
+    column 1 (char 0)", the Jobs client's JSON error (issue 39)."""
+    web_server.json_reply = reply
+    url = f"http://127.0.0.1:{web_server.server_address[1]}"
+    with pytest.raises(AddressError) as refused:
+        jobs_client(ClusterAddress(url, "--address"))
+    message = str(refused.value)
+    assert message.startswith(f"no Ray dashboard answers at {url}: its /api/version is not Ray's (")
+    assert "\n" not in message
+
+
+def test_a_gcs_address_at_a_server_that_is_not_ray_is_refused_within_the_deadline(web_server):
+    """A recorded GCS address that answers, but not as a GCS: GcsClient waited 20 s on its own
+    before the bounded read, and `status` took 40 s to say so (issue 39)."""
+    address = f"127.0.0.1:{web_server.server_address[1]}"
+    started = time.monotonic()
+    with pytest.raises(AddressError) as refused:
+        cluster_address.probe(address)
+    assert time.monotonic() - started < cluster_address.CONNECT_TIMEOUT_S
+    assert str(refused.value).startswith(
+        f"no Ray cluster answers at {address} (not a Ray GCS: it does not speak gRPC"
+    )
+
+
+def test_a_silent_server_at_a_gcs_address_is_refused_within_the_deadline(monkeypatch):
+    """It accepts the connection and never says a word."""
+    monkeypatch.setattr(cluster_address, "CONNECT_TIMEOUT_S", 1.0)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(AddressError, match=r"\(not a Ray GCS: no answer to a gRPC client\)"):
+            cluster_address.probe(address)
+        assert time.monotonic() - started < 2.0

@@ -77,6 +77,7 @@ PRESENT = {
     "rollout": {"num_engines": 2, "autoscale": {"max_engines": 2}},
     "reward": {"overlong_penalty": {"buffer_tokens": 4}},
     "task": {"eval_sets": [{"name": "held", "task": "arithmetic"}]},
+    "learner": {"lora": {}},
 }
 
 
@@ -156,6 +157,143 @@ def test_every_number_setting_refuses_nan_infinity_and_huge_integers(key, path, 
         build_config(_nested(path, value))
     message = str(err.value)
     assert "\n" not in message and message.startswith((f"{key}:", f"{key}.")), message
+
+
+def _boolean_cases():
+    """Every number setting (not one that is a bool itself), with a boolean where a number
+    goes: the setting itself, or the first item of its tuple, list or mapping."""
+    present = build_config(PRESENT)
+    for path, annotation, current in _leaf_fields(Config, present, []):
+        if not _mentions(annotation, (int, float)) or _mentions(annotation, (bool, typing.Any)):
+            continue
+        if isinstance(current, tuple | list):
+            value = [True, *current[1:]] if current else [True]
+        elif isinstance(current, dict) or _mentions(annotation, (dict,)):
+            value = {"k": True}
+        else:
+            value = True
+        yield ".".join(map(str, path)), path, value
+
+
+BOOLEAN_CASES = list(_boolean_cases())
+
+
+def test_the_boolean_walk_reaches_every_kind_of_number_setting():
+    walked = {key for key, _, _ in BOOLEAN_CASES}
+    for key in (
+        "learner.lora.rank",
+        "learner.lora.alpha",
+        "learner.optimizer.betas",
+        "rollout.resources.cpu_cores",
+        "rollout.resources.custom",
+        "rollout.sampling.seed",
+        "cluster.num_cpus",
+        "trainer.seed",
+    ):
+        assert key in walked
+    assert len(walked) > 60
+
+
+@pytest.mark.parametrize("key, path, value", BOOLEAN_CASES, ids=lambda v: str(v)[:40])
+def test_no_number_setting_takes_a_boolean(key, path, value):
+    """YAML's `true` is 1 to pydantic's lax int and float: `learner.lora.rank: true` was a
+    rank-1 adapter."""
+    with pytest.raises(ConfigError) as err:
+        build_config(_nested(path, value))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith((f"{key}:", f"{key}.")), message
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("learner.lora.rank=true", "learner.lora.rank: Input should be a valid integer (got True)"),
+        ("learner.lora.rank=16.0", "learner.lora.rank: Input should be a valid integer"),
+        ("trainer.steps='20'", "trainer.steps: Input should be a valid integer"),
+        (
+            "learner.lora.alpha=1e300",
+            "learner.lora.alpha: Input should be less than or equal to 1024",
+        ),
+        ("learner.lora.alpha=false", "learner.lora.alpha: a boolean is not a number"),
+        (
+            "learner.optimizer.lr=2.0",
+            "learner.optimizer.lr: Input should be less than or equal to 1",
+        ),
+        (
+            "learner.optimizer.weight_decay=5.0",
+            "learner.optimizer.weight_decay: Input should be less",
+        ),
+        (
+            "algorithm.clip.eps_low=1.5",
+            "algorithm.clip.eps_low: Input should be less than or equal",
+        ),
+        ("algorithm.kl.coef=1e30", "algorithm.kl.coef: Input should be less than or equal to 10"),
+        ("algorithm.entropy_coef=-1e300", "algorithm.entropy_coef: Input should be greater than"),
+        ("algorithm.off_policy.cap=1e9", "algorithm.off_policy.cap: Input should be less than"),
+        ("algorithm.clip.eps_high=1e300", "algorithm.clip.eps_high: Input should be less than"),
+        ("algorithm.clip.dual_clip=1e300", "algorithm.clip.dual_clip: Input should be less than"),
+        (
+            "algorithm.off_policy.band=[0.5, 1e300]",
+            "algorithm.off_policy: band [0.5, 1e+300]: must satisfy",
+        ),
+        (
+            "rollout.resources.custom={gpu_slot: -1}",
+            "rollout.resources.custom.gpu_slot: Input should be greater",
+        ),
+    ],
+)
+def test_ranges_are_strict_and_refused_in_one_line(override, problem):
+    raw = {"reward": {"overlong_penalty": {"buffer_tokens": 4}}} if "overlong" in override else {}
+    with pytest.raises(ConfigError) as err:
+        build_config(raw, [override])
+    assert str(err.value).startswith(problem) and "\n" not in str(err.value), str(err.value)
+
+
+def _whole_float_cases():
+    """Every integer setting with a whole float where its integer goes: lax pydantic reads
+    16.0 as 16, so a float typed for an integer would pass unnoticed."""
+    present = build_config(PRESENT)
+    for path, annotation, current in _leaf_fields(Config, present, []):
+        if not _mentions(annotation, (int,)) or _mentions(annotation, (float, bool, typing.Any)):
+            continue
+        if isinstance(current, list):
+            value = [1.0]
+        else:
+            value = float(current) if isinstance(current, int) else 1.0
+        yield ".".join(map(str, path)), path, value
+
+
+WHOLE_FLOATS = list(_whole_float_cases())
+
+
+def test_the_whole_float_walk_reaches_the_integer_settings():
+    walked = {key for key, _, _ in WHOLE_FLOATS}
+    assert {"learner.lora.rank", "rollout.resources.cpu_cores", "trainer.steps"} <= walked
+    assert not walked & {"learner.lora.alpha", "rollout.resources.custom"}
+    assert len(walked) > 40
+
+
+@pytest.mark.parametrize("key, path, value", WHOLE_FLOATS, ids=lambda v: str(v)[:40])
+def test_no_integer_setting_takes_a_float(key, path, value):
+    with pytest.raises(ConfigError) as err:
+        build_config(_nested(path, value))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith((f"{key}:", f"{key}.")), message
+
+
+def test_numbers_in_their_usual_forms_still_pass():
+    cfg = build_config(
+        {},
+        [
+            "learner.optimizer.lr=1e-5",  # a string to YAML 1.1: still a number
+            "learner.lora.alpha=64",  # an int where a float goes
+            "learner.lora.rank=8",
+            "algorithm.entropy_coef=-0.001",
+            "algorithm.dynamic_sampling=true",
+        ],
+    )
+    assert cfg.learner.optimizer.lr == 1e-5 and cfg.learner.lora.alpha == 64.0
+    assert type(cfg.learner.lora.alpha) is float and type(cfg.learner.lora.rank) is int
 
 
 def test_a_non_finite_number_is_refused_on_assignment_too():

@@ -220,6 +220,52 @@ def test_a_context_past_the_models_positions_is_refused_in_one_line_before_any_e
 
 
 @pytest.mark.parametrize(
+    "heads, kv, tp, refused",
+    [
+        (14, 2, 2, None),
+        (14, 2, 1, None),
+        (16, 4, 8, None),  # each key/value head on 2 workers
+        (14, 2, 4, "does not divide its 14 attention heads of m; one of [1, 2, 14] does"),
+        (16, 4, 16, None),
+        (24, 8, 3, "does not divide its 8 key/value heads"),
+        (16, 16, 3, "does not divide its 16 attention heads"),
+    ],
+)
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused(heads, kv, tp, refused):
+    """vLLM refused it only after the engine started, as '1 validation error for VllmConfig',
+    naming neither setting (issue 39)."""
+    from groupflow.core.model_dir import ModelDirError, check_tensor_parallel
+
+    config = {"num_attention_heads": heads, "num_key_value_heads": kv}
+    if refused is None:
+        check_tensor_parallel(tp, config, "m")
+        check_tensor_parallel(tp, {"text_config": config}, "m")
+        return
+    for nested in (config, {"text_config": config}):
+        with pytest.raises(ModelDirError) as err:
+            check_tensor_parallel(tp, nested, "m")
+        assert str(err.value).startswith(f"rollout.tensor_parallel_size: {tp} ")
+        assert refused in str(err.value)
+
+
+def test_the_job_is_refused_before_the_tokenizer_is_read(tmp_path):
+    from groupflow.core.model_dir import ModelDirError
+    from groupflow.run.inputs import check_inputs
+
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2}')
+    cfg = build_config(
+        {},
+        [
+            f"model.path={tmp_path}",
+            "rollout.tensor_parallel_size=4",
+            "rollout.resources.num_gpus=4",
+        ],
+    )
+    with pytest.raises(ModelDirError, match="rollout.tensor_parallel_size: 4 does not divide"):
+        check_inputs(cfg)
+
+
+@pytest.mark.parametrize(
     "config, context",
     [
         ({"max_position_embeddings": 32768}, 32768),

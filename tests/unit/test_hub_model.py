@@ -170,11 +170,15 @@ def test_an_adapter_names_its_base_by_hub_id(hf_home, tiny_model, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "org/tiny"})
+        json.dumps(
+            {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "base_model_name_or_path": "org/tiny"}
+        )
     )
     assert read_adapter_dir(adapter).base == str(snapshot)
     (adapter / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "org/absent"})
+        json.dumps(
+            {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "base_model_name_or_path": "org/absent"}
+        )
     )
     with pytest.raises(
         HubModelError, match=r"adapter_config.json: base_model_name_or_path: org/ab"

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +243,126 @@ def test_an_unreadable_adapter_file_is_one_line(model_dir, tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(AdapterError, match="adapter_model.safetensors: unreadable"):
         read_adapter_dir(tmp_path).tensors()
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    "tensors, said",
+    [
+        (
+            {
+                f"{Q}.lora_A.weight": torch.full((4, 16), math.nan),
+                f"{Q}.lora_B.weight": torch.zeros(16, 4),
+            },
+            f"{Q}.lora_A.weight: holds NaN or infinite values",
+        ),
+        (
+            {
+                f"{Q}.lora_A.weight": torch.zeros(4, 16),
+                f"{Q}.lora_B.weight": torch.full((16, 4), math.inf),
+            },
+            f"{Q}.lora_B.weight: holds NaN or infinite values",
+        ),
+        (
+            {f"{Q}.lora_A.weight": torch.zeros(4, 16), f"{Q}.lora_B.weight": torch.zeros(16, 8)},
+            f"{Q}.lora_B.weight: rank 8, but adapter_config.json says r 4",
+        ),
+        (
+            {f"{Q}.lora_A.weight": torch.zeros(8, 16), f"{Q}.lora_B.weight": torch.zeros(16, 8)},
+            f"{Q}.lora_A.weight: rank 8, but adapter_config.json says r 4",
+        ),
+        ({f"{Q}.lora_A.weight": torch.zeros(4, 16)}, f"{Q}.lora_A.weight has no lora_B"),
+        ({f"{Q}.lora_B.weight": torch.zeros(16, 4)}, f"{Q}.lora_B.weight has no lora_A"),
+        ({f"{Q}.lora_A.weight": torch.tensor(1.0)}, f"{Q}.lora_A.weight: a 0-D torch.float32"),
+        ({f"{Q}.lora_A.weight": torch.zeros(16)}, f"{Q}.lora_A.weight: a 1-D torch.float32"),
+        ({f"{Q}.lora_A.weight": torch.zeros(4, 16, dtype=torch.int64)}, "torch.int64 tensor"),
+        ({}, "holds no tensors"),
+    ],
+)
+def test_adapter_tensors_are_checked_before_an_engine_sees_them(model_dir, tmp_path, tensors, said):
+    """Served as they were, these gave NaN answers, or a traceback from inside vLLM after the
+    engine started (issue 39)."""
+    from safetensors.torch import save_file
+
+    _saved_adapter(model_dir, tmp_path)
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError) as err:
+        read_adapter_dir(tmp_path).tensors()
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'adapter_model.safetensors'}: ") and said in message
+    assert "\n" not in message
+
+
+def test_a_rank_pattern_allows_its_ranks(model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    _saved_adapter(model_dir, tmp_path, rank_pattern={"q_proj": 8})
+    save_file(
+        {f"{Q}.lora_A.weight": torch.zeros(8, 16), f"{Q}.lora_B.weight": torch.zeros(16, 8)},
+        tmp_path / "adapter_model.safetensors",
+    )
+    adapter = read_adapter_dir(tmp_path)
+    assert len(adapter.tensors()) == 2 and max(adapter.ranks) == 8
+    # A and B at ranks the config allows, but not the same one
+    save_file(
+        {f"{Q}.lora_A.weight": torch.zeros(4, 16), f"{Q}.lora_B.weight": torch.zeros(16, 8)},
+        tmp_path / "adapter_model.safetensors",
+    )
+    with pytest.raises(AdapterError, match=f"{Q}.lora_A.weight: rank 4, but its lora_B's is 8"):
+        adapter.tensors()
+
+
+@pytest.mark.parametrize(
+    "changes, said",
+    [
+        ({"lora_alpha": -32}, "lora_alpha: -32 is not a number in (0, 1024]"),
+        ({"lora_alpha": math.nan}, "lora_alpha: nan is not a number"),
+        ({"lora_alpha": "16"}, "lora_alpha: '16' is not a number"),
+        ({"lora_alpha": True}, "lora_alpha: True is not a number"),
+        ({"lora_alpha": 1e300}, "lora_alpha: 1e+300 is not a number"),
+        ({"lora_alpha": None}, "lora_alpha: None is not a number"),
+        ({"r": True}, "r: True is not a rank"),
+        ({"rank_pattern": {"q_proj": 0}}, "rank_pattern: q_proj: 0 is not a rank vLLM serves"),
+        ({"rank_pattern": [8]}, "rank_pattern: [8] is not a mapping"),
+        ({"alpha_pattern": {"q_proj": -1.0}}, "alpha_pattern: q_proj: -1.0 is not a number"),
+    ],
+)
+def test_a_hostile_adapter_config_is_one_line_naming_the_key(model_dir, tmp_path, changes, said):
+    _saved_adapter(model_dir, tmp_path, **changes)
+    with pytest.raises(AdapterError, match="adapter_config.json: ") as err:
+        read_adapter_dir(tmp_path)
+    assert said in str(err.value)
+
+
+def test_a_huge_adapter_config_is_refused_unread(model_dir, tmp_path):
+    """A 4 GiB sparse adapter_config.json gave a MemoryError: it was read whole, then cut."""
+    _saved_adapter(model_dir, tmp_path)
+    with open(tmp_path / "adapter_config.json", "r+b") as f:
+        f.truncate(4 << 30)  # sparse: no disk taken
+    tracemalloc.start()
+    try:
+        with pytest.raises(
+            AdapterError,
+            match=r"adapter_config.json: not an adapter config \(larger than 1048576 bytes\)",
+        ):
+            read_adapter_dir(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+
+
+def test_a_base_config_transformers_cannot_build_is_one_line(model_dir, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(config | {"num_attention_heads": 0}))
+    adapter = tmp_path / "adapter"
+    _saved_adapter(model_dir, adapter, base_model_name_or_path=str(base))
+    with pytest.raises(AdapterError) as err:
+        read_adapter_dir(adapter).tensors()
+    message = str(err.value)
+    assert message.startswith(f"{base / 'config.json'}: not a model config transformers can build")
+    assert "\n" not in message

@@ -545,6 +545,18 @@ def test_the_hermes_parser_reads_calls_and_names_the_broken_ones():
         ToolCallParser("no_such_parser", build_tokenizer(EXTRA), [])
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "jamba", "lfm2", "llama3_json", "mistral"])
+def test_a_parser_that_raises_as_it_is_built_is_one_line_naming_the_setting(name):
+    """These look for their model's call markers in the tokenizer as they are built: a
+    traceback from `groupflow train` until issue 39; the driver builds the parser with the
+    job's tokenizer when it vets the job (groupflow/run/job_prompts.py), before any actor."""
+    with pytest.raises(ValueError) as err:
+        ToolCallParser(name, build_tokenizer(EXTRA), [])
+    message = str(err.value)
+    assert message.startswith(f"agent.tool_parser: {name!r} cannot read this model's turns (")
+    assert "RuntimeError: " in message and "\n" not in message
+
+
 # --- what the driver makes of trajectories ------------------------------------------------------
 
 
