@@ -22,6 +22,7 @@ from groupflow.core.placement import NOTE_AFTER_S, describe_cluster, describe_de
 from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
+from groupflow.learner.memory_budget import check_longest_fits
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
 
@@ -109,19 +110,17 @@ class LearnerGroup:
     def _refuse_sequences_that_cannot_fit(self) -> None:
         """With micro_batch_tokens: auto, a job whose longest sequence cannot fit a micro-batch
         of its own in the ranks' memory ends before training, in one line."""
-        budget = self._micro_batch_tokens()
-        longest = self.cfg.rollout.max_model_len
-        if budget < longest:
-            memory = self.cfg.learner.memory_gib
-            given = (
-                f"={memory:g}" if memory is not None else " (unset: the rank's share of the node)"
+        if self.cfg.learner.micro_batch_tokens != "auto":
+            return
+        try:
+            check_longest_fits(
+                self._micro_batch_tokens(),
+                self.cfg.rollout.max_model_len,
+                self.cfg.learner.memory_gib,
             )
+        except ConfigError:
             self.shutdown()
-            raise ConfigError(
-                f"learner.micro_batch_tokens: auto fits {budget} positions a micro-batch in "
-                f"learner.memory_gib{given}, less than one sequence of up to {longest} tokens "
-                "(rollout.max_model_len); raise learner.memory_gib or lower rollout.max_model_len"
-            )
+            raise
 
     def _micro_batch_tokens(self) -> int:
         """The micro-batch budget in positions: learner.micro_batch_tokens, or with auto the

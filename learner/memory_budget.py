@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from groupflow.config.base import ConfigError
+
 GIB = 1 << 30
 # Freed blocks the allocator keeps, buffers of the collectives, the token head's chunk: what the
 # shape alone does not say, as a share of the estimate.
@@ -86,3 +88,16 @@ def measured_budget(memory: int, resident_before: int, peak: int, positions: int
     per_position = max(1, (peak - resident_before) // max(1, positions))
     room = int((memory - resident_before) * MEASURED_MARGIN)
     return max(0, min(LARGEST_BUDGET, room // per_position))
+
+
+def check_longest_fits(budget: int, longest: int, memory_gib: float | None) -> None:
+    """ConfigError, in one line, when a sequence of `longest` tokens cannot fit a micro-batch
+    of `budget` positions, the auto budget in `memory_gib`."""
+    if budget >= longest:
+        return
+    given = f"={memory_gib:g}" if memory_gib is not None else " (unset: the rank's share)"
+    raise ConfigError(
+        f"learner.micro_batch_tokens: auto fits {budget} positions a micro-batch in "
+        f"learner.memory_gib{given}, less than one sequence of up to {longest} tokens "
+        "(rollout.max_model_len); raise learner.memory_gib or lower rollout.max_model_len"
+    )

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from groupflow.config.job import Config
+from groupflow.core.records import TrainSequence
 from groupflow.core.weight_format import Broadcaster, Checksums, Manifest
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
@@ -108,7 +109,10 @@ class LearnerRank:
         self.models.policy.zero_model.train()
         cuda = self.models.policy.device.type == "cuda"
         before = self._memory_now()
-        torch.cuda.reset_peak_memory_stats() if cuda else reset_peak()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak()
         figures = train_rank_step(
             self.models.policy, self.models.reference, minibatches, self.settings
         )
@@ -167,7 +171,7 @@ class LearnerRank:
         )
 
 
-def _positions(seqs: MicroBatches | list, packed: bool) -> int:
+def _positions(seqs: list[TrainSequence], packed: bool) -> int:
     """The positions a micro-batch computes: rows x its longest sequence."""
     lengths = [len(s.input_ids) for s in seqs]
     if not lengths:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from groupflow.config.base import ConfigError
 from groupflow.config.job import Config
 from groupflow.learner.host_memory import (
     peak_resident_bytes,
@@ -22,6 +23,7 @@ from groupflow.learner.memory_budget import (
     GIB,
     ModelShape,
     bytes_per_position,
+    check_longest_fits,
     estimated_budget,
     fixed_bytes,
     measured_budget,
@@ -64,6 +66,16 @@ def test_the_measured_step_replaces_the_estimate():
     budget = measured_budget(6 * GIB, before, peak, 16_000)
     assert budget == int((6 * GIB - before) * 0.8) // 125_000
     assert measured_budget(GIB, before, peak, 16_000) == 0
+
+
+def test_a_sequence_that_cannot_fit_is_refused_in_one_line_naming_its_length_and_the_setting():
+    check_longest_fits(4096, 4096, 2.0)  # fits alone
+    with pytest.raises(ConfigError) as refused:
+        check_longest_fits(1843, 4096, 1.5)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "up to 4096 tokens (rollout.max_model_len)" in line
+    assert "learner.memory_gib=1.5" in line and "learner.micro_batch_tokens: auto" in line
 
 
 def test_auto_is_the_default_and_a_number_still_works():
