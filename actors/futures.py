@@ -8,6 +8,7 @@ from typing import Any
 
 import ray
 
+from groupflow.actors.memory_kill import killed_for_memory, memory_kill_line
 from groupflow.core.errors import CheckpointError
 from groupflow.core.peers import PeerDied
 
@@ -25,7 +26,9 @@ class RayFutures:
     def get(self, handles: Sequence[ray.ObjectRef]) -> list[Any]:
         try:
             return ray.get(list(handles))
-        except ray.exceptions.RayActorError as err:
+        except (ray.exceptions.OutOfMemoryError, ray.exceptions.RayActorError) as err:
+            if killed_for_memory(err):  # Ray's paragraph, in one line that names the setting
+                raise PeerDied(memory_kill_line(err)) from err
             raise PeerDied(str(err).splitlines()[0]) from err
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, CheckpointError):  # a peer's one-line refusal, as itself

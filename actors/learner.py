@@ -16,11 +16,13 @@ from groupflow.actors.placement import live_nodes
 from groupflow.actors.starting import wait_started
 from groupflow.actors.transport import SyncHost
 from groupflow.config import Config
+from groupflow.config.base import ConfigError
 from groupflow.core.device import device_for
 from groupflow.core.placement import NOTE_AFTER_S, describe_cluster, describe_demand
 from groupflow.core.records import TrainSequence
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
+from groupflow.learner.memory_budget import check_longest_fits
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
 
@@ -46,6 +48,9 @@ class LearnerRankActor(SyncHost):
         self, minibatches: list[list[list[TrainSequence]]], lr: float | None = None
     ) -> RankFigures:
         return self.rank.train_step(minibatches, lr)
+
+    def micro_batch_tokens(self) -> tuple[int, bool]:
+        return self.rank.micro_batch_tokens()
 
     def weight_sync(self, step: Callable, *args):
         """Run a weight transport's rank-side `step` here, `step(self, *args)`
@@ -100,6 +105,35 @@ class LearnerGroup:
         self.cfg = cfg
         self.model_path = model_path
         self._start(placed)
+        self._refuse_sequences_that_cannot_fit()
+
+    def _refuse_sequences_that_cannot_fit(self) -> None:
+        """With micro_batch_tokens: auto, a job whose longest sequence cannot fit a micro-batch
+        of its own in the ranks' memory ends before training, in one line."""
+        if self.cfg.learner.micro_batch_tokens != "auto":
+            return
+        try:
+            check_longest_fits(
+                self._micro_batch_tokens(),
+                self.cfg.rollout.max_model_len,
+                self.cfg.learner.memory_gib,
+            )
+        except ConfigError:
+            self.shutdown()
+            raise
+
+    def _micro_batch_tokens(self) -> int:
+        """The micro-batch budget in positions: learner.micro_batch_tokens, or with auto the
+        smallest of the ranks' (their estimate until a step measured it; asked again until
+        then, after the step: a rank answers once its calls before are done)."""
+        setting = self.cfg.learner.micro_batch_tokens
+        if setting != "auto":
+            return setting
+        if self._budget is None or not self._budget_measured:
+            answers = RayFutures().get([r.micro_batch_tokens.remote() for r in self.ranks])
+            self._budget = min(b for b, _ in answers)
+            self._budget_measured = all(measured for _, measured in answers)
+        return self._budget
 
     def _start(self, placed: Callable[[PlacementGroup], None] = ray_get_ready) -> None:
         """`placed` waits for the ranks' placement group: at the job's start, the startup
@@ -113,6 +147,8 @@ class LearnerGroup:
         }
         self.placement = placement_group([bundle] * n, strategy="PACK")
         self.ranks = []
+        self._budget: int | None = None  # micro_batch_tokens: auto, the ranks' budget
+        self._budget_measured = False
         try:
             self._start_ranks(placed)
         except BaseException:  # nothing is left holding the cluster's resources
@@ -168,7 +204,7 @@ class LearnerGroup:
             [s.group_id for s in sequences],
             len(self.ranks),
             self.cfg.learner.mini_batches_per_step,
-            self.cfg.learner.micro_batch_tokens,
+            max(1, self._micro_batch_tokens()),
             packed=self.cfg.learner.pack_sequences,
         )
         shares = [

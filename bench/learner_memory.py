@@ -21,13 +21,29 @@ tied head), in bf16, on the CPU:
    micro-batches cut for packed rows and each packed into rows as wide as its longest
    (learner.pack_sequences, the learner's default);
 3. forward+backward time of a small step on the CPU in float32 (few layers, full vocab).
+
+`--rank` instead measures a real learner rank (issue 43): DeepSpeed ZeRO-3 at world size 1
+(gloo, CPU), bench/vs_trl.py's random 27M Qwen2 (hidden 512, 8 layers, a 75-token
+vocabulary), float32, gradient checkpointing on, one rank's half of a step of 16 prompts x 8
+responses of 6 + 256 tokens (64 sequences, 16,768 positions). Per step it prints the peak
+resident memory (VmHWM, reset before the step), what is resident after it, and glibc's view
+of the heap (mallinfo2: allocated, mmapped, and freed-but-kept). Run it under the real-stack
+lock:
+
+    flock /tmp/realstack.lock .venv/bin/python bench/learner_memory.py --rank [--steps 2]
+        [--set learner.micro_batch_tokens=16384 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from gpu_learner_probe import SHAPES, VOCAB, groups
@@ -203,13 +219,85 @@ def packed_padding_share(micro: list[list[int]], lengths: list[int]) -> float:
     return 1 - real / positions
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def _heap() -> dict[str, float]:
+    """glibc's heap in GB: allocated in the heap, mmapped blocks, freed but kept."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return {"heap": info.uordblks / 1e9, "mmap": info.hblkhd / 1e9, "kept": info.fordblks / 1e9}
+
+
+def rank_profile(steps: int, overrides: list[str]) -> None:
+    """One learner rank's memory over `steps` steps of the 256-token workload (see --rank)."""
+    from vs_trl import random_model
+
+    from groupflow.config.load import validate_config
+    from groupflow.core.device import device_for
+    from groupflow.core.records import TrainSequence
+    from groupflow.learner.host_memory import peak_resident_bytes, reset_peak, resident_bytes
+    from groupflow.learner.rank import LearnerRank
+    from groupflow.learner.zero_models import RankSetup
+
+    root = Path(tempfile.mkdtemp())
+    model = random_model(root)
+    cfg = validate_config(None, [f"model.path={model}", *overrides])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    print(f"process before the rank: {resident_bytes() / 1e9:.2f} GB resident")
+    rank = LearnerRank(RankSetup(str(model), 0, 1, "127.0.0.1", port, device_for(0)), cfg)
+    print(f"rank built: {resident_bytes() / 1e9:.2f} GB resident, {_heap()}")
+    print(
+        f"micro_batch_tokens {cfg.learner.micro_batch_tokens}: budget {rank.micro_batch_tokens()}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for group in range(8):
+        advantages = torch.randn(8, generator=gen).tolist()
+        for advantage in advantages:
+            ids = torch.randint(3, 75, (6 + 256,), generator=gen).tolist()
+            behaviour = (-torch.rand(256, generator=gen)).tolist()
+            seqs.append(TrainSequence(ids, 6, advantage, group, 0, behaviour))
+    for step in range(steps):
+        budget = cfg.learner.micro_batch_tokens
+        budget = budget if budget != "auto" else max(1, rank.micro_batch_tokens()[0])
+        layout = layout_step(
+            [len(s.input_ids) for s in seqs], [s.group_id for s in seqs], 1, 1, budget, True
+        )
+        share = [[[seqs[i] for i in mb] for mb in mini] for mini in layout[0]]
+        reset_peak()
+        started = time.perf_counter()
+        rank.train_step(share)
+        heap = _heap()
+        print(
+            f"step {step}: {[len(mb) for mb in share[0]]} sequences a micro-batch, "
+            f"{time.perf_counter() - started:.0f} s; peak {peak_resident_bytes() / 1e9:.2f} GB, "
+            f"after {resident_bytes() / 1e9:.2f} GB (heap {heap['heap']:.2f} allocated, "
+            f"{heap['kept']:.2f} freed but kept, mmapped {heap['mmap']:.2f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=24, help="layers for the byte count")
     parser.add_argument("--time-layers", type=int, default=2, help="layers for the timing")
+    parser.add_argument("--rank", action="store_true", help="a real rank's memory (issue 43)")
+    parser.add_argument("--steps", type=int, default=2, help="steps of --rank")
+    parser.add_argument("--set", action="append", default=[], help="config key=value (--rank)")
     args = parser.parse_args()
+    if args.rank:
+        rank_profile(args.steps, args.set)
+        return
 
     step = probe_step()
     response = sum(n - p for n, p in zip(step.lengths, step.prompt_lens, strict=True))

@@ -129,6 +129,9 @@ class RankFigures:
     # Global over ranks, so every rank holds the same values: one per mini-batch, one per update.
     credit: list[CreditStats] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    # The rank's peak memory over the step (resident on a CPU, allocated on a GPU), in bytes
+    peak_memory_bytes: int = 0
+    memory_limit_bytes: int = 0  # the memory the rank may use (learner.memory_gib)
 
     @property
     def optimizer_updates(self) -> int:
@@ -140,6 +143,8 @@ class RankFigures:
             **self._merged_sums(later),
             credit=self.credit + later.credit,
             grad_norms=self.grad_norms + later.grad_norms,
+            peak_memory_bytes=max(self.peak_memory_bytes, later.peak_memory_bytes),
+            memory_limit_bytes=max(self.memory_limit_bytes, later.memory_limit_bytes),
         )
 
     def merge(self, other_rank: RankFigures) -> RankFigures:
@@ -149,7 +154,14 @@ class RankFigures:
                 f"ranks trained {len(self.credit)} and {len(other_rank.credit)} mini-batches"
             )
         return RankFigures(
-            **self._merged_sums(other_rank), credit=self.credit, grad_norms=self.grad_norms
+            **self._merged_sums(other_rank),
+            credit=self.credit,
+            grad_norms=self.grad_norms,
+            peak_memory_bytes=max(self.peak_memory_bytes, other_rank.peak_memory_bytes),
+            memory_limit_bytes=min(
+                self.memory_limit_bytes or other_rank.memory_limit_bytes,
+                other_rank.memory_limit_bytes or self.memory_limit_bytes,
+            ),
         )
 
     def _merged_sums(self, other: RankFigures) -> dict:
@@ -204,6 +216,9 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "is_truncated_frac": _ratio(off_policy.truncated, off_policy.tokens),
         "is_masked_frac": _ratio(off_policy.masked, off_policy.tokens),
         "kl_behaviour_proximal": _ratio(off_policy.kl, off_policy.tokens),
+        # the largest rank's, by pool as the series labels it (groupflow_actor_memory_bytes)
+        "actor_memory_bytes": {"learner": total.peak_memory_bytes},
+        "actor_memory_limit_bytes": {"learner": total.memory_limit_bytes},
     }
     # The credit figures over the step's mini-batches: token counts add up, shares and
     # thresholds are averaged. The step's sequence count is the rollout's (num_sequences,

@@ -6,15 +6,32 @@ it together, each with its own share of the step (see learner/batching.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
 
 from groupflow.config.job import Config
+from groupflow.core.records import TrainSequence
 from groupflow.core.weight_format import Broadcaster, Checksums, Manifest
+from groupflow.learner.batching import pack_rows
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
+from groupflow.learner.host_memory import (
+    peak_resident_bytes,
+    release_freed_memory,
+    reset_peak,
+    resident_bytes,
+)
+from groupflow.learner.memory_budget import (
+    ModelShape,
+    bytes_per_position,
+    estimated_budget,
+    fixed_bytes,
+    measured_budget,
+    rank_memory_bytes,
+)
 from groupflow.learner.micro_batch import check_packing
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
@@ -24,12 +41,14 @@ from groupflow.learner.weight_export import (
     shard_buckets,
     weight_manifest,
 )
+from groupflow.learner.zero_config import model_parameter_count
 from groupflow.learner.zero_models import RankSetup, build_zero_models
 
 
 class LearnerRank:
     def __init__(self, setup: RankSetup, cfg: Config):
         self.setup = setup
+        baseline = resident_bytes()  # the process before its models
         self.models = build_zero_models(setup, cfg)
         self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
@@ -43,6 +62,35 @@ class LearnerRank:
         self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
         self.lora = cfg.learner.lora is not None
         self.save_merged = cfg.trainer.save_merged
+        self._plan_memory(cfg, baseline)
+
+    def _plan_memory(self, cfg: Config, baseline: int) -> None:
+        """The micro-batch budget of `learner.micro_batch_tokens: auto` (learner/memory_budget.py)
+        from the model's config; `micro_batch_tokens` answers it, and the first step's
+        measurement replaces it."""
+        device = self.models.policy.device
+        device_bytes = 0
+        if device.type == "cuda":
+            device_bytes = torch.cuda.get_device_properties(device).total_memory
+        node_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.memory = rank_memory_bytes(
+            cfg.learner.memory_gib, node_bytes, device_bytes, self.setup.world_size
+        )
+        dtype_bytes = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+        shape = ModelShape.of(self._module.config, model_parameter_count(self.setup.model_path))
+        per_position = bytes_per_position(shape, dtype_bytes, cfg.learner.gradient_checkpointing)
+        fixed = fixed_bytes(shape, dtype_bytes, self.setup.world_size, baseline)
+        self.budget = estimated_budget(self.memory, fixed, per_position)
+        self.budget_measured = False
+
+    def micro_batch_tokens(self) -> tuple[int, bool]:
+        """The positions a micro-batch may hold in this rank's memory, and whether a step
+        measured it (else it is the model config's estimate)."""
+        return self.budget, self.budget_measured
+
+    def _memory_now(self) -> int:
+        device = self.models.policy.device
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
 
     @property
     def _module(self) -> torch.nn.Module:
@@ -59,9 +107,25 @@ class LearnerRank:
             for group in self.models.policy.zero_model.optimizer.param_groups:
                 group["lr"] = lr
         self.models.policy.zero_model.train()
-        return train_rank_step(
+        cuda = self.models.policy.device.type == "cuda"
+        before = self._memory_now()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak()
+        figures = train_rank_step(
             self.models.policy, self.models.reference, minibatches, self.settings
         )
+        peak = torch.cuda.max_memory_allocated() if cuda else peak_resident_bytes()
+        release_freed_memory()
+        figures.peak_memory_bytes, figures.memory_limit_bytes = peak, self.memory
+        positions = max(
+            (_positions(mb, self.settings.packed) for m in minibatches for mb in m), default=0
+        )
+        if not self.budget_measured and positions:
+            self.budget = measured_budget(self.memory, before, peak, positions)
+            self.budget_measured = True
+        return figures
 
     def weight_shard_buckets(self, buckets: list[Manifest]) -> Iterator[torch.Tensor]:
         """This rank's partition of each bucket as one flat tensor (local: no collective);
@@ -105,3 +169,12 @@ class LearnerRank:
             self.settings.auto_tau_p,
             adapters_only=self.lora,
         )
+
+
+def _positions(seqs: list[TrainSequence], packed: bool) -> int:
+    """The positions a micro-batch computes: rows x its longest sequence."""
+    lengths = [len(s.input_ids) for s in seqs]
+    if not lengths:
+        return 0
+    rows = pack_rows(lengths)[2] if packed else len(lengths)
+    return rows * max(lengths)

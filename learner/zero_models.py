@@ -16,6 +16,7 @@ from torch import Tensor
 
 from groupflow.config.job import Config
 from groupflow.core.device import Device
+from groupflow.learner.host_memory import release_freed_memory
 from groupflow.learner.lora import AdaptersOff, add_adapters
 from groupflow.learner.model_setup import prepare_model
 from groupflow.learner.zero_config import deepspeed_config, model_parameter_count
@@ -50,6 +51,10 @@ class ZeroPolicy:
         # DeepSpeed averages gradients over ranks; the credit plan's coefficients already hold
         # the global denominator, so undo the average to get the plain sum over ranks.
         self.zero_model.backward(loss * self.world_size, scale_wrt_gas=False)
+        # The micro-batch's activations are freed now; without this glibc keeps their pages
+        # (learner/host_memory.py) and a CPU rank's resident memory grows to several times
+        # what it allocates.
+        release_freed_memory()
 
     def step(self) -> float:
         self.zero_model.step()

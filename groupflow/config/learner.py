@@ -117,17 +117,35 @@ class LearnerConfig(Section):
         3, description="DeepSpeed ZeRO stage; 3 only (parameters, gradients and optimizer sharded)"
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    micro_batch_tokens: StrictInt = Field(
-        16384,
-        ge=1,
+    micro_batch_tokens: StrictInt | Literal["auto"] = Field(
+        "auto",
         description="positions of one micro-batch, padding included (rows x longest row, "
-        "after packing with pack_sequences); "
-        "activation memory grows with it (with gradient_checkpointing, a layer's input per "
-        "position and one layer's activations). Each micro-batch gathers every ZeRO-3 "
-        "parameter in its forward and again in its backward, so fewer, larger ones cost less. "
-        "A longer sequence gets a micro-batch of its own",
+        "after packing with pack_sequences); activation memory grows with it (with "
+        "gradient_checkpointing, a layer's input per position and one layer's activations). "
+        "Each micro-batch gathers every ZeRO-3 parameter in its forward and again in its "
+        "backward, so fewer, larger ones cost less. auto: as many as learner.memory_gib holds, "
+        "from the model's bytes per position (its config, dtype and checkpointing), corrected "
+        "by what the first step measured; a job whose longest sequence (rollout.max_model_len) "
+        "cannot fit is refused at start. A number: that many, and a longer sequence gets a "
+        "micro-batch of its own",
+    )
+    memory_gib: FloatSetting | None = Field(
+        None,
+        gt=0,
+        le=1 << 20,
+        description="memory each rank may use, in GiB, with micro_batch_tokens: auto. Unset: "
+        "on a GPU, 90% of its device's memory; on a CPU node, half of the node's memory "
+        "shared among the ranks (engines, reward workers and the driver keep the other half)",
     )
     mini_batches_per_step: StrictInt = Field(1, ge=1, description="optimizer updates per step")
+
+    @field_validator("micro_batch_tokens")
+    @classmethod
+    def _some_positions(cls, tokens):
+        if tokens != "auto" and tokens < 1:
+            raise ValueError("must be auto or at least 1")
+        return tokens
+
     pack_sequences: bool = Field(
         True,
         description="padding-free micro-batches: several sequences share a row as wide as the "

@@ -181,10 +181,10 @@ class TrainingJob:
         self.checkpointer.restore(checkpoint, state)
         self.first_step, self.last_step = state.step + 1, state.step
 
-    def recover_learner(self, checkpoint: Path, state: DriverState) -> None:
+    def recover_learner(self, checkpoint: Path, state: DriverState, cause: str = "") -> None:
         """After LearnerLost: one restart, new ranks, and the whole job back at `checkpoint`
         (later steps are trained again; the rollouts in flight finish and are dropped)."""
-        self.restarts.charge("learner", "a learner rank died")
+        self.restarts.charge("learner", cause or "a learner rank died")
         self.pipeline.abandon()
         self.learner.restart()
         self.restore(checkpoint, state)

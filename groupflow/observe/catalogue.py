@@ -558,6 +558,22 @@ METRICS: tuple[Metric, ...] = (
         _OFF_POLICY,
         _gauge("groupflow_kl_behaviour_proximal"),
     ),
+    Metric(
+        "actor_memory_bytes",
+        "the step's peak memory of the largest actor of each pool (learner: a rank's, resident "
+        "on a CPU, allocated on a GPU); deploy/alerts.yml warns before Ray's memory monitor kills",
+        "bytes",
+        "Actor memory",
+        Series("groupflow_actor_memory_bytes", "gauge", label="pool"),
+    ),
+    Metric(
+        "actor_memory_limit_bytes",
+        "the memory an actor of each pool may use (learner: learner.memory_gib, or its share "
+        "of the node or device)",
+        "bytes",
+        "Actor memory",
+        Series("groupflow_actor_memory_limit_bytes", "gauge", label="pool"),
+    ),
 )
 
 

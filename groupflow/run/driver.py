@@ -262,7 +262,7 @@ def train(run: OpenRun, job: TrainingJob) -> None:
                 run.cfg.learner.num_ranks,
                 adapter_shape(run.cfg.learner.lora),
             )
-            job.recover_learner(checkpoint, state)
+            job.recover_learner(checkpoint, state, str(err))
             rewind_metrics(metrics, state.step)
             log.info("learner back at step %d in %.1fs", state.step, time.monotonic() - lost_at)
     for tracker in trackers:

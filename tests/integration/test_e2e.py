@@ -108,6 +108,8 @@ def test_three_steps_with_overlap_write_the_run_directory(
         assert DIAGNOSTICS <= r.keys(), DIAGNOSTICS - r.keys()
         assert r["optimizer_updates"] == 1
         assert 0 <= r["groups_with_spread"] <= r["num_groups"]
+        # the largest rank's peak resident memory over the step, and what a rank may use
+        assert 0 < r["actor_memory_bytes"]["learner"] < r["actor_memory_limit_bytes"]["learner"]
     # one update a step: step 1 trains at the reference, later steps away from it
     assert records[0]["kl_ref"] == 0.0 and all(r["kl_ref"] > 0.0 for r in records[1:])
     assert 0.0 <= records[1]["eval_mean_at_n"] <= records[1]["eval_pass_at_k"] <= 1.0  # k = n

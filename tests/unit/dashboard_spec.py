@@ -28,6 +28,7 @@ PANEL_ROWS = {
     "Reward errors and timeouts": "Cluster",
     "Checkpoints": "Cluster",
     "Restarts": "Cluster",
+    "Actor memory": "Cluster",
     "Scaling": "Cluster",
     "Weight sync": "Cluster",
     "Prompts left out": "Cluster",

@@ -32,7 +32,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_prometheus_loads_the_rules_and_promtool_accepts_them(promtool):
     done = _run(promtool, "check", "config", "deploy/prometheus.yml")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "deploy/alerts.yml" in done.stdout and "10 rules found" in done.stdout
+    assert "deploy/alerts.yml" in done.stdout and "11 rules found" in done.stdout
 
 
 def test_each_rule_fires_on_trouble_and_not_on_a_healthy_job(promtool):

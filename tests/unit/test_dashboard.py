@@ -17,7 +17,7 @@ METRIC = re.compile(r"groupflow_[a-z_]+")
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
 
 # A catalogue unit -> the Grafana unit of a panel drawing it (others: "short").
-GRAFANA_UNITS = {"fraction": "percentunit", "seconds": "s"}
+GRAFANA_UNITS = {"fraction": "percentunit", "seconds": "s", "bytes": "bytes"}
 
 
 def catalogue_panels() -> dict[str, set[str]]:

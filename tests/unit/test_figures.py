@@ -26,6 +26,8 @@ F64 = torch.float64
 
 # metrics.jsonl's learner keys: the metric catalogue, the dashboard and users rely on them.
 LEARNER_KEYS = {
+    "actor_memory_bytes",
+    "actor_memory_limit_bytes",
     "entropy_mean",
     "entropy_pos",
     "entropy_neg",
@@ -226,3 +228,13 @@ def test_rollout_figures_split_by_task_only_in_a_job_of_several():
         assert record["task_accuracy"][task] == pytest.approx(sum(rewards) / len(rewards))
     single = rollout_record([group(None) for _ in range(3)], [0] * 12, {})
     assert "task_reward_mean" not in single and "task_accuracy" not in single
+
+
+def test_the_record_holds_the_largest_ranks_peak_memory_and_the_smallest_limit():
+    credits = [credit(100, 2)]
+    ranks = [rank_figures(1, credits, [0.5]), rank_figures(1, credits, [0.5])]
+    ranks[0].peak_memory_bytes, ranks[0].memory_limit_bytes = 3 << 30, 6 << 30
+    ranks[1].peak_memory_bytes, ranks[1].memory_limit_bytes = 2 << 30, 5 << 30
+    record = learner_record(ranks)
+    assert record["actor_memory_bytes"] == {"learner": 3 << 30}
+    assert record["actor_memory_limit_bytes"] == {"learner": 5 << 30}

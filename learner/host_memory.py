@@ -1,0 +1,66 @@
+"""A learner rank's host memory: what it holds resident, its peak over a step, and the freed
+heap given back to the system between micro-batches.
+
+On a CPU rank every tensor is glibc malloc's. A micro-batch frees its activations when its
+backward ends, but glibc keeps freed blocks of up to 32 MiB in its heap (its mmap threshold
+rises to the largest block freed), where the next micro-batch's blocks of other sizes
+fragment it: the heap, resident as a whole, grows to several times what is allocated at any
+moment, and Ray's memory monitor counts all of it. `release_freed_memory` hands the heap's free
+pages back (malloc_trim), so what a rank holds after a micro-batch is what it allocates.
+Linux-only figures read /proc; elsewhere they are 0 and the release does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from functools import cache
+
+
+@cache
+def _libc():
+    """glibc, or None where malloc is another's (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim  # noqa: B018 (glibc only)
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim(0))."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_bytes(key: str) -> int:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    return _status_bytes("VmRSS:")
+
+
+def peak_resident_bytes() -> int:
+    """This process's largest resident memory since `reset_peak` (VmHWM)."""
+    return _status_bytes("VmHWM:")
+
+
+def reset_peak() -> None:
+    """Start the peak (`peak_resident_bytes`) afresh from what is resident now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass

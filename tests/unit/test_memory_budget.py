@@ -1,0 +1,135 @@
+"""learner.micro_batch_tokens: auto (learner/memory_budget.py): the budget from the memory a
+rank may use and the model's bytes per position, the measured first step in its place; and
+a rank's host memory figures (learner/host_memory.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from groupflow.config.base import ConfigError
+from groupflow.config.job import Config
+from groupflow.learner.host_memory import (
+    peak_resident_bytes,
+    release_freed_memory,
+    reset_peak,
+    resident_bytes,
+)
+from groupflow.learner.memory_budget import (
+    GIB,
+    ModelShape,
+    bytes_per_position,
+    check_longest_fits,
+    estimated_budget,
+    fixed_bytes,
+    measured_budget,
+    rank_memory_bytes,
+)
+
+# bench/vs_trl.py's random 27M Qwen2
+SHAPE = ModelShape.of(
+    Qwen2Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=8), 27_000_000
+)
+
+
+def test_checkpointing_keeps_a_layers_input_a_position_instead_of_its_activations():
+    with_ckpt = bytes_per_position(SHAPE, 4, checkpointing=True)
+    without = bytes_per_position(SHAPE, 4, checkpointing=False)
+    assert without > 5 * with_ckpt
+    assert bytes_per_position(SHAPE, 2, checkpointing=True) == pytest.approx(with_ckpt / 2, 1e-3)
+    # the 27M model in float32: tens of kB a position, so 16k positions cost about 1.5 GB
+    assert 40_000 < with_ckpt < 150_000
+
+
+def test_the_memory_a_rank_may_use():
+    assert rank_memory_bytes(3.5, 24 * GIB, 0, 2) == int(3.5 * GIB)  # learner.memory_gib
+    assert rank_memory_bytes(None, 24 * GIB, 0, 2) == 6 * GIB  # half the node, shared
+    assert rank_memory_bytes(None, 24 * GIB, 80 * GIB, 2) == int(72 * GIB)  # its GPU's 90%
+
+
+def test_the_budget_is_the_room_left_over_the_cost_of_a_position():
+    fixed = fixed_bytes(SHAPE, 4, 2, baseline=GIB)
+    assert fixed == GIB + 27_000_000 * 4 + 27_000_000 * 8
+    per = bytes_per_position(SHAPE, 4, True)
+    assert estimated_budget(6 * GIB, fixed, per) == (6 * GIB - fixed) // per
+    assert estimated_budget(GIB, fixed, per) == 0  # not even a position fits
+
+
+def test_the_measured_step_replaces_the_estimate():
+    # a step from 1.5 GB resident peaked at 3.5 GB over micro-batches of 16,000 positions:
+    # 125 kB a position; 80% of the 4.5 GiB left holds 3.6 GB / 125 kB of them
+    before, peak = 1_500_000_000, 3_500_000_000
+    budget = measured_budget(6 * GIB, before, peak, 16_000)
+    assert budget == int((6 * GIB - before) * 0.8) // 125_000
+    assert measured_budget(GIB, before, peak, 16_000) == 0
+
+
+def test_a_sequence_that_cannot_fit_is_refused_in_one_line_naming_its_length_and_the_setting():
+    check_longest_fits(4096, 4096, 2.0)  # fits alone
+    with pytest.raises(ConfigError) as refused:
+        check_longest_fits(1843, 4096, 1.5)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "up to 4096 tokens (rollout.max_model_len)" in line
+    assert "learner.memory_gib=1.5" in line and "learner.micro_batch_tokens: auto" in line
+
+
+def test_auto_is_the_default_and_a_number_still_works():
+    cfg = Config()
+    assert cfg.learner.micro_batch_tokens == "auto" and cfg.learner.memory_gib is None
+    cfg.learner.micro_batch_tokens = 4096
+    assert cfg.learner.micro_batch_tokens == 4096
+    with pytest.raises(ValueError, match="auto or at least 1"):
+        cfg.learner.micro_batch_tokens = 0
+
+
+FRAGMENTED_HEAP = """
+import ctypes, sys
+import torch
+from groupflow.learner.host_memory import release_freed_memory, resident_bytes
+# Blocks of up to 32 MiB in the heap, as glibc does once it freed one that large, with a small
+# block after them, so the freed ones are not at the heap's top (where glibc trims on its own).
+ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+blocks = [torch.ones(1 << 20) for _ in range(64)]  # 4 MiB each
+pin = torch.ones(1 << 18)  # 1 MiB: from the top, none of the freed blocks exists yet
+held = resident_bytes()
+del blocks
+kept = resident_bytes()
+if sys.argv[1] == "release":
+    release_freed_memory()
+print(held, kept, resident_bytes())
+"""
+
+
+def test_a_micro_batchs_freed_pages_go_back_to_the_system():
+    """256 MiB freed inside the heap stay resident (glibc keeps them for later blocks) until
+    release_freed_memory hands them back, as a rank does after each micro-batch."""
+    runs = {}
+    for mode in ("keep", "release"):
+        out = subprocess.run(
+            [sys.executable, "-c", FRAGMENTED_HEAP, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs[mode] = [int(v) for v in out.stdout.split()]
+    held, kept, after = runs["keep"]
+    assert kept > held - (64 << 20) and after == kept  # freed, yet resident
+    held, kept, after = runs["release"]
+    assert after < held - (192 << 20)
+
+
+def test_peak_resident_memory_starts_afresh():
+    reset_peak()
+    now = resident_bytes()
+    assert now > 0 and peak_resident_bytes() >= now
+    block = torch.ones(64 << 20)  # 256 MiB, touched
+    assert peak_resident_bytes() >= now + (200 << 20)
+    del block
+    release_freed_memory()
+    reset_peak()
+    assert peak_resident_bytes() < now + (200 << 20)
