@@ -107,9 +107,10 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
         assert r["optimizer_updates"] == 2 * (2 if two_stage else 1), preset
-    # every load checked since the previous step was probed, to float noise (float32 here)
-    probed = [r for r in records if r["weight_sync_verified"]]
-    assert probed and all("sync_probe_diff_max" in r for r in probed), preset
+    # the loads probed since the previous step agree to float noise (float32 here); a load
+    # that a later one overtakes before its engine scores the probe goes unprobed
+    probed = [r for r in records if "sync_probe_diff_max" in r]
+    assert probed and all(r["weight_sync_verified"] > 0 for r in probed), preset
     assert all(r["sync_probe_diff_max"] < 1e-5 for r in probed), [
         (r["sync_probe_diff_mean"], r["sync_probe_diff_max"]) for r in probed
     ]
