@@ -75,6 +75,10 @@ class LearnerRankActor(SyncHost):
         actor runs its calls in order)."""
         return self.rank.sent_checksums
 
+    def probe_logprobs(self) -> list[list[float]]:
+        """The policy's log-probs of the sync probe at the weights it holds (collective)."""
+        return self.rank.probe_logprobs()
+
 
 def ray_get_ready(placement: PlacementGroup) -> None:
     """Wait for the placement group, however long a node takes to join (a rebuild after the
@@ -217,6 +221,12 @@ class LearnerGroup:
         """Each rank's shares of the checksums of the sync it sent last (call after starting
         that sync: each rank answers once its side of it is done)."""
         return [r.sent_checksums.remote() for r in self.ranks]
+
+    def async_probe_logprobs(self) -> ray.ObjectRef:
+        """The policy's log-probs of the sync probe at the weights of the sync it sent last
+        (call after starting that sync): taken in the step that made them, or by every rank
+        now where it has not stepped since it started. Rank 0's answer."""
+        return [r.probe_logprobs.remote() for r in self.ranks][0]
 
     def save_pretrained(self, path: str) -> None:
         """The policy in Hugging Face format; a failed write is the rank's one line."""

@@ -14,7 +14,9 @@ Every transport sends the model in buckets of whole layers (groupflow/core/weigh
 the engines alike, so no learner rank holds a second copy of the model. A chunk sent to an
 engine after a sync samples once that sync is loaded (actors/generator_actor.py,
 `min_version`). Every load is verified (`check_load`): the engine reports the checksum of each
-tensor it loaded, the ranks theirs of what they sent, and one that differs stops the job.
+tensor it loaded, the ranks theirs of what they sent, and one that differs stops the job; and
+the engine's log-probs of the sync probe with the weights loaded must be the learner's
+(groupflow/core/sync_probe.py), or that stops the job too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ import ray
 
 from groupflow.actors.futures import RayFutures
 from groupflow.core.peers import SyncHandles
+from groupflow.core.sync_probe import (
+    ProbeAgreement,
+    check_probe,
+    compare_probe,
+    job_probe,
+    probe_figures,
+)
 from groupflow.core.weight_format import (
     DEFAULT_BUCKET_BYTES,
     LoadedWeights,
@@ -76,8 +85,12 @@ class WeightTransport:
             self.bytes_per_sync / 2**20,
             len(self.buckets),
         )
-        # A load not checked yet -> (the engine, in words; the ranks' checksum shares).
-        self._loads: dict[ray.ObjectRef, tuple[str, list[ray.ObjectRef]]] = {}
+        # A load not checked yet -> (the engine, in words; the ranks' checksum shares; the
+        # learner's log-probs of the sync probe).
+        self._loads: dict[ray.ObjectRef, tuple[str, list[ray.ObjectRef], ray.ObjectRef]] = {}
+        cfg = learner.cfg
+        self.probe = job_probe(learner.model_path, cfg.trainer.seed, cfg.rollout.max_model_len)
+        self._probed: list[ProbeAgreement] = []  # the loads probed since `probe_figures`
 
     @property
     def _partitions(self) -> int:
@@ -90,8 +103,9 @@ class WeightTransport:
     def _note(self, engines: list, loads: list[ray.ObjectRef]) -> None:
         """Keep what checking `loads` takes: the ranks answer once their side is done."""
         sent = self.learner.async_sent_checksums()
+        probe = self.learner.async_probe_logprobs()
         for engine, load in zip(engines, loads, strict=True):
-            self._loads[load] = (self._describe(engine), sent)
+            self._loads[load] = (self._describe(engine), sent, probe)
 
     def _describe(self, engine) -> str:
         slot = next((i for i, e in enumerate(self.engines) if e is engine), None)
@@ -101,12 +115,23 @@ class WeightTransport:
         """Check an engine's finished load (the value of its handle) against what the ranks
         sent; True where it was checked and matched, False for a load abandoned with a broken
         stream (the learner's failure, reported on its side). A mismatch raises
-        WeightSyncMismatch: one line naming the engine, the version and the tensor."""
-        engine, sent = self._loads.pop(load)
+        WeightSyncMismatch: one line naming the engine, the version and the tensor, or the
+        worst token of the sync probe (SyncProbeMismatch)."""
+        engine, sent, probe = self._loads.pop(load)
         if loaded is None:
             return False
         check_loaded(add_checksums(RayFutures().get(sent)), loaded, engine)
+        if loaded.probe is not None:  # None: a later load landed before the engine scored it
+            [learner] = RayFutures().get([probe])
+            agreement = compare_probe(self.probe, loaded.probe, learner)
+            self._probed.append(agreement)
+            check_probe(agreement, self.learner.cfg.model.dtype, engine, loaded.version)
         return True
+
+    def probe_figures(self) -> dict[str, float]:
+        """The sync probe's figures over the loads checked since the last call."""
+        probed, self._probed = self._probed, []
+        return probe_figures(probed)
 
     def forget(self, load: ray.ObjectRef) -> None:
         """A load that will never be checked (its engine died)."""

@@ -13,8 +13,8 @@ lays them out. A SETTING is a preset name; `+diag` turns the cancellation diagno
 (`grpo`, `grpo+diag`, `stapo`, `lopti`, ...). Each setting runs once per token head
 (`--heads`: `fused` is the learner's own choice, Triton kernels on CUDA; `chunked` is its
 chunked reference head, the CUDA path before the fused head) and, for a mixture of experts,
-once per `--moe-leaf` (`on`: each sparse MoE block a ZeRO-3 leaf module, fetched whole by
-deepspeed.utils.set_z3_leaf_modules).
+once per `--moe-leaf` (`learner.moe.leaf_modules`: `on`, the default of a job, makes each
+sparse MoE block a ZeRO-3 leaf module, gathered whole; learner/moe_blocks.py).
 
 One JSON line per run (and appended to `--out`): step times (the first pays warm-up),
 tokens/s, share of the card's bf16 dense peak (989 TFLOP/s for an H100 or H200 SXM; counting
@@ -48,7 +48,7 @@ import torch
 from groupflow.core.device import Device
 from groupflow.core.random_model import random_causal_lm
 from groupflow.core.records import TrainSequence
-from groupflow.learner import token_head, zero_models
+from groupflow.learner import token_head
 from groupflow.learner.batching import layout_step, padding_share
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
@@ -284,38 +284,22 @@ def use_token_head(kind: str) -> None:
         token_head.head_stats_function = lambda device: token_head._ChunkedHeadStats.apply
 
 
-PREPARE_MODEL = zero_models.prepare_model
-
-
-def use_moe_leaf(on: bool) -> None:
-    """Make each sparse MoE block of the models the rank loads a ZeRO-3 leaf module (before
-    deepspeed.initialize hooks them): its parameters are fetched at once, its children unhooked."""
-
-    def prepare_with_leaves(model, cfg, trainable=True):
-        from deepspeed.utils import set_z3_leaf_modules
-
-        head = PREPARE_MODEL(model, cfg, trainable)
-        blocks = {type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")}
-        if not blocks:
-            raise ValueError(f"--moe-leaf on: {type(model).__name__} has no sparse MoE block")
-        set_z3_leaf_modules(model, list(blocks))
-        return head
-
-    zero_models.prepare_model = prepare_with_leaves if on else PREPARE_MODEL
-
-
 def probe(run: dict, path: str, flop_params: int, seqs, args) -> dict:
     preset, _, diag = run["setting"].partition("+")
     cfg = build_config(
         {
             "algorithm": {"preset": preset, "cancellation_diagnostic": diag == "diag"},
-            "learner": {"num_ranks": 1, "micro_batch_tokens": args.micro_batch_tokens},
+            "learner": {
+                "num_ranks": 1,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                # each sparse MoE block a ZeRO-3 leaf module, or not (no effect on a dense model)
+                "moe": {"leaf_modules": run.get("moe_leaf") == "on"},
+            },
             "model": {"dtype": "bfloat16"},
         },
         args.overrides,
     )
     use_token_head(run["token_head"])
-    use_moe_leaf(run.get("moe_leaf") == "on")
     cuda = args.device == "cuda"
     allocated_before = torch.cuda.memory_allocated() / 2**30 if cuda else None
     setup = RankSetup(path, 0, 1, "127.0.0.1", free_port(), Device(args.device))

@@ -18,6 +18,7 @@ import torch
 from groupflow.config.base import ConfigError
 from groupflow.config.learner import LoraConfig
 from groupflow.core.adapters import meta_model, wire_name
+from groupflow.learner.moe_blocks import moe_blocks
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -116,28 +117,59 @@ def merged_weights(
 def check_target_modules(model_path: str, lora: LoraConfig) -> None:
     """ConfigError naming the entry of `learner.lora.target_modules` that matches nothing in
     the model at `model_path`, or matches what vLLM cannot serve an adapter on: anything but a
-    linear layer of the transformer blocks (the embedding, the output head, a whole block).
+    linear layer of the transformer blocks (the embedding, the output head, a whole block), and
+    in a mixture of experts anything inside its expert blocks (the router, the experts, shared
+    experts: LoRA on a mixture of experts adapts attention and dense layers only, docs/moe.md).
     Builds the model on the meta device: no weights are read."""
-    if lora.target_modules == "all-linear":
+    if lora.target_modules == "all-linear" and not _may_be_moe(model_path):
         return
     model = meta_model(model_path)
     outside = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    in_experts = {id(m): n for b in moe_blocks(model) for n, m in b.named_modules()}
     modules = dict(model.named_modules())
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if _adaptable(m, outside)})
+    adaptable = {n: m for n, m in modules.items() if _adaptable(m, outside)}
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in adaptable.items() if id(m) not in in_experts})
+    if lora.target_modules == "all-linear":
+        inside = next((n for n, m in adaptable.items() if id(m) in in_experts), None)
+        if inside is not None:
+            raise ConfigError(
+                f"learner.lora.target_modules: all-linear puts an adapter on {inside}, inside a "
+                f"mixture-of-experts block: LoRA on a mixture of experts adapts attention and "
+                f"dense layers only; list them ({', '.join(linear)})"
+            )
+        return
     for entry in lora.target_modules:
-        matched = [m for n, m in modules.items() if n == entry or n.endswith("." + entry)]
+        matched = {n: m for n, m in modules.items() if n == entry or n.endswith("." + entry)}
         where = f"learner.lora.target_modules: {entry!r}"
         if not matched:
             raise ConfigError(
                 f"{where} matches no module of {model_path} (its adaptable layers: "
                 f"{', '.join(linear)})"
             )
-        unfit = next((m for m in matched if not _adaptable(m, outside)), None)
+        inside = next((n for n, m in matched.items() if id(m) in in_experts), None)
+        if inside is not None:
+            raise ConfigError(
+                f"{where} matches {inside}, in a mixture-of-experts block: LoRA on a mixture of "
+                f"experts adapts attention and dense layers only ({', '.join(linear)})"
+            )
+        unfit = next((m for m in matched.values() if not _adaptable(m, outside)), None)
         if unfit is not None:
             raise ConfigError(
                 f"{where} matches a {type(unfit).__name__}: vLLM serves adapters on the "
                 f"transformer blocks' linear layers only ({', '.join(linear)})"
             )
+
+
+def _may_be_moe(model_path: str) -> bool:
+    """Whether the config at `model_path` counts experts (every MoE config of transformers
+    names them: num_experts, num_local_experts, n_routed_experts)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    return any(
+        getattr(config, key, None)
+        for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
 
 
 def _adaptable(module: torch.nn.Module, outside: set[int]) -> bool:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import torch
 
 from groupflow.config.learner import LearnerConfig
+from groupflow.learner.moe_blocks import make_leaf_modules
 from groupflow.learner.token_head import TokenHead, install_token_head
 
 
 def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, trainable: bool = True) -> TokenHead:
-    """Call before deepspeed.initialize: no KV cache, the token head (learner/token_head.py)
-    and, for a model that is trained, activation checkpointing of its transformer layers."""
+    """Call before deepspeed.initialize: no KV cache, the token head (learner/token_head.py),
+    a mixture of experts' blocks as ZeRO-3 leaf modules (learner.moe.leaf_modules) and, for a
+    model that is trained, activation checkpointing of its transformer layers."""
     model.config.use_cache = False
+    if cfg.moe.leaf_modules:
+        make_leaf_modules(model)
     if trainable and cfg.gradient_checkpointing:
         # Non-reentrant checkpointing recomputes inside autograd, so ZeRO-3's hooks gather
         # each layer's parameters again for the recomputation, and inputs need no grad.

@@ -13,6 +13,7 @@ import torch
 
 from groupflow.config.job import Config
 from groupflow.core.records import TrainSequence
+from groupflow.core.sync_probe import ProbeLogprobs, job_probe
 from groupflow.core.weight_format import Broadcaster, Checksums, Manifest
 from groupflow.learner.batching import pack_rows
 from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpoint, saving_to
@@ -33,6 +34,7 @@ from groupflow.learner.memory_budget import (
     rank_memory_bytes,
 )
 from groupflow.learner.micro_batch import check_packing
+from groupflow.learner.probe import probe_logprobs
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
@@ -60,6 +62,8 @@ class LearnerRank:
             policy = self.models.policy
             check_packing(policy.model, self._module.config.vocab_size, policy.device)
         self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
+        self.sync_probe = job_probe(setup.model_path, cfg.trainer.seed, cfg.rollout.max_model_len)
+        self._probe_logprobs: ProbeLogprobs | None = None  # at the current weights, once taken
         self.lora = cfg.learner.lora is not None
         self.save_merged = cfg.trainer.save_merged
         self._plan_memory(cfg, baseline)
@@ -125,7 +129,22 @@ class LearnerRank:
         if not self.budget_measured and positions:
             self.budget = measured_budget(self.memory, before, peak, positions)
             self.budget_measured = True
+        # The probe of the weights the next sync sends, taken now, while the driver waits for
+        # the step anyway, so that checking the engines' loads waits for nothing.
+        self._probe_logprobs = None
+        self._probe_logprobs = self.probe_logprobs()
         return figures
+
+    def probe_logprobs(self) -> ProbeLogprobs:
+        """The policy's log-probs of the sync probe at its current weights: those its last
+        step took, or (a learner that has not stepped since it started or loaded a
+        checkpoint) taken now, on every rank (collective)."""
+        if self._probe_logprobs is None:
+            policy = self.models.policy
+            self._probe_logprobs = probe_logprobs(
+                policy.model, self.sync_probe, policy.device, self.settings.packed
+            )
+        return self._probe_logprobs
 
     def weight_shard_buckets(self, buckets: list[Manifest]) -> Iterator[torch.Tensor]:
         """This rank's partition of each bucket as one flat tensor (local: no collective);
@@ -162,6 +181,7 @@ class LearnerRank:
     def load_checkpoint(self, directory: str) -> str | None:
         """On a resume and on new ranks after a failure; a line for the driver's log when
         STAPO's running threshold starts afresh."""
+        self._probe_logprobs = None  # other weights
         return load_rank_checkpoint(
             self.models.policy.zero_model,
             directory,

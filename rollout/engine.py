@@ -25,6 +25,7 @@ from groupflow.core.adapters import (
     serving_config,
 )
 from groupflow.core.records import Prompt, Response, SampledGroup
+from groupflow.core.sync_probe import Probe, ProbeLogprobs, job_probe
 from groupflow.core.weight_format import LoadedWeights, checksums
 from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
@@ -51,6 +52,9 @@ class EngineSettings:
     partial_rollout: bool = True  # a sync loads while requests run (RolloutEngine.load_weights)
     lora: EngineLora | None = None  # serve a LoRA adapter: syncs carry the adapter only
     agent: AgentSettings | None = None  # multi-turn trajectories with tools (rollout/agent.py)
+    # the job's seed, from which the engine draws the sync probe it scores after each load
+    # (groupflow/core/sync_probe.py); None: no probe
+    sync_probe_seed: int | None = None
 
 
 @dataclass
@@ -88,6 +92,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         partial_rollout=cfg.rollout.partial_rollout,
         lora=None if lora is None else EngineLora(engine_max_rank(lora.rank), serving_config(lora)),
         agent=AgentSettings.of(cfg) if cfg.multi_turn else None,
+        sync_probe_seed=cfg.trainer.seed,
     )
 
 
@@ -171,6 +176,11 @@ class RolloutEngine:
             self.agent.start(self.renderer)
         self.max_model_len = settings.max_model_len
         self.partial_rollout = settings.partial_rollout
+        self.sync_probe: Probe | None = None
+        if settings.sync_probe_seed is not None:
+            self.sync_probe = job_probe(
+                settings.model_path, settings.sync_probe_seed, settings.max_model_len
+            )
         self.policy_version = 0
         self._vllm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
         self._open: dict[str, asyncio.Future] = {}  # request id -> its final output, to come
@@ -333,9 +343,32 @@ class RolloutEngine:
         try:
             while not self.partial_rollout and self._open:
                 await asyncio.sleep(0.01)  # the stepping task ends the open requests
-            return await self._call(self.load_weights, named_tensors, version)
+            loaded = await self._call(self.load_weights, named_tensors, version)
         finally:
             self._admitting.set()
+        if self.sync_probe is not None:
+            loaded.probe = await self._score_probe(version)
+        return loaded
+
+    async def _score_probe(self, version: int) -> ProbeLogprobs | None:
+        """The engine's log-probs (temperature 1) of each token of the sync probe after its
+        first, each sequence a request batched with whatever else runs (its prefill and
+        nothing more); None where another load landed before they were all scored."""
+        from vllm import SamplingParams
+
+        def params() -> SamplingParams:
+            return SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+
+        scored = await asyncio.gather(*(self._request(ids, params()) for ids in self.sync_probe))
+        # vLLM labels each sampled token with the version that sampled it; the prefill that
+        # scored a sequence sampled its one token in the same engine step.
+        labels = {s.version for out, _ in scored for s in out.outputs[0].weight_versions or []}
+        if self.policy_version != version or labels - {str(version)}:
+            return None
+        return [
+            [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+            for (out, _), ids in zip(scored, self.sync_probe, strict=True)
+        ]
 
     def load_weights(self, named_tensors, version: int) -> LoadedWeights:
         """Load (name, tensor) pairs in place: a list, or an iterator that yields them as they

@@ -8,6 +8,7 @@ import torch
 
 from groupflow.core.adapters import ADAPTER_ID
 from groupflow.core.weight_format import layer_of
+from groupflow.rollout.expert_reload import expert_kernels_processed
 
 # With tied embeddings vLLM's output projection shares the input embedding's weight.
 TIED_HEAD = {"model.embed_tokens": "lm_head"}
@@ -31,7 +32,8 @@ class WeightReceiver:
                 yield name, tensor
 
         try:
-            self.model_runner.reload_weights(weights_iterator=noting_layers())
+            with expert_kernels_processed(self.model_runner.get_model()):
+                self.model_runner.reload_weights(weights_iterator=noting_layers())
         except BaseException:
             # vLLM moves every layer's weights aside for a reload and puts them back only at
             # its end. Put back those of the layers not loaded, so that the engine still

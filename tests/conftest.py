@@ -46,6 +46,14 @@ def tool_model() -> str:
     return str(quickstart_model_path("tool_arithmetic", {}, TOOL_MODEL_WARM_START, progress=False))
 
 
+@pytest.fixture(scope="session")
+def small_moe_model() -> str:
+    """The small Qwen3-MoE (groupflow/run/small_moe.py), briefly warm-started like the tool model."""
+    from groupflow.run.small_moe import small_moe_path
+
+    return str(small_moe_path(warm_start_steps=TOOL_MODEL_WARM_START, progress=False))
+
+
 # A chat template in the quickstart tokenizer's alphabet: "S(...) U(...) A(" with a generation
 # prompt, so the quickstart model becomes a local chat model (no download).
 CHAT_TEMPLATE = (

@@ -107,6 +107,18 @@ class LoraConfig(Section):
         return modules
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts models on the learner (docs/moe.md); no effect on a dense model."""
+
+    leaf_modules: bool = Field(
+        True,
+        description="each mixture-of-experts block (the module that holds a layer's router "
+        "and experts) a ZeRO-3 leaf module (deepspeed's set_z3_leaf_modules): its parameters "
+        "are gathered at once when the block runs, instead of by a hook on each of its "
+        "children, whose order changes with the routing",
+    )
+
+
 class LearnerConfig(Section):
     """Learning: the DeepSpeed ZeRO-3 ranks, their optimizer and micro-batches."""
 
@@ -181,4 +193,5 @@ class LearnerConfig(Section):
         "only the adapters to the engines, which serve them with vLLM's LoRA; a KL reference "
         "is the model with the adapters off (docs/lora.md)",
     )
+    moe: MoeConfig = Field(default_factory=MoeConfig)
     resources: LearnerRankResources = Field(default_factory=LearnerRankResources)

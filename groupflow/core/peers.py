@@ -201,3 +201,7 @@ class WeightSync(Protocol):
 
     def forget(self, load: Handle) -> None:
         """A load that will never be checked (its engine died)."""
+
+    def probe_figures(self) -> dict[str, float]:
+        """The sync probe's agreement over the loads checked since the last call (the step
+        record's sync_probe_* keys; none where no load was probed)."""

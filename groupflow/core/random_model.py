@@ -23,12 +23,24 @@ SMALL_SHAPE: dict[str, Any] = dict(
 def random_causal_lm(
     vocab_size: int, *, architecture: str = "qwen2", seed: int | None = None, **config: Any
 ) -> torch.nn.Module:
-    """A random-init `Qwen2ForCausalLM` (or `LlamaForCausalLM`) of SMALL_SHAPE with `config`'s
-    keys (any key of the architecture's config class) over it; seeded with torch.manual_seed
-    when `seed` is given, so that the caller's later draws follow from it too."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A random-init `Qwen2ForCausalLM` (or `LlamaForCausalLM`, or the mixture of experts
+    `Qwen3MoeForCausalLM`) of SMALL_SHAPE with `config`'s keys (any key of the architecture's
+    config class) over it; seeded with torch.manual_seed when `seed` is given, so that the
+    caller's later draws follow from it too."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
-    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    classes = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }
     if architecture not in classes:
         raise ValueError(f"architecture {architecture!r}: choose one of {sorted(classes)}")
     config_class, model_class = classes[architecture]

@@ -268,11 +268,13 @@ def add_checksums(shares: Sequence[Mapping[str, Checksum]]) -> Checksums:
 
 @dataclass
 class LoadedWeights:
-    """What an engine reports after loading a sync: the version and, per tensor, the checksum
-    of the bytes it loaded."""
+    """What an engine reports after loading a sync: the version, per tensor the checksum of
+    the bytes it loaded, and its log-probs of the sync probe with the weights loaded
+    (groupflow/core/sync_probe.py; None where it scored none)."""
 
     version: int
     checksums: Checksums = field(default_factory=dict)
+    probe: list[list[float]] | None = None
 
 
 class WeightSyncMismatch(UserError):

@@ -87,11 +87,11 @@ class Pipeline:
         self._sendable = True
         self.sync_engines(wait_for_engines=True)
 
-    def step_figures(self) -> dict[str, int]:
+    def step_figures(self) -> dict[str, float]:
         """The pipeline's part of a step record: the engine loads checked against the
-        learner's checksums since the last record."""
+        learner's checksums since the last record, and their sync probe's agreement."""
         verified, self._loads_verified = self._loads_verified, 0
-        return {"weight_sync_verified": verified}
+        return {"weight_sync_verified": verified} | self.transport.probe_figures()
 
     def wait_for(self, handles: Sequence[Handle]) -> list[Any]:
         """The values of `handles` (blocking), the traffic flowing meanwhile."""

@@ -522,6 +522,24 @@ METRICS: tuple[Metric, ...] = (
         _gauge("groupflow_logp_mismatch_mean"),
     ),
     Metric("logp_mismatch_max", "largest |vLLM logprob - learner logprob|", "nats"),
+    # the sync probe (groupflow/core/sync_probe.py): a load whose probe is past its dtype's
+    # tolerance ends the job instead
+    Metric(
+        "sync_probe_diff_mean",
+        "mean |engine logprob - learner logprob| of the sync probe with the weights an engine "
+        "loaded, the worst load checked since the previous step (absent: none checked)",
+        "nats",
+        _GRAD,
+        _gauge("groupflow_sync_probe_diff_mean"),
+    ),
+    Metric(
+        "sync_probe_diff_max",
+        "largest |engine logprob - learner logprob| of a sync probe token, over the loads "
+        "checked since the previous step",
+        "nats",
+        _GRAD,
+        _gauge("groupflow_sync_probe_diff_max"),
+    ),
     # the off-policy correction (groupflow.learner.off_policy), over tokens with vLLM's log-probs
     Metric(
         "is_weight_mean",

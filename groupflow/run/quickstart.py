@@ -1,5 +1,6 @@
 """The built-in quickstart model: a small Qwen2-architecture model with a character tokenizer,
 built locally (no model hub) and given a short supervised warm start on the arithmetic task.
+groupflow/run/small_moe.py builds its mixture-of-experts sibling the same way.
 
 The result is cached by a hash of everything that shapes it, so only the first run pays.
 """
@@ -61,15 +62,16 @@ def build_tokenizer(extra_characters: str = "", chat_template: str | None = None
     return tokenizer
 
 
-def build_model(tokenizer, seed: int):
+def build_model(tokenizer, seed: int, architecture: str = "qwen2", shape: dict = ARCHITECTURE):
     return random_causal_lm(
         len(tokenizer),
+        architecture=architecture,
         seed=seed,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
-        **ARCHITECTURE,
+        **shape,
     )
 
 
@@ -134,15 +136,22 @@ def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> Non
 
 
 def quickstart_model_path(
-    task_name: str, task_options: dict, warm_start_steps: int, progress: bool = True
+    task_name: str,
+    task_options: dict,
+    warm_start_steps: int,
+    progress: bool = True,
+    architecture: str = "qwen2",
+    shape: dict = ARCHITECTURE,
 ) -> Path:
-    """Return the cached quickstart model directory, building it on first use."""
+    """Return the cached quickstart model directory, building it on first use: by default
+    the quickstart's Qwen2, or a model of another `architecture` (random_model.py) and
+    `shape` (its config keys), built, warm-started and cached the same way."""
     from groupflow.reward_workers.tasks import make_task
 
     task = make_task(task_name, task_options)
     spec = dict(
         version=1,
-        architecture=ARCHITECTURE,
+        architecture=shape,
         characters="".join(CHARACTERS),
         warm_start=WARM_START,
         steps=warm_start_steps,
@@ -156,8 +165,12 @@ def quickstart_model_path(
     if hasattr(task, "EXTRA_CHARACTERS"):
         spec["characters"] += task.EXTRA_CHARACTERS
         spec["chat_template"] = task.CHAT_TEMPLATE
+    name = "quickstart"
+    if architecture != "qwen2":  # the quickstart's own keys (and cached models) stay as they were
+        spec["model_type"] = architecture
+        name += f"-{architecture}"
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    target = cache_root() / f"quickstart-{digest}"
+    target = cache_root() / f"{name}-{digest}"
     if (target / "config.json").is_file():
         return target
     log.info(
@@ -169,7 +182,7 @@ def quickstart_model_path(
     tokenizer = build_tokenizer(
         getattr(task, "EXTRA_CHARACTERS", ""), getattr(task, "CHAT_TEMPLATE", None)
     )
-    model = build_model(tokenizer, seed=WARM_START["seed"])
+    model = build_model(tokenizer, WARM_START["seed"], architecture, shape)
     warm_start(model, tokenizer, task, warm_start_steps, progress)
     # Write to a temporary directory and rename, so a cut-off build never looks finished.
     partial = target.with_name(target.name + f".partial-{os.getpid()}")

@@ -22,7 +22,12 @@ import ray
 import groupflow.run.job_actors
 from groupflow.run.driver import run
 from groupflow.run.job_config import small_model_config
-from tests.integration.test_presets import ON_LONG_TAIL, check_preset_run, preset_settings
+from tests.integration.test_presets import (
+    ON_LONG_TAIL,
+    ON_THE_MIXTURE_OF_EXPERTS,
+    check_preset_run,
+    preset_settings,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +60,13 @@ def long_tail_engines(monkeypatch):
 
 
 def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
-    ray_cluster, quickstart_model, long_tail_engines, tmp_path
+    ray_cluster, quickstart_model, long_tail_engines, tmp_path, request
 ):
     staleness = [0, 1, 2]
     for k in staleness:
+        model = []
+        if ON_LONG_TAIL[k] == ON_THE_MIXTURE_OF_EXPERTS:
+            model = [f"model.path={request.getfixturevalue('small_moe_model')}"]
         overrides = [
             f"trainer.output_dir={tmp_path}",
             f"trainer.run_name=k{k}",
@@ -70,6 +78,7 @@ def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
             "task.eval_size=8",
             "metrics.progress=false",
             *preset_settings(ON_LONG_TAIL[k]),  # one learner rank, two mini-batches a step
+            *model,
         ]
         run(small_model_config({}, overrides))
     # every group: G - 1 short responses and one FACTOR times as long, each exactly its length

@@ -39,6 +39,10 @@ END_TO_END = ["dapo", "dfpo", "gspo", "lopti", "stapo"]
 # The long-tail runs' presets, by their staleness bound: DFPO's exact cancellation needs
 # on-policy samples, and GSPO's riders a stale step.
 ON_LONG_TAIL = {0: "dfpo", 1: "lopti", 2: "gspo"}
+# The preset whose run trains the small Qwen3-MoE (groupflow/run/small_moe.py) instead of the
+# quickstart model: its partial rollouts straddle weight loads at staleness 2, and after every
+# load the engines' sync probe must agree with the learner's to float noise (docs/moe.md).
+ON_THE_MIXTURE_OF_EXPERTS = "gspo"
 ON_SUBMITTED_JOB = "stapo"  # a job of two learner ranks, between which STAPO all-reduces
 ON_LOST_NODE_JOB = "dapo"
 
@@ -59,7 +63,7 @@ RIDERS = {
         # its own forward (learner/step.py)
         "learner.micro_batch_tokens=96",
     ],
-    "gspo": [
+    "gspo": [  # on the small mixture of experts (ON_THE_MIXTURE_OF_EXPERTS)
         "rollout.sampling.top_k=20",
         "rollout.sampling.min_p=0.01",
         "rollout.sampling.seed=3",
@@ -103,6 +107,13 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
         # Lopti updates twice per mini-batch (low-probability tokens first), others once
         two_stage = PRESETS[preset].get("lopti", {}).get("enabled", False)
         assert r["optimizer_updates"] == 2 * (2 if two_stage else 1), preset
+    # the loads probed since the previous step agree to float noise (float32 here); a load
+    # that a later one overtakes before its engine scores the probe goes unprobed
+    probed = [r for r in records if "sync_probe_diff_max" in r]
+    assert probed and all(r["weight_sync_verified"] > 0 for r in probed), preset
+    assert all(r["sync_probe_diff_max"] < 1e-5 for r in probed), [
+        (r["sync_probe_diff_mean"], r["sync_probe_diff_max"]) for r in probed
+    ]
     if preset == "gspo":
         assert [r["staleness_max"] for r in records[:2]] == [0, 1]
         assert all(r["groups_dropped_stale"] == 0 for r in records)

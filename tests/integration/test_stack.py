@@ -22,6 +22,7 @@ from groupflow.actors.transport_object_store import (
 )
 from groupflow.config import SamplingConfig
 from groupflow.core.records import Prompt, ScoredGroup, TrainSequence, Verdict
+from groupflow.core.sync_probe import SyncProbeMismatch
 from groupflow.core.weight_format import WeightSyncMismatch, bucket_manifest
 from groupflow.loop.sequences import group_advantages, train_sequences
 from groupflow.reward_workers.tasks import make_task
@@ -250,6 +251,50 @@ def test_a_corrupted_bucket_is_caught_by_the_checksum_and_named(stack):
     # a clean sync makes the engine whole again, verified
     _sync(ObjectStoreTransport(learner, engines), version=1)
     _assert_engines_match(engines, learner_weights(learner))
+
+
+def _misplace_gate_and_up(generator, layer: int) -> None:
+    """In an engine's process (Ray's __ray_call__ on its Generator): from now on its vLLM
+    model loads layer `layer`'s gate projection where the up projection goes and the up
+    projection where the gate goes, a name mapping gone wrong past the checksums."""
+    worker = generator.engine.llm.llm_engine.model_executor.driver_worker.worker
+    model = worker.model_runner.get_model()
+    load_weights = model.load_weights
+    names = [f"model.layers.{layer}.mlp.{p}_proj.weight" for p in ("gate", "up")]
+    swap = dict(zip(names, reversed(names), strict=True))
+    model.load_weights = lambda weights: load_weights((swap.get(n, n), t) for n, t in weights)
+
+
+def _place_rightly(generator) -> None:
+    worker = generator.engine.llm.llm_engine.model_executor.driver_worker.worker
+    del worker.model_runner.get_model().load_weights  # the class's own again
+
+
+def test_a_tensor_loaded_into_the_wrong_place_is_caught_by_the_sync_probe(stack):
+    """The bytes every engine loads are the learner's, so every checksum matches; but one
+    engine's vLLM puts two tensors in each other's place. What that engine computes differs
+    from the learner, which its log-probs of the sync probe show: one line naming the engine,
+    the version and the worst token. A clean sync makes it agree again."""
+    cfg, engines, learner = stack
+    ray.get(engines[1].__ray_call__.remote(_misplace_gate_and_up, 1))
+    try:
+        transport = ObjectStoreTransport(learner, engines)
+        handles = transport.async_sync(1, transport.engines)  # the version the engines hold
+        ray.get(handles.learner, timeout=300)
+        loaded = ray.get(handles.engines, timeout=300)
+    finally:
+        ray.get(engines[1].__ray_call__.remote(_place_rightly))
+    assert loaded[0].checksums == loaded[1].checksums, "both engines loaded the same bytes"
+    assert transport.check_load(handles.engines[0], loaded[0])
+    with pytest.raises(SyncProbeMismatch) as err:
+        transport.check_load(handles.engines[1], loaded[1])
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("weight sync of policy version 1: engine 1 (actor ")
+    assert "computes other log-probs than the learner" in line and "worst at token" in line
+    transport = ObjectStoreTransport(learner, engines)
+    _sync(transport, version=1)
+    assert transport.probe_figures()["sync_probe_diff_max"] < 1e-5
 
 
 def test_engines_load_buckets_sent_while_they_sample_and_abandon_a_broken_stream(

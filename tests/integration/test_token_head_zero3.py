@@ -169,3 +169,82 @@ def test_zero3_head_matches_plain_full_logits(rank_process, tmp_path, tied, chec
         for name, got, want in step:
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=0, atol=3e-5 * scale, msg=name)
+
+
+# A mixture of experts small enough for a second's forward: 4 experts, 2 per token, 2 layers.
+TINY_MOE = dict(
+    hidden_size=32,
+    moe_intermediate_size=16,
+    intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
+
+
+def moe_block_gathers(leaf: bool, path: str) -> list[list[list[int]]]:
+    """Per forward (two), per mixture-of-experts block: the number of its parameters each
+    ZeRO-3 all-gather took, in order, counted in DeepSpeed's parameter coordinator (fetches
+    and prefetches alike). The small MoE loaded the way a learner rank loads it, with
+    learner.moe.leaf_modules = `leaf`. Runs in the rank process."""
+    _init_rank()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator as Coordinator,
+    )
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from groupflow.config.learner import LearnerConfig, MoeConfig, Zero3Config
+    from groupflow.learner.model_setup import prepare_model
+    from groupflow.learner.moe_blocks import moe_blocks
+    from groupflow.learner.zero_config import deepspeed_config
+
+    cfg = LearnerConfig(
+        gradient_checkpointing=False,
+        zero3=Zero3Config(param_persistence_threshold=0),  # every parameter partitioned
+        moe=MoeConfig(leaf_modules=leaf),
+    )
+    plain = random_causal_lm(VOCAB, architecture="qwen3_moe", seed=0, **TINY_MOE)
+    plain.save_pretrained(path)
+    nparams = sum(p.numel() for p in plain.parameters())
+    hf_ds_config = HfDeepSpeedConfig(deepspeed_config(cfg, "float32", nparams, world_size=1))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prepare_model(model, cfg, trainable=False)
+    engine, *_ = deepspeed.initialize(model=model, config=hf_ds_config.config)
+    engine.eval()
+    blocks = [{id(p) for p in b.parameters()} for b in moe_blocks(engine.module)]
+    gathers: list[set[int]] = []
+    gather = Coordinator._PartitionedParameterCoordinator__all_gather_params
+
+    def counted(self, params, forward):
+        gathers.append({id(p) for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE})
+        return gather(self, params, forward)
+
+    Coordinator._PartitionedParameterCoordinator__all_gather_params = counted
+    per_forward = []
+    try:
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            gathers.clear()
+            with torch.no_grad():
+                engine(input_ids=ids)
+            per_forward.append([[len(g & b) for g in gathers if g & b] for b in blocks])
+    finally:
+        Coordinator._PartitionedParameterCoordinator__all_gather_params = gather
+    engine.destroy()
+    del hf_ds_config
+    return per_forward
+
+
+def test_a_forward_gathers_each_moe_block_at_once_as_a_leaf_module(rank_process, tmp_path):
+    """learner.moe.leaf_modules (on by default): each block's router and experts are gathered
+    by one all-gather per forward, all three tensors together; without it, by one per child."""
+    leaf = rank_process.submit(moe_block_gathers, True, str(tmp_path / "leaf")).result(300)
+    per_child = rank_process.submit(moe_block_gathers, False, str(tmp_path / "off")).result(300)
+    assert leaf == [[[3], [3]]] * 2, leaf  # two forwards x two blocks: one gather of 3 each
+    assert all(len(block) > 1 for block in per_child[0]), per_child

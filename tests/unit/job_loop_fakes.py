@@ -22,6 +22,7 @@ from groupflow.core.peers import PeerDied, SyncHandles
 from groupflow.core.records import Prompt, Response, SampledGroup, ScoredGroup, Verdict
 from groupflow.core.recovery import LearnerLost, RestartBudget
 from groupflow.core.scaling_protocol import PoolState
+from groupflow.core.sync_probe import check_probe, compare_probe, probe_figures
 from groupflow.core.weight_format import WeightSyncMismatch
 from groupflow.learner.figures import RankFigures
 from groupflow.loop.checkpoint import Checkpointing, CheckpointStore
@@ -257,14 +258,26 @@ class FakeTransport:
         self.engines, self.loads, self.skip, self.rank_dies_at = engines, loads, skip, rank_dies_at
         self.learner_s = learner_s
         self.corrupt_at = None  # the version whose loads fail their checksum check
+        self.probe_off_at = None  # the version whose loads' engines score the sync probe off
         self.checked: list[object] = []  # the values of the loads checked, in order
         self.forgotten = 0
+        self.probed = []  # the sync probes compared since probe_figures
 
     def check_load(self, load, loaded) -> bool:
         self.checked.append(loaded)
         if loaded is not None and loaded == self.corrupt_at:
             raise WeightSyncMismatch(f"weight sync of policy version {loaded}: engine 0: x")
+        if loaded is not None:
+            # a probe of one sequence, scored 0.5 nats off at its second token where faulty
+            off = 0.5 if loaded == self.probe_off_at else 0.0
+            agreement = compare_probe([[5, 6, 7]], [[-1.0, -2.0 + off]], [[-1.0, -2.0]])
+            self.probed.append(agreement)
+            check_probe(agreement, "float32", "engine 0", loaded)
         return loaded is not None
+
+    def probe_figures(self) -> dict[str, float]:
+        probed, self.probed = self.probed, []
+        return probe_figures(probed)
 
     def forget(self, load) -> None:
         self.forgotten += 1
@@ -337,6 +350,7 @@ class Faults:
     learner_dies_in_step: int = 0  # a rank dies in that step's training
     rank_dies_in_sync: int | None = None  # a rank dies in the sync of that version
     corrupt_sync_at: int | None = None  # that version's loads fail their checksum check
+    probe_off_at: int | None = None  # that version's loads fail their sync probe
     skip_loads: frozenset = frozenset()  # (engine, version) loads that never happen
     loads: bool = True  # False: no engine ever loads a sync
     replacement_waits_s: float = 0.0  # a replacement waits this long for a node (pending)
@@ -425,6 +439,7 @@ def run_job(
         fake_engines, faults.loads, faults.skip_loads, faults.rank_dies_in_sync, sync_s
     )
     transport.corrupt_at = faults.corrupt_sync_at
+    transport.probe_off_at = faults.probe_off_at
     job = TrainingJob(
         cfg,
         task or CountingTask(),

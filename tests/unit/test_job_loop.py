@@ -13,6 +13,7 @@ from groupflow.core.peers import CHUNKS_PER_ENGINE
 from groupflow.core.placement import NOTE_AFTER_S
 from groupflow.core.records import Prompt
 from groupflow.core.recovery import RestartsExhausted
+from groupflow.core.sync_probe import SyncProbeMismatch
 from groupflow.core.weight_format import WeightSyncMismatch
 from groupflow.loop.checkpoint import CheckpointStore
 from groupflow.loop.held_out import EVAL_CHUNK
@@ -499,6 +500,24 @@ def test_an_abandoned_load_is_checked_but_not_counted_as_verified(tmp_path):
 def test_a_load_that_fails_its_check_stops_the_job():
     with pytest.raises(WeightSyncMismatch, match="policy version 2"):
         run_job(steps=4, staleness=1, faults=Faults(corrupt_sync_at=2))
+
+
+def test_the_records_carry_the_sync_probe_of_the_loads_checked_since_the_previous_step():
+    run = run_job(steps=5, staleness=1, engines=2)
+    probed = [r for r in run.records if r["weight_sync_verified"]]
+    assert probed, "loads were checked"
+    for r in run.records:
+        assert ("sync_probe_diff_max" in r) == (r["weight_sync_verified"] > 0), r
+    assert all(r["sync_probe_diff_max"] == r["sync_probe_diff_mean"] == 0.0 for r in probed)
+
+
+def test_a_load_whose_sync_probe_is_off_stops_the_job_in_one_line():
+    with pytest.raises(SyncProbeMismatch) as err:
+        run_job(steps=4, staleness=1, faults=Faults(probe_off_at=2))
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("weight sync of policy version 2: engine 0 computes other log-probs")
+    assert "worst at token 2 (id 7) of probe sequence 0: engine -1.5, learner -2" in line
 
 
 def test_a_load_on_an_engine_that_died_is_forgotten_not_checked():
