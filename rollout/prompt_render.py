@@ -250,22 +250,20 @@ class PromptRenderer:
 
     def _vetted_ids(self, prompt: Prompt) -> list[int]:
         if self.template is None:
-            ids = self.ids(prompt)
-        else:
-            pieces = self.prompt_pieces(prompt)
-            size = sum(len(p.text) for p in pieces)
-            if size > MAX_RENDERED_CHARS:
-                raise PromptRenderError(
-                    f"{self.template_name}: refused: renders prompt {prompt.uid!r} to {size} "
-                    f"characters (at most {MAX_RENDERED_CHARS})"
-                )
-            ids = self.content_tokens.ids(pieces)
-        if not ids:  # vLLM refuses it only once the engine runs, with a traceback
+            return self.ids(prompt)
+        pieces = self.prompt_pieces(prompt)
+        size = sum(len(p.text) for p in pieces)
+        if size > MAX_RENDERED_CHARS:
             raise PromptRenderError(
-                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to no tokens "
+                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to {size} "
+                f"characters (at most {MAX_RENDERED_CHARS})"
+            )
+        if size == 0:  # vLLM refuses it only once the engine runs, with a traceback
+            raise PromptRenderError(
+                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to no text "
                 "(an engine cannot sample from an empty prompt)"
             )
-        return ids
+        return self.content_tokens.ids(pieces)
 
 
 def check_prompt_lengths(

@@ -349,6 +349,6 @@ def test_a_prompt_rendered_to_no_tokens_is_one_line_before_any_engine(tokenizer,
     with pytest.raises(PromptRenderError) as err:
         renderer.vetted_lengths([Prompt("row-7", "1+1", None)])
     assert str(err.value) == (
-        f"task.chat_template {path}: refused: renders prompt 'row-7' to no tokens (an engine "
+        f"task.chat_template {path}: refused: renders prompt 'row-7' to no text (an engine "
         "cannot sample from an empty prompt)"
     )
