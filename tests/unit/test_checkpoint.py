@@ -681,3 +681,25 @@ def test_a_failed_pruning_is_logged_and_the_save_stands(tmp_path, monkeypatch, c
     final = save(store, 4, keep=1)
     assert read_checkpoint(final, MODEL, 2).step == 4
     assert "step_2" in caplog.text and "Permission denied" in caplog.text
+
+
+@pytest.mark.parametrize("stray", ["file", "symlink", "zero-padded", "moved"])
+def test_a_stray_step_entry_among_the_checkpoints_is_refused_in_one_line(tmp_path, stray):
+    """Round 3: a stray step file among the checkpoints passed every check."""
+    from groupflow.loop.checkpointer import find_resume
+
+    store = CheckpointStore(tmp_path)
+    save(store, 2)
+    newest = save(store, 4)
+    entry = store.root / "step_7"
+    if stray == "file":
+        entry.write_text("stray")
+    elif stray == "symlink":
+        entry.symlink_to(newest)
+    elif stray == "zero-padded":
+        entry = store.root / "step_007"
+        entry.mkdir()
+    else:  # a checkpoint under another step's name
+        entry = newest.rename(store.root / "step_9")
+    message = one_line_error(lambda: find_resume("auto", store))
+    assert str(entry) in message and "\n" not in message
