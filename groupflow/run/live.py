@@ -220,16 +220,16 @@ class ControlActor:
         self._clock, self._sleep = clock, sleep
         self.handle = self._lookup(run)
 
-    def ask(self, method: str, *args, timeout_s: float):
-        """handle.method(*args), its result within `timeout_s` (GetTimeoutError past it);
-        RayActorError once the name has no actor."""
+    def ask(self, call, timeout_s: float):
+        """The result of `call(handle)` (an actor call: `lambda a: a.status.remote()`) within
+        `timeout_s` (GetTimeoutError past it); RayActorError once the name has no actor."""
         import ray
 
         deadline = self._clock() + timeout_s
         while True:
-            call = getattr(self.handle, method).remote(*args)
+            ref = call(self.handle)
             try:
-                return self._get(call, timeout=max(deadline - self._clock(), 0.0))
+                return self._get(ref, timeout=max(deadline - self._clock(), 0.0))
             except ray.exceptions.RayActorError:
                 handle = self._lookup(self.run)
                 if handle is None or self._clock() + RETRY_S >= deadline:
@@ -248,7 +248,7 @@ def _named_control_actor(run: str):
 
 
 def live_status(actor: ControlActor, timeout_s: float = 10.0) -> tuple[LiveStatus | None, bool]:
-    status, waiting = actor.ask("status", timeout_s=timeout_s)
+    status, waiting = actor.ask(lambda a: a.status.remote(), timeout_s=timeout_s)
     return (LiveStatus.from_dict(status) if status else None), waiting
 
 
@@ -290,7 +290,7 @@ def scale(
     import ray
 
     before, _ = live_status(actor)
-    refusal = actor.ask("request", engines, reward_workers, timeout_s=30)
+    refusal = actor.ask(lambda a: a.request.remote(engines, reward_workers), timeout_s=30)
     if refusal is not None:
         raise LiveError(refusal)
     asked = ", ".join(
@@ -350,7 +350,7 @@ def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
     import ray
 
     try:
-        actor.ask("stop", now, timeout_s=30)
+        actor.ask(lambda a: a.stop.remote(now), timeout_s=30)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
         raise LiveError(f"the job did not take the stop request ({first_line(err)})") from None
     if now:
@@ -364,7 +364,7 @@ def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            line = actor.ask("end_line", timeout_s=10)
+            line = actor.ask(lambda a: a.end_line.remote(), timeout_s=10)
         except ray.exceptions.RayActorError:
             out("the job has ended")
             return True

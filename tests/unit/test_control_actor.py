@@ -84,7 +84,7 @@ def test_asking_again_stays_within_the_call_deadline():
     clock = Clock()
     actor = _actor([ActorDiedError()] * 100, [True] * 101, clock)
     with pytest.raises(ActorDiedError):
-        actor.ask("status", timeout_s=2.0)
+        actor.ask(lambda a: a.status.remote(), timeout_s=2.0)
     assert clock.now <= 2.0
 
 
@@ -92,7 +92,7 @@ def test_a_slow_answer_is_a_timeout_not_a_retry():
     clock = Clock()
     actor = _actor([GetTimeoutError()], [True], clock)
     with pytest.raises(GetTimeoutError):
-        actor.ask("status", timeout_s=2.0)
+        actor.ask(lambda a: a.status.remote(), timeout_s=2.0)
 
 
 def test_scale_goes_on_through_a_call_lost_in_transit():
