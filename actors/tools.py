@@ -25,7 +25,7 @@ import ray
 from groupflow.config import Config
 from groupflow.reward_workers.sandbox import Limits, default_platform, require_strong, run_python
 from groupflow.rollout.python_tool import RunCode
-from groupflow.rollout.user_calls import USER_CALLS
+from groupflow.rollout.user_calls import LOOP_WATCH, UserCalls
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,13 @@ def require_sandbox(allow_weak: bool) -> None:
 
 
 def in_process_run_code(allow_weak: bool) -> RunCode:
-    """The python tool's programs started from this process, in its user-code threads: for
-    `groupflow eval`, which has no tool pool."""
+    """The python tool's programs started from this process, in threads of their own (neither
+    users' tools' nor the calculator's): for `groupflow eval`, which has no tool pool."""
     require_sandbox(allow_weak)
+    programs = UserCalls(CALLS_PER_WORKER, "python-tool", LOOP_WATCH)
 
     async def run(code: str, timeout_s: float) -> tuple[int, str, str, bool]:
-        return await USER_CALLS.call(run_program, code, timeout_s)
+        return await programs.call(run_program, code, timeout_s)
 
     return run
 
@@ -105,8 +106,15 @@ class ToolPoolClient:
                 continue
             i = min(up, key=lambda k: self.in_flight[k])
             self.in_flight[i] += 1
+            call = self.workers[i].run.remote(code, timeout_s)
             try:
-                return await self.workers[i].run.remote(code, timeout_s)
+                return await call
+            except asyncio.CancelledError:
+                # the caller gave up (its deadline): a call still queued at the worker would
+                # run ahead of other trajectories' calls for nobody (a running program ends
+                # at its own wall-clock limit)
+                ray.cancel(call)
+                raise
             except ray.exceptions.RayActorError as err:  # dead, or restarting
                 if self.resting_until[i] <= time.monotonic():
                     log.warning("tool worker %d failed a call, sent again: %s", i, err)

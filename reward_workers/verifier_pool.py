@@ -92,7 +92,12 @@ class _Process:
     def call(self, prompt: Prompt, response: str, deadline_s: float) -> Verdict | None:
         """The verdict, or None when the process died or ran past the deadline."""
         try:
-            write_frame(self._request_w, pickle.dumps((prompt, response)))
+            request = pickle.dumps((prompt, response))
+        except (RecursionError, pickle.PicklingError, TypeError, ValueError) as err:
+            # a prompt the parent cannot send (nested too deep): its verdict, not a restart
+            return Verdict(0.0, f"the prompt cannot be sent to the scorer ({type(err).__name__})")
+        try:
+            write_frame(self._request_w, request)
         except OSError:
             self.died = True
             return None

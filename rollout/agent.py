@@ -13,7 +13,7 @@ from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer
 from groupflow.rollout.python_tool import RunCode
 from groupflow.rollout.toolbox import ToolBox, ToolCallParser
-from groupflow.rollout.tools import make_tools
+from groupflow.rollout.tools import BUILTIN_TOOLS, make_tools
 from groupflow.rollout.trajectory import (
     EnvironmentFactory,
     Generate,
@@ -54,7 +54,8 @@ class Agent:
     def __init__(self, settings: AgentSettings, run_code: RunCode | None):
         self.settings = settings
         tools = make_tools(settings.tools, run_code, settings.tool_timeout_s)
-        self.tools = ToolBox(tools, settings.tool_timeout_s, settings.tool_output_chars)
+        builtin = frozenset(n for n in settings.tools if n in BUILTIN_TOOLS)
+        self.tools = ToolBox(tools, settings.tool_timeout_s, settings.tool_output_chars, builtin)
         self.environment: EnvironmentFactory = self._tool_environment
         if settings.environment is not None:
             self.environment = user_environment(settings.environment, self.tools)
@@ -73,7 +74,8 @@ class Agent:
         )
         self.observations = ObservationRenderer(renderer)
 
-    def _tool_environment(self, prompt: Prompt) -> ToolEnvironment:
+    async def _tool_environment(self, prompt: Prompt) -> ToolEnvironment:
+        # async: made on the loop, never in a thread that users' hung code may hold
         return ToolEnvironment(prompt, self.tools, self.parser)
 
     async def trajectory(

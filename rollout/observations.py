@@ -17,8 +17,16 @@ turn, with a control token of its own.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
+
 from groupflow.rollout.content_tokens import Piece
 from groupflow.rollout.prompt_render import PromptRenderer, PromptRenderError
+
+# Observations are rendered and tokenised here, off the engine's event loop: one thread, so
+# that the tokenizer is never entered by two renderings at once.
+_RENDERING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="observations")
 
 # The fixed conversation every observation is cut from.
 _USER, _ASSISTANT = "groupflow-user-turn", "groupflow-assistant-turn"
@@ -50,6 +58,22 @@ class ObservationRenderer:
                 f"{self.renderer.template_name}: drops tool messages (a tool result would never "
                 "reach the model)"
             )
+
+    @cached_property
+    def token_chars(self) -> int:
+        """The most characters one token stands for: the longest entry of the vocabulary (a
+        byte-level entry is at least as long as the text it decodes to)."""
+        return max(map(len, self.renderer.tokenizer.get_vocab()), default=1) or 1
+
+    def max_chars(self, tokens: int) -> int:
+        """The most characters of contents that may render to fewer than `tokens` tokens:
+        above it an observation cannot fit, and is not rendered."""
+        return max(tokens, 0) * self.token_chars
+
+    async def ids_off_loop(self, messages: list[dict], last_token: int | None):
+        """`ids`, in the rendering thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_RENDERING, self.ids, messages, last_token)
 
     def ids(self, messages: list[dict], last_token: int | None) -> tuple[list[int], str]:
         pieces = self.renderer.render_pieces(self._base + messages, "cannot render tool messages")

@@ -258,6 +258,11 @@ class PromptRenderer:
                 f"{self.template_name}: refused: renders prompt {prompt.uid!r} to {size} "
                 f"characters (at most {MAX_RENDERED_CHARS})"
             )
+        if size == 0:  # vLLM refuses it only once the engine runs, with a traceback
+            raise PromptRenderError(
+                f"{self.template_name}: refused: renders prompt {prompt.uid!r} to no text "
+                "(an engine cannot sample from an empty prompt)"
+            )
         return self.content_tokens.ids(pieces)
 
 

@@ -6,7 +6,10 @@ A call never raises into the trajectory: whatever goes wrong (a call that cannot
 tool nobody declared, bad arguments, a tool that raises or overruns `timeout_s`) becomes a tool
 message the model reads, and a `ToolUse` with its outcome, which the step's figures count.
 A sync tool runs in a thread, an async one on the engine's event loop (rollout/user_calls.py),
-so that it cannot hold the loop.
+so that it cannot hold the loop; the built-in tools' threads are not users' tools', so that
+users' tools that hang never starve the calculator. Whatever a tool returns is made text in the
+tool's own thread (a tool's result may be any object, and its str() any size or duration), and
+cut to `output_chars` before it reaches the loop's rendering.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Protocol
 from groupflow.core.errors import first_line
 from groupflow.core.records import ToolUse
 from groupflow.core.user_code import text_of
-from groupflow.rollout.user_calls import USER_CALLS, UserCodeFailed
+from groupflow.rollout.user_calls import BUILTIN_CALLS, USER_CALLS, UserCodeFailed
 
 
 class ToolError(Exception):
@@ -137,10 +140,17 @@ class ToolBox:
     """The tools of a job by name, each call bounded by `timeout_s` and its reply by
     `output_chars`."""
 
-    def __init__(self, tools: list[Tool], timeout_s: float, output_chars: int):
+    def __init__(
+        self,
+        tools: list[Tool],
+        timeout_s: float,
+        output_chars: int,
+        builtin: frozenset[str] = frozenset(),
+    ):
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
         self.output_chars = output_chars
+        self.builtin = builtin  # the names of groupflow's own tools: their calls have own threads
 
     @property
     def schemas(self) -> list[dict]:
@@ -155,7 +165,7 @@ class ToolBox:
             )
         start = time.monotonic()
         try:
-            result = await asyncio.wait_for(USER_CALLS.call(tool, call.arguments), self.timeout_s)
+            content = await asyncio.wait_for(self._text(tool, call), self.timeout_s)
         except (TimeoutError, UserCodeFailed) as err:
             raised = getattr(err, "raised", err)
             if isinstance(raised, TimeoutError):  # the deadline's, or the tool's own (python's)
@@ -164,8 +174,15 @@ class ToolBox:
             if isinstance(raised, ToolError):  # a refusal: its message is for the model
                 return self._reply(call.name, "error", f"error: {text_of(raised)}", start)
             return self._reply(call.name, "error", f"error: {err}", start)  # whatever it raised
-        content = text_of(result)
         return self._reply(call.name, "ok", content, start)
+
+    async def _text(self, tool: Tool, call: ToolCall) -> str:
+        """The tool's result as text, at most output_chars and a few more."""
+        calls = BUILTIN_CALLS if call.name in self.builtin else USER_CALLS
+        result = await calls.call(tool, call.arguments, culprit=f"tool {call.name!r}")
+        if type(result) is not str:  # str() of any object is users' code
+            result = await calls.call(text_of, result)
+        return result[: self.output_chars + 1]
 
     def _reply(self, name: str, outcome: str, content: str, start: float | None = None):
         if len(content) > self.output_chars:

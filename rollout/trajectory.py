@@ -14,6 +14,12 @@ An environment (`agent.environment`, or the built-in `ToolEnvironment` that runs
 to insert, or None to end the trajectory. One that raises, whatever it raises, or answers
 with something that is not an answer ends its trajectory with `end_reason`
 "environment_error" (reward 0, counted), never the job.
+
+The engine's event loop runs every trajectory of the engine, its stepping and its weight loads,
+so no size an environment chooses reaches it unbounded: an observation whose text cannot fit
+the trajectory's room (more characters than the room's tokens can hold,
+`ObservationRenderer.max_chars`) ends it "token_limit" before it is rendered, and one that may
+fit is rendered and tokenised in a thread (`ObservationRenderer.ids_off_loop`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from groupflow.rollout.environment_reply import (
     Observation,
     checked_observation,
 )
+from groupflow.rollout.loop_watch import TRAJECTORY_BLOCKS, BlockCount
 from groupflow.rollout.observations import ObservationRenderer
 from groupflow.rollout.toolbox import ToolBox, ToolCallParser
 from groupflow.rollout.user_calls import USER_CALLS, UserCodeFailed, user_attribute
@@ -93,6 +100,34 @@ async def run_trajectory(
     """One trajectory from `prompt` to its end (its `end_reason`, groupflow/core/records.py), as
     one Response whose `loss_mask` marks the model's tokens."""
     trajectory = _Trajectory()
+    counting = TRAJECTORY_BLOCKS.set(trajectory.loop_blocks)  # its users' code's loop blocks
+    try:
+        return await _run(
+            prompt,
+            prompt_ids,
+            generate,
+            environment,
+            observations,
+            limits,
+            max_model_len,
+            clock,
+            trajectory,
+        )
+    finally:
+        TRAJECTORY_BLOCKS.reset(counting)
+
+
+async def _run(
+    prompt: Prompt,
+    prompt_ids: list[int],
+    generate: Generate,
+    environment: EnvironmentFactory,
+    observations: ObservationRenderer,
+    limits: TurnLimits,
+    max_model_len: int,
+    clock: Callable[[], float],
+    trajectory: _Trajectory,
+) -> Response:
     deadline = clock() + limits.deadline_s
     step = None  # the environment's, made after the first turn: every trajectory holds one
     for turn in range(limits.max_turns):
@@ -112,7 +147,8 @@ async def run_trajectory(
             return trajectory.end("deadline")
         try:
             if step is None:
-                env = await asyncio.wait_for(USER_CALLS.call(environment, prompt), left)
+                made = USER_CALLS.call(environment, prompt, culprit="agent.environment")
+                env = await asyncio.wait_for(made, left)
                 step = user_attribute(env, "step")
             reply = await asyncio.wait_for(_step(step, sampled.text), deadline - clock())
         except TimeoutError:  # the deadline's: one the environment raised is UserCodeFailed
@@ -124,20 +160,27 @@ async def run_trajectory(
         trajectory.tool_uses += reply.tool_uses
         if turn + 1 == limits.max_turns:
             return trajectory.end("turn_limit")
+        room = min(limits.total_tokens, max_model_len - len(prompt_ids)) - trajectory.length
+        if _chars(reply.messages) > observations.max_chars(room):
+            return trajectory.end("token_limit")  # cannot fit: not worth rendering
         try:
             last = sampled.token_ids[-1] if sampled.token_ids else None
-            ids, text = observations.ids(reply.messages, last)
+            ids, text = await observations.ids_off_loop(reply.messages, last)
         except Exception as err:  # messages the template cannot render: the environment's
             return trajectory.end("environment_error", error=raised_text(err))
-        total = trajectory.length + len(ids)
-        if total >= min(limits.total_tokens, max_model_len - len(prompt_ids)):
+        if len(ids) >= room:
             return trajectory.end("token_limit")
         trajectory.add_observation(ids, text)
     return trajectory.end("turn_limit")
 
 
 async def _step(step: Callable, turn: str) -> Observation | None:
-    return checked_observation(await USER_CALLS.call(step, turn))
+    return checked_observation(await USER_CALLS.call(step, turn, culprit="agent.environment"))
+
+
+def _chars(messages: list[dict]) -> int:
+    """The characters of the messages' texts (role, content and any other text field)."""
+    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
 
 
 class _Trajectory:
@@ -150,6 +193,7 @@ class _Trajectory:
         self.turns = 0
         self.final_turn = ""
         self.tool_uses: list[ToolUse] = []
+        self.loop_blocks = BlockCount()
 
     @property
     def length(self) -> int:
@@ -184,4 +228,5 @@ class _Trajectory:
             tool_uses=self.tool_uses,
             error=error,
             final_turn=self.final_turn,
+            loop_blocks=self.loop_blocks.n,
         )

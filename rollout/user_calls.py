@@ -8,8 +8,10 @@ the other trajectories; the caller's `asyncio.wait_for` then bounds it like an a
 thread cannot be stopped: a sync call past its deadline runs on to its end in the background
 (its result is dropped), and while every thread is held by such calls new ones wait for a
 free thread, still within their own deadlines. The pool is its own, not the loop's default
-executor, which the engine's actor uses for its weight intake. (Loading that code from its
-`module:name` is groupflow/core/user_code.py's.)
+executor, which the engine's actor uses for its weight intake, nor the built-in tools' (the
+calculator's: `BUILTIN_CALLS`), so that hung users' tools never starve them. An async call that
+blocks the loop anyway is timed, counted and warned about (rollout/loop_watch.py). (Loading that
+code from its `module:name` is groupflow/core/user_code.py's.)
 
 Whatever the code raises comes out as one error, `UserCodeFailed`, which a trajectory or a tool
 call handles like any other: SystemExit (a tool built on argparse or click, an environment
@@ -29,8 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from groupflow.core.user_code import raised_text
+from groupflow.rollout.loop_watch import LoopWatch
 
-THREADS = 8  # sync calls running at once in an engine's process
+THREADS = 8  # sync calls of users' code running at once in an engine's process
+BUILTIN_THREADS = 4  # the built-in tools' own
 
 
 class UserCodeFailed(Exception):
@@ -42,18 +46,21 @@ class UserCodeFailed(Exception):
 
 
 class UserCalls:
-    def __init__(self, threads: int = THREADS):
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="user-code")
+    def __init__(self, threads: int, name: str, watch: LoopWatch):
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self.watch = watch
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), awaited if it returns an awaitable; UserCodeFailed if it raises."""
+    async def call(self, fn: Callable[..., Any], *args: Any, culprit: str | None = None) -> Any:
+        """fn(*args), awaited if it returns an awaitable; UserCodeFailed if it raises.
+        `culprit` names the code where it blocks the loop (default: fn's own name)."""
         try:
             if is_async(fn):
                 result = fn(*args)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
             if inspect.isawaitable(result):
-                result, raised = await asyncio.ensure_future(_settled(result))
+                timed = self.watch.timed(result, culprit or code_name(fn))
+                result, raised = await asyncio.ensure_future(_settled(timed))
                 if raised is not None:
                     raise raised
             return result
@@ -84,9 +91,18 @@ async def _settled(awaitable) -> tuple[Any, BaseException | None]:
         return None, err
 
 
+def code_name(fn: Callable[..., Any]) -> str:
+    """`module.qualname` of a function, a method or a callable object (its class's)."""
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
 def is_async(fn: Callable[..., Any]) -> bool:
     """A coroutine function, or an object whose __call__ is one."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-USER_CALLS = UserCalls()  # one engine per process: one pool per process
+# One engine per process: one watch and one pool of each per process.
+LOOP_WATCH = LoopWatch()
+USER_CALLS = UserCalls(THREADS, "user-code", LOOP_WATCH)
+BUILTIN_CALLS = UserCalls(BUILTIN_THREADS, "builtin-tool", LOOP_WATCH)

@@ -67,6 +67,9 @@ class Response:
     # A trajectory's last model turn, the one span its answer can occupy: what a verifier
     # reads (reward_workers/scorer.py). None for a single completion, whose text is all its own.
     final_turn: str | None = None
+    # Runs of the trajectory's async users' code that held the engine's event loop
+    # (rollout/loop_watch.py); 0 for a single completion.
+    loop_blocks: int = 0
 
     @property
     def answer_text(self) -> str:

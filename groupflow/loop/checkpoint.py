@@ -151,6 +151,7 @@ class CheckpointStore:
         """The checkpoint `trainer.resume` asks for, or None for a fresh run."""
         if resume in (None, "never"):
             return None
+        self._refuse_strays()
         if resume in ("auto", "latest"):
             newest = self.newest()
             if newest is None and resume == "latest":
@@ -167,6 +168,26 @@ class CheckpointStore:
                 f"(its checkpoints are in {self.root})"
             )
         return path
+
+    def _refuse_strays(self) -> None:
+        """A resume reads this directory as the saves left it: an entry named like a
+        checkpoint that no save makes (a file or symlink `step_7`, a `step_007`) is refused,
+        naming it, rather than passed over or taken for a checkpoint."""
+        if not self.root.is_dir():
+            return
+        for entry in sorted(self.root.iterdir()):
+            m = _STEP_DIR.fullmatch(entry.name)
+            if m is None:
+                continue
+            if not _is_real_dir(entry):
+                raise CheckpointError(
+                    f"{entry}: not a checkpoint directory among the checkpoints; remove it"
+                )
+            if entry.name != step_dir_name(int(m.group(1))):
+                raise CheckpointError(
+                    f"{entry}: not a checkpoint's name (a save names it "
+                    f"{step_dir_name(int(m.group(1)))}); remove or rename it"
+                )
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` checkpoints; drop older ones and abandoned staging dirs.

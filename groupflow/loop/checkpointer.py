@@ -43,17 +43,20 @@ from pydantic import (
 
 from groupflow.config import Config, resolved_yaml
 from groupflow.core.adapters import adapter_shape
+from groupflow.core.errors import CheckpointError
 from groupflow.core.peers import Learner, PeerDied
 from groupflow.core.recovery import LearnerLost
 from groupflow.loop.checkpoint import (
     HF_DIR,
     LEARNER_DIR,
+    STATE_FILE,
     Checkpointing,
     CheckpointStore,
     FileRecord,
     Provenance,
     check_fit,
     read_state,
+    step_dir_name,
 )
 from groupflow.loop.pipeline import Pipeline
 from groupflow.loop.prompt_stream import StreamState
@@ -154,7 +157,15 @@ def find_resume(resume: str | None, store: CheckpointStore) -> Resume | None:
     """The checkpoint `trainer.resume` names in `store`, with its driver state (read once), or
     None for a fresh run; CheckpointError naming the key or the file otherwise."""
     checkpoint = store.target(resume)
-    return None if checkpoint is None else Resume(checkpoint, read_state(checkpoint, DriverState))
+    if checkpoint is None:
+        return None
+    state = read_state(checkpoint, DriverState)
+    if checkpoint.name.startswith("step_") and checkpoint.name != step_dir_name(state.step):
+        raise CheckpointError(
+            f"{checkpoint / STATE_FILE}: saved after step {state.step}, in the directory of "
+            f"another step (a save names it {step_dir_name(state.step)})"
+        )
+    return Resume(checkpoint, state)
 
 
 class Stateful(Protocol):

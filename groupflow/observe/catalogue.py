@@ -187,6 +187,14 @@ METRICS: tuple[Metric, ...] = (
         Series("groupflow_trajectory_end_reasons", "counter", label="reason"),
     ),
     Metric(
+        "event_loop_blocks",
+        "runs of async users' code (tools, environments) per step that held an engine's event "
+        "loop 0.5 s or longer (each also a warning naming the code)",
+        "runs",
+        _TOOLS,
+        Series("groupflow_event_loop_blocks", "counter"),
+    ),
+    Metric(
         "eval_accuracy",
         "held-out greedy accuracy (when evaluated: before training, every trainer.eval_every "
         "steps, after training)",

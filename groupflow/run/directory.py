@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from groupflow.core.errors import RunError
+from groupflow.run.live import CLUSTER_FILE, LiveError, pid_alive, read_run_record
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,34 @@ def claim_run_name(output_dir: Path, run_name: str) -> int:
             f"trainer.run_name: {output_dir / run_name} belongs to a run still training "
             f"({holder}); choose another run_name or let that run end"
         ) from None
+    try:
+        _refuse_a_live_record(output_dir / run_name)
+    except RunError:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
+
+
+def _refuse_a_live_record(run_dir: Path) -> None:
+    """The lock is not all a live run holds: a lock file removed, or a run on another host
+    (whose flock this host does not see), leaves the name free while the run's driver, named
+    in its cluster.json, still writes there. A record naming a driver alive on this host, or
+    any driver on another host, refuses the name."""
+    try:
+        record = read_run_record(run_dir / CLUSTER_FILE)
+    except LiveError:  # none, or not a record: nothing names a driver
+        return
+    here = record.host == socket.gethostname()
+    if here and (record.pid == os.getpid() or not pid_alive(record.pid)):
+        return
+    where = f"pid {record.pid} on {record.host}"
+    fix = "" if here else f"; if that driver has ended, remove {run_dir / CLUSTER_FILE}"
+    raise RunError(
+        f"trainer.run_name: {run_dir} belongs to a run still training ({where}, named in its "
+        f"{CLUSTER_FILE}); choose another run_name or let that run end{fix}"
+    )
 
 
 def fresh_run_dir(run_dir: Path) -> Path:

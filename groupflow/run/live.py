@@ -46,6 +46,7 @@ from groupflow.run.cluster_address import (
 CLUSTER_FILE = "cluster.json"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 POLL_S = 0.5
+RETRY_S = 0.5  # between asks of a control actor whose call failed in transit
 MAX_RECORD_BYTES = 64 << 10  # a run record is a few hundred bytes
 
 
@@ -194,18 +195,60 @@ def connect(target: Target):
             )
         except LiveError as err:
             raise LiveError(f"run {target.run}{where}: {err}") from None
-    try:
-        return ray.get_actor(control_actor_name(target.run), namespace=CONTROL_NAMESPACE)
-    except ValueError:
-        raise LiveError(
-            f"run {target.run} is not running (no control actor on its cluster)"
-        ) from None
+    actor = ControlActor(target.run)
+    if actor.handle is None:
+        raise LiveError(f"run {target.run} is not running (no control actor on its cluster)")
+    return actor
 
 
-def live_status(actor, timeout_s: float = 10.0) -> tuple[LiveStatus | None, bool]:
+class ControlActor:
+    """The job's control actor, reached by its name.
+
+    A call can fail in transit while the actor lives: when this process's push of the call
+    to the actor's worker meets a network error (a machine whose cores are all busy), Ray
+    waits a second for news of the actor's death, hears none, and fails the call as "The
+    actor died unexpectedly before finishing this task." with no death record. Such a failure
+    is asked again, within the call's deadline, for as long as the name still has an actor:
+    the name goes with the actor's death, so a job that truly ended is told apart."""
+
+    def __init__(self, run: str, get=None, lookup=None, clock=time.monotonic, sleep=time.sleep):
+        import ray
+
+        self.run = run
+        self._get = get or ray.get
+        self._lookup = lookup or _named_control_actor
+        self._clock, self._sleep = clock, sleep
+        self.handle = self._lookup(run)
+
+    def ask(self, call, timeout_s: float):
+        """The result of `call(handle)` (an actor call: `lambda a: a.status.remote()`) within
+        `timeout_s` (GetTimeoutError past it); RayActorError once the name has no actor."""
+        import ray
+
+        deadline = self._clock() + timeout_s
+        while True:
+            ref = call(self.handle)
+            try:
+                return self._get(ref, timeout=max(deadline - self._clock(), 0.0))
+            except ray.exceptions.RayActorError:
+                handle = self._lookup(self.run)
+                if handle is None or self._clock() + RETRY_S >= deadline:
+                    raise
+                self.handle = handle
+                self._sleep(RETRY_S)
+
+
+def _named_control_actor(run: str):
     import ray
 
-    status, waiting = ray.get(actor.status.remote(), timeout=timeout_s)
+    try:
+        return ray.get_actor(control_actor_name(run), namespace=CONTROL_NAMESPACE)
+    except ValueError:  # no actor has the name: never started, or it ended with its job
+        return None
+
+
+def live_status(actor: ControlActor, timeout_s: float = 10.0) -> tuple[LiveStatus | None, bool]:
+    status, waiting = actor.ask(lambda a: a.status.remote(), timeout_s=timeout_s)
     return (LiveStatus.from_dict(status) if status else None), waiting
 
 
@@ -247,7 +290,7 @@ def scale(
     import ray
 
     before, _ = live_status(actor)
-    refusal = ray.get(actor.request.remote(engines, reward_workers), timeout=30)
+    refusal = actor.ask(lambda a: a.request.remote(engines, reward_workers), timeout_s=30)
     if refusal is not None:
         raise LiveError(refusal)
     asked = ", ".join(
@@ -307,7 +350,7 @@ def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
     import ray
 
     try:
-        ray.get(actor.stop.remote(now), timeout=30)
+        actor.ask(lambda a: a.stop.remote(now), timeout_s=30)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
         raise LiveError(f"the job did not take the stop request ({first_line(err)})") from None
     if now:
@@ -321,7 +364,7 @@ def stop(actor, now: bool, timeout_s: float, out=print) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            line = ray.get(actor.end_line.remote(), timeout=10)
+            line = actor.ask(lambda a: a.end_line.remote(), timeout_s=10)
         except ray.exceptions.RayActorError:
             out("the job has ended")
             return True

@@ -19,6 +19,7 @@ from groupflow.reward_workers.sandbox import Limits, run_python
 _HARNESS = (Path(__file__).parent / "code_harness_child.py").read_text()
 _FENCED = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_NESTING = 500  # levels of lists and dicts in a test (the test itself is the first two)
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,31 @@ def parse_spec(raw: Any) -> dict[str, Any]:
         raise ValueError(f"entry_point must be a function name (got {entry_point!r})")
     if not isinstance(tests, list) or not tests:
         raise ValueError("tests must be a non-empty list")
-    for test in tests:
+    for i, test in enumerate(tests):
         if (
             not isinstance(test, dict)
             or set(test) != {"args", "expected"}
             or not isinstance(test["args"], list)
         ):
             raise ValueError('every test must be {"args": [...], "expected": ...}')
+        if _depth(test) > MAX_NESTING:
+            # every copy of it (pickling to the scorer, JSON to the sandbox, comparing)
+            # recurses: a RecursionError there would leave the response without a verdict
+            raise ValueError(f"tests[{i}] is nested deeper than {MAX_NESTING} levels")
     return {"entry_point": entry_point, "tests": tests}
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in `value`, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, list | dict):
+            deepest = max(deepest, depth)
+            if depth <= MAX_NESTING:
+                children = item.values() if isinstance(item, dict) else item
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def extract_code(response: str, entry_point: str | None = None) -> str | None:

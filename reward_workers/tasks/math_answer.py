@@ -18,6 +18,7 @@ or irrational one to a relative tolerance of REL_TOL.
 
 from __future__ import annotations
 
+import cmath
 import collections
 import functools
 import itertools
@@ -37,6 +38,7 @@ MAX_FACTORIAL = 1000
 # Nine significant digits: a full-precision float passes, a rounded approximation does not.
 REL_TOL = 1e-9
 ABS_TOL = 1e-12
+_EXACT_REL_TOL, _EXACT_ABS_TOL = sympy.Rational(str(REL_TOL)), sympy.Rational(str(ABS_TOL))
 # Inside tuples, sets and intervals math-verify compares floats rounded to this many decimals.
 FLOAT_DECIMALS = 9
 # Plain integers and decimals this long are compared digit by digit; Python refuses to
@@ -232,10 +234,16 @@ def _numbers_match(gold: sympy.Expr, is_decimal: bool, value: sympy.Expr) -> boo
     decimal or irrational one (complex numbers too; NaN and infinities match nothing)."""
     if gold.is_Rational and not is_decimal:
         return bool(value.is_Rational) and value == gold
+    if gold.is_Rational and value.is_Rational:
+        # exactly: a gold decimal past a float's range (a long one) would be infinite as a
+        # complex, and every answer within an infinite tolerance of it
+        return abs(value - gold) <= max(_EXACT_REL_TOL * abs(gold), _EXACT_ABS_TOL)
     try:
         difference, size = complex(sympy.N(value - gold, 30)), complex(sympy.N(gold, 30))
     except (TypeError, ValueError):  # zoo, oo: no finite value
         return False
+    if not (cmath.isfinite(difference) and cmath.isfinite(size)):
+        return False  # beyond a float's range: nothing is within a tolerance of it
     return abs(difference) <= max(REL_TOL * abs(size), ABS_TOL)
 
 

@@ -776,3 +776,25 @@ def test_an_adapter_checkpoint_with_a_lone_matrix_or_nan_weights_is_refused(tmp_
     _rewrite_shard(path, "zero/zero_pp_rank_1_mp_rank_00_optim_states.pt", optim)
     message = one_line_error(lambda: read_checkpoint(path, MODEL, 2, LORA_RECORD))
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: the adapters' weights hold NaN" in message
+
+
+@pytest.mark.parametrize("stray", ["file", "symlink", "zero-padded", "moved"])
+def test_a_stray_step_entry_among_the_checkpoints_is_refused_in_one_line(tmp_path, stray):
+    """Round 3: a stray step file among the checkpoints passed every check."""
+    from groupflow.loop.checkpointer import find_resume
+
+    store = CheckpointStore(tmp_path)
+    save(store, 2)
+    newest = save(store, 4)
+    entry = store.root / "step_7"
+    if stray == "file":
+        entry.write_text("stray")
+    elif stray == "symlink":
+        entry.symlink_to(newest)
+    elif stray == "zero-padded":
+        entry = store.root / "step_007"
+        entry.mkdir()
+    else:  # a checkpoint under another step's name
+        entry = newest.rename(store.root / "step_9")
+    message = one_line_error(lambda: find_resume("auto", store))
+    assert str(entry) in message and "\n" not in message

@@ -356,3 +356,12 @@ def test_nan_and_deeply_nested_expectations_pass_through_the_sandbox(task):
     verdict = task.verify(Prompt("f", "f", spec), fenced(code))
     assert verdict.reward == 0.75, verdict.reason
     assert "f(3) returned 0.0, expected NaN" in verdict.reason
+
+
+def test_a_test_nested_too_deep_to_copy_is_refused_in_one_line():
+    """Round 3: an expected value nested ~900 deep passed the JSON reader and failed as a
+    RecursionError while pickled to the scorer, with no verdict."""
+    spec = {"entry_point": "f", "tests": [{"args": [1], "expected": _nested(900, 7)}]}
+    with pytest.raises(ValueError) as err:
+        parse_spec(spec)
+    assert str(err.value) == "tests[0] is nested deeper than 500 levels"

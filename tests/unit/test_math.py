@@ -9,7 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from groupflow.core.records import Prompt
-from groupflow.reward_workers.tasks.math_answer import REL_TOL, extract_answer, last_boxed
+from groupflow.reward_workers.tasks.math_answer import (
+    REL_TOL,
+    equivalent,
+    extract_answer,
+    last_boxed,
+)
 from groupflow.reward_workers.tasks.math_problems import MathTask
 
 
@@ -388,3 +393,13 @@ def test_a_long_gold_answer_is_judged_quickly(gold):
         verdict = task.verify(_gold(gold), response)
         assert verdict.reward == reward, verdict.reason
         assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("answer", ["7", "-3.25", "1e400"])
+def test_a_long_decimal_gold_answer_past_a_floats_range_matches_no_wrong_answer(answer):
+    """Found beside round 3's long gold answer: a decimal gold of ~4,000 digits was infinite as
+    a complex, and every answer within an infinite tolerance of it (a wrong one scored 1)."""
+    gold = "9" * 3990 + ".5"
+    assert not equivalent(gold, answer)
+    assert equivalent(gold, gold) and equivalent(gold, "9" * 3990 + ".50")
+    assert equivalent("1.5", "1.5000000000001") and not equivalent("1.5", "1.50001")

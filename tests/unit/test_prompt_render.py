@@ -338,3 +338,17 @@ def test_a_long_vetting_says_how_far_it_has_got(tokenizer, monkeypatch, caplog):
     counts = [r.args[0] for r in caplog.records if "vetting prompts" in r.getMessage()]
     assert counts and counts == sorted(counts) and all(0 < c <= len(prompts) for c in counts)
     assert all(r.args[1] == len(prompts) for r in caplog.records if r.args)
+
+
+def test_a_prompt_rendered_to_no_tokens_is_one_line_before_any_engine(tokenizer, tmp_path):
+    """Round 3: vLLM's "The decoder prompt cannot be empty" came as a traceback from the
+    engine; the vetting names the template and the row instead."""
+    path = tmp_path / "empty.jinja"
+    path.write_text("{% if false %}{{ messages }}{% endif %}")
+    renderer = PromptRenderer(tokenizer, ChatSettings(str(path)))
+    with pytest.raises(PromptRenderError) as err:
+        renderer.vetted_lengths([Prompt("row-7", "1+1", None)])
+    assert str(err.value) == (
+        f"task.chat_template {path}: refused: renders prompt 'row-7' to no text (an engine "
+        "cannot sample from an empty prompt)"
+    )

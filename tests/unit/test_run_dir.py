@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,6 +72,42 @@ def test_a_live_runs_name_is_refused_to_a_second_job_and_freed_when_it_ends(tmp_
     os.close(live)  # the live run ends (or dies: the kernel closes its files)
     os.close(claim_run_name(tmp_path, "job"))
     claim_run_name(tmp_path, "other")  # other names were never held
+
+
+def _driver_record(run: Path, pid: int, host: str) -> None:
+    record = {"run": run.name, "gcs_address": "127.0.0.1:6379", "pid": pid, "host": host}
+    (run / "cluster.json").write_text(json.dumps(record))
+
+
+def _ended_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("host", ["here", "elsewhere"])
+def test_a_live_drivers_record_refuses_the_name_even_without_its_lock(tmp_path, host):
+    """Round 3: the lock file gone (or a driver on another host, whose flock is not seen
+    here), a second start renamed the live run's directory from under its driver."""
+    run = tmp_path / "job"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    _driver_record(run, os.getppid(), socket.gethostname() if host == "here" else "node-7")
+    with pytest.raises(RunError) as err:
+        claim_run_name(tmp_path, "job")
+    message = str(err.value)
+    assert message.startswith(f"trainer.run_name: {run} belongs to a run still training (pid ")
+    assert "\n" not in message and ("remove" in message) == (host == "elsewhere")
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["job"]
+    assert (run / "metrics.jsonl").is_file()
+    claim_run_name(tmp_path, "other")  # the refused start let the lock go
+
+
+def test_the_record_of_a_driver_that_ended_frees_the_name(tmp_path):
+    run = tmp_path / "job"
+    run.mkdir()
+    _driver_record(run, _ended_pid(), socket.gethostname())
+    os.close(claim_run_name(tmp_path, "job"))
 
 
 @pytest.mark.parametrize("make", ["a file", "under a file"])

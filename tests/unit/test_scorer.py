@@ -116,3 +116,19 @@ def test_bad_configuration_fails_at_construction(tmp_path):
     for timeout in (float("nan"), float("inf"), 0.0, -1.0):
         with pytest.raises(ValueError, match="timeout"):
             Scorer("arithmetic", timeout_s=timeout)
+
+
+def test_a_prompt_too_deep_to_send_gets_a_plain_verdict_not_a_restart():
+    """Round 3: a prompt whose answer nests beyond what pickle can copy (a task that did not
+    check it) gets its verdict; the scorer process is not restarted."""
+    deep = 7
+    for _ in range(5000):
+        deep = [deep]
+    scorer = Scorer("arithmetic", {"digits": 2})
+    (scored,) = scorer.score_groups([group(Prompt("deep", "1+1=", deep), "2")])
+    restarts = scorer.pool.restarts
+    scorer.close()
+    (verdict,) = scored.verdicts
+    assert (verdict.reward, verdict.error) == (0.0, None)
+    assert verdict.reason == "the prompt cannot be sent to the scorer (RecursionError)"
+    assert restarts == 0
