@@ -16,6 +16,7 @@ from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpo
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.micro_batch import check_packing
+from groupflow.learner.sequence_parallel import install_ulysses, parallel_groups
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
@@ -31,15 +32,24 @@ class LearnerRank:
     def __init__(self, setup: RankSetup, cfg: Config):
         self.setup = setup
         self.models = build_zero_models(setup, cfg)
+        policy = self.models.policy
+        groups = parallel_groups(setup.world_size, setup.rank, cfg.learner.sequence_parallel_size)
+        self.sequence_parallel = groups.sequence
+        if groups.sequence is not None:
+            install_ulysses(self._module, groups.sequence)
+            reference = getattr(self.models.reference, "module", None)  # LoRA's shares the policy's
+            if reference is not None:
+                install_ulysses(reference, groups.sequence)
         self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
-            reducer=DistributedReducer(setup.world_size, self.models.policy.device),
+            reducer=DistributedReducer(groups.data_size, policy.device, groups.data_group),
             packed=cfg.learner.pack_sequences,
+            sequence_parallel=groups.sequence,
         )
         if cfg.learner.pack_sequences:
-            policy = self.models.policy
-            check_packing(policy.model, self._module.config.vocab_size, policy.device)
+            vocab_size = self._module.config.vocab_size
+            check_packing(policy.model, vocab_size, policy.device, groups.sequence)
         self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
         self.lora = cfg.learner.lora is not None
         self.save_merged = cfg.trainer.save_merged
@@ -59,9 +69,14 @@ class LearnerRank:
             for group in self.models.policy.zero_model.optimizer.param_groups:
                 group["lr"] = lr
         self.models.policy.zero_model.train()
-        return train_rank_step(
+        figures = train_rank_step(
             self.models.policy, self.models.reference, minibatches, self.settings
         )
+        if self.sequence_parallel is not None and self.sequence_parallel.rank > 0:
+            # The group's ranks trained the same sequences and hold the same figures: one
+            # rank of the group speaks for it, or the driver's sums would count them each time.
+            return RankFigures(credit=figures.credit, grad_norms=figures.grad_norms)
+        return figures
 
     def weight_shard_buckets(self, buckets: list[Manifest]) -> Iterator[torch.Tensor]:
         """This rank's partition of each bucket as one flat tensor (local: no collective);

@@ -76,11 +76,14 @@ def parallel_groups(world_size: int, rank: int, sp_size: int) -> ParallelGroups:
     return ParallelGroups(sequence, data, world_size // sp_size)
 
 
-def check_heads(config, sp_size: int, where: str = "learner.sequence_parallel_size") -> None:
-    """Refuse a size that does not divide the model's attention heads."""
-    heads = config.get_text_config().num_attention_heads
+def check_heads(heads: int, sp_size: int, model: str = "the model") -> None:
+    """Refuse a size that does not divide the model's attention heads (each rank of a group
+    attends with heads / size of them)."""
     if heads % sp_size:
-        raise ConfigError(f"{where}={sp_size} does not divide the model's {heads} attention heads")
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp_size} does not divide the "
+            f"{heads} attention heads of {model}"
+        )
 
 
 def install_ulysses(model: torch.nn.Module, sp: SequenceParallel) -> None:
@@ -88,7 +91,7 @@ def install_ulysses(model: torch.nn.Module, sp: SequenceParallel) -> None:
     transformers builds no mask for an attention it does not know: none is needed."""
     from transformers import AttentionInterface
 
-    check_heads(model.config, sp.size)
+    check_heads(model.config.get_text_config().num_attention_heads, sp.size)
     name = f"groupflow_ulysses_{sp.group.group_name}"
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from groupflow.config.base import LearnerRankResources, Section
 
@@ -119,9 +119,20 @@ class LearnerConfig(Section):
         "activation memory grows with it (with gradient_checkpointing, a layer's input per "
         "position and one layer's activations). Each micro-batch gathers every ZeRO-3 "
         "parameter in its forward and again in its backward, so fewer, larger ones cost less. "
-        "A longer sequence gets a micro-batch of its own",
+        "A longer sequence gets a micro-batch of its own. Per rank: with "
+        "sequence_parallel_size P a row counts at its share, ceil(width / P) positions",
     )
     mini_batches_per_step: int = Field(1, ge=1, description="optimizer updates per step")
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks that share each sequence (Ulysses sequence parallelism, "
+        "docs/long_sequences.md): every row of a micro-batch is cut into this many shards of "
+        "consecutive positions, one per rank of a group, and attention exchanges heads for "
+        "positions by all-to-all; data parallel over the groups (num_ranks / this), ZeRO-3 "
+        "over all ranks. Must divide num_ranks and the model's attention heads. "
+        "micro_batch_tokens counts a sharded row at its share",
+    )
     pack_sequences: bool = Field(
         True,
         description="padding-free micro-batches: several sequences share a row as wide as the "
@@ -158,3 +169,12 @@ class LearnerConfig(Section):
         "is the model with the adapters off (docs/lora.md)",
     )
     resources: LearnerRankResources = Field(default_factory=LearnerRankResources)
+
+    @model_validator(mode="after")
+    def _sequence_groups(self):
+        if self.num_ranks % self.sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide "
+                f"num_ranks={self.num_ranks}"
+            )
+        return self

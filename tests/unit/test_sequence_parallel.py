@@ -7,11 +7,16 @@ parallelism over the groups at size 2. Four gloo ranks in spawned processes
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import socket
 
 import pytest
 
+from groupflow.config import ConfigError
+from groupflow.learner.sequence_parallel import check_heads
+from groupflow.run.inputs import check_sequence_parallel
+from groupflow.run.job_config import build_config
 from tests.unit.sequence_parallel_ranks import WORLD, Case, run_rank
 from tests.unit.test_learner_step import CASES
 
@@ -35,9 +40,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ranks_results(request) -> list[dict]:
+def ranks_results() -> list[dict]:
     """Every case on four ranks at once; each rank's comparisons."""
-    seed = 1000 + request.config.getoption("randomly_seed", default=0) if False else 1000
+    seed = 1000
     port = _free_port()
     with multiprocessing.get_context("spawn").Pool(WORLD) as pool:
         return pool.starmap(run_rank, [(r, port, SP_CASES, seed) for r in range(WORLD)])
@@ -53,3 +58,25 @@ def test_sequence_parallel_gives_the_loss_and_gradients_of_one_rank(ranks_result
             assert got["grad_error"] <= TOLERANCE, (rank, size, got)
             assert got["loss"] == pytest.approx(got["loss_one"], rel=TOLERANCE, abs=1e-14)
     assert set(ranks_results[0][case.name]["widths_not_dividing"]) - {0}, "lengths % 4 != 0"
+
+
+def test_a_size_that_does_not_divide_the_ranks_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        build_config({"learner": {"num_ranks": 3, "sequence_parallel_size": 2}})
+    message = str(err.value)
+    assert "\n" not in message and "sequence_parallel_size=2" in message, message
+    assert build_config({"learner": {"num_ranks": 4, "sequence_parallel_size": 2}})
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 6}))
+    cfg = build_config(
+        {"model": {"path": str(tmp_path)}, "learner": {"num_ranks": 4, "sequence_parallel_size": 4}}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^learner\.sequence_parallel_size=4 does not divide "
+        r"the 6 attention heads of ",
+    ):
+        check_sequence_parallel(cfg, str(tmp_path))
+    check_heads(6, 2)  # divides: no error
