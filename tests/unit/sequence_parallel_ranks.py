@@ -100,7 +100,7 @@ def run_case(case: Case, rank: int, groups: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     algo = algorithm(case.preset, **case.keys)
     model = case_model(case, gen)
-    seqs = with_observations(sample_step(model, gen, algo), gen)
+    seqs = with_observations(sample_step(model, gen, algo, num_groups=4), gen)
     reference = copy.deepcopy(model).eval() if algo.kl.coef > 0 else None
     out = {"widths_not_dividing": sorted({len(s.input_ids) % 4 for s in seqs})}
 
