@@ -98,10 +98,7 @@ def install_ulysses(model: torch.nn.Module, sp: SequenceParallel) -> None:
         return ulysses_attention(module, query, key, value, kw["position_ids"], sp, scaling)
 
     AttentionInterface.register(name, attention)
-    model.config._attn_implementation = name
-    text = model.config.get_text_config()
-    if text is not model.config:
-        text._attn_implementation = name
+    model.set_attn_implementation(name)
 
 
 class _AllToAll(torch.autograd.Function):
