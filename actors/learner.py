@@ -203,19 +203,21 @@ class LearnerGroup:
     ) -> list[ray.ObjectRef]:
         """Start one step on every rank at learning rate `lr` (None: the current one), the
         sequences balanced by tokens; a reference per rank's RankFigures."""
+        shards = self.cfg.learner.sequence_parallel_size  # a group's ranks share its layout
         layout = layout_step(
             [len(s.input_ids) for s in sequences],
             [s.group_id for s in sequences],
-            len(self.ranks),
+            len(self.ranks) // shards,
             self.cfg.learner.mini_batches_per_step,
             max(1, self._micro_batch_tokens()),
             packed=self.cfg.learner.pack_sequences,
+            sequence_parallel=shards,
         )
         shares = [
             [[[sequences[i] for i in micro] for micro in mini] for mini in rank_layout]
             for rank_layout in layout
         ]
-        return [r.train_step.remote(share, lr) for r, share in zip(self.ranks, shares, strict=True)]
+        return [r.train_step.remote(shares[i // shards], lr) for i, r in enumerate(self.ranks)]
 
     def async_sent_checksums(self) -> list[ray.ObjectRef]:
         """Each rank's shares of the checksums of the sync it sent last (call after starting

@@ -13,6 +13,11 @@ forward computes (rows x longest row), which is what activation memory grows wit
 sequence, or, `packed`, the rows that `pack_rows` fills, several sequences to a row
 (learner/micro_batch.py packs so), so that a packed micro-batch takes about
 `micro_batch_tokens` real tokens.
+
+With sequence parallelism (learner.sequence_parallel_size P) the layout is over the P-rank
+groups, whose ranks share each micro-batch, each computing ceil(width / P) positions of every
+row (learner/sequence_parallel.py): the budget per rank counts a row at that share, so a
+sequence P times longer than the budget alone still fits a micro-batch of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ def layout_step(
     mini_batches: int,
     micro_batch_tokens: int,
     packed: bool = False,
+    sequence_parallel: int = 1,
 ) -> StepLayout:
+    """[rank][mini-batch][micro-batch] -> sequence indices; the ranks are data-parallel ranks
+    (sequence-parallel groups: every rank of a group takes its group's layout)."""
     if len(lengths) != len(group_ids):
         raise ValueError(f"layout_step: {len(lengths)} lengths but {len(group_ids)} group ids")
     groups: dict[int, list[int]] = defaultdict(list)
@@ -43,7 +51,10 @@ def layout_step(
     for m in range(mini_batches):
         chunk = ordered[m * len(ordered) // mini_batches : (m + 1) * len(ordered) // mini_batches]
         per_rank = _balance(chunk, lengths, num_ranks)
-        micro = [_pack(indices, lengths, micro_batch_tokens, packed) for indices in per_rank]
+        micro = [
+            _pack(indices, lengths, micro_batch_tokens, packed, sequence_parallel)
+            for indices in per_rank
+        ]
         depth = max(len(mb) for mb in micro)
         for rank in range(num_ranks):
             layout[rank].append(micro[rank] + [[] for _ in range(depth - len(micro[rank]))])
@@ -94,9 +105,12 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], int]:
     return rows, starts, len(used)
 
 
-def _pack(indices: list[int], lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
+def _pack(
+    indices: list[int], lengths: list[int], budget: int, packed: bool, shards: int = 1
+) -> list[list[int]]:
     """Longest sequence first; a micro-batch takes the next sequence while its rows times its
-    longest row stay within `budget` (a longer sequence goes alone). Rows: one per sequence,
+    longest row's share of a rank (ceil(width / shards)) stay within `budget` (a longer
+    sequence goes alone). Rows: one per sequence,
     or, `packed`, each sequence in the first row with room, as `pack_rows` places them (it
     sees them in this same order, and uses the same `first_fit_row`). On sorted lengths this greedy cut gives the fewest
     micro-batches, and neighbours differ little in length."""
@@ -106,7 +120,7 @@ def _pack(indices: list[int], lengths: list[int], budget: int, packed: bool) -> 
     for i in sorted(indices, key=lambda i: -lengths[i]):
         n = lengths[i]
         row = first_fit_row(used, n, width) if packed else len(used)
-        if batches and max(len(used), row + 1) * width <= budget:
+        if batches and max(len(used), row + 1) * -(-width // shards) <= budget:
             batches[-1].append(i)
             if row == len(used):
                 used.append(0)

@@ -22,6 +22,7 @@ from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
+from groupflow.learner.sequence_parallel import SequenceParallel, assemble_stats, shard_inputs
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
 from groupflow.learner.token_stats import TokenStats, loss_masks
@@ -51,19 +52,23 @@ class ModelInputs:
     attention_mask: Tensor | None  # (R, W) padded; None packed
     position_ids: Tensor | None  # (R, W) packed; None padded
     positions: ResponsePositions  # where the response tokens are predicted
+    all_position_ids: Tensor  # (R, W) packed or not: what a sequence-parallel forward takes
 
 
-def model_inputs(seqs: list[TrainSequence], device: torch.device, packed: bool) -> ModelInputs:
+def model_inputs(
+    seqs: list[TrainSequence], device: torch.device, packed: bool, width_multiple: int = 1
+) -> ModelInputs:
     """The model's inputs for `seqs` and the response positions in them. Packed: several
     sequences to a row, each kept to itself by its position_ids restarting at 0 (transformers'
     packed-sequence attention: varlen flash attention on GPUs, a block-causal mask otherwise);
-    no attention mask. Padded: a sequence per row, right-padded, with an attention mask."""
+    no attention mask. Padded: a sequence per row, right-padded, with an attention mask.
+    Rows are padded to a multiple of `width_multiple` (a sequence-parallel forward's shards)."""
     lengths = [len(s.input_ids) for s in seqs]
     if packed:
         rows, starts, num_rows = pack_rows(lengths)
     else:
         rows, starts, num_rows = list(range(len(seqs))), [0] * len(seqs), len(seqs)
-    width = max(lengths)
+    width = -(-max(lengths) // width_multiple) * width_multiple
     ids = torch.zeros(num_rows, width, dtype=torch.long)
     position_ids = torch.zeros(num_rows, width, dtype=torch.long)
     attention = torch.zeros(num_rows, width, dtype=torch.long)
@@ -77,11 +82,11 @@ def model_inputs(seqs: list[TrainSequence], device: torch.device, packed: bool) 
     for row, end in enumerate(row_end):
         # A row's padding counts from 0 as a sequence of its own: it never joins a real one.
         position_ids[row, end:] = torch.arange(width - end)
-    ids = to_device(ids, device)
+    ids, position_ids = to_device(ids, device), to_device(position_ids, device)
     positions = response_positions(ids, lengths, [s.prompt_len for s in seqs], rows, starts)
     if packed:
-        return ModelInputs(ids, None, to_device(position_ids, device), positions)
-    return ModelInputs(ids, to_device(attention, device), None, positions)
+        return ModelInputs(ids, None, position_ids, positions, position_ids)
+    return ModelInputs(ids, to_device(attention, device), None, positions, position_ids)
 
 
 def response_token_stats(
@@ -91,11 +96,28 @@ def response_token_stats(
     device: torch.device,
     entropy_grad: bool,
     packed: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> list[TokenStats]:
     """The statistics of each sequence's response tokens under `model` (one TokenStats each),
     through its token head (learner/token_head.py): no logits of the whole micro-batch exist.
+    With `sp`, this rank computes its shard of every row, and every token's statistics are
+    put together from the shards (learner/sequence_parallel.py); padded or packed, the shards
+    take position ids, not a mask (a right-padded row's padding never precedes a real token).
 
     Gradient mode is the caller's; the entropy keeps its gradient only with `entropy_grad`."""
+    if sp is not None:
+        x = model_inputs(seqs, device, packed, width_multiple=sp.size)
+        shard = shard_inputs(x.input_ids, x.all_position_ids, x.positions, sp)
+        local = head_token_stats(
+            model,
+            shard.input_ids,
+            None,
+            shard.positions,
+            temperature,
+            entropy_grad,
+            shard.position_ids,
+        )
+        return assemble_stats(local, shard, sp)
     x = model_inputs(seqs, device, packed)
     stats = head_token_stats(
         model, x.input_ids, x.attention_mask, x.positions, temperature, entropy_grad, x.position_ids
@@ -103,15 +125,19 @@ def response_token_stats(
     return stats.split(x.positions.sizes)
 
 
-def empty_micro_batch(model, device: torch.device) -> Tensor:
-    """The forward of a micro-batch without sequences: a zero loss over one token.
+def empty_micro_batch(model, device: torch.device, sp: SequenceParallel | None = None) -> Tensor:
+    """The forward of a micro-batch without sequences: a zero loss over one token (a token
+    per shard with `sp`: the group's ranks exchange in attention as for any micro-batch).
 
     ZeRO-3 gathers every parameter collectively in forward and again in backward, so a rank
     with less work than the others still runs each micro-batch and backpropagates this; the
     token head gives every parameter, its own included, a zero gradient for no positions."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     no_positions = response_positions(ids, [], [])
-    stats = head_token_stats(model, ids, torch.ones_like(ids), no_positions, 1.0)
+    if sp is None:
+        stats = head_token_stats(model, ids, torch.ones_like(ids), no_positions, 1.0)
+    else:
+        stats = head_token_stats(model, ids, None, no_positions, 1.0, False, torch.zeros_like(ids))
     return stats.logp.sum() * 0.0
 
 
@@ -122,14 +148,17 @@ def forward_micro_batch(
     device: torch.device,
     entropy_grad: bool,
     packed: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> MicroBatchForward:
     if not seqs:
-        return MicroBatchForward([], empty_loss=empty_micro_batch(model, device))
-    stats = response_token_stats(model, seqs, temperature, device, entropy_grad, packed)
+        return MicroBatchForward([], empty_loss=empty_micro_batch(model, device, sp))
+    stats = response_token_stats(model, seqs, temperature, device, entropy_grad, packed, sp)
     return MicroBatchForward(stats, masks=loss_masks(seqs, [s.logp for s in stats]))
 
 
-def check_packing(model, vocab_size: int, device: torch.device) -> None:
+def check_packing(
+    model, vocab_size: int, device: torch.device, sp: SequenceParallel | None = None
+) -> None:
     """Raise unless `model` keeps packed sequences apart. Packing relies on the model's
     attention taking a sequence's restart of position_ids at 0 as its start (transformers'
     packed-sequence support); an attention that ignores it lets a sequence see the one before
@@ -142,7 +171,7 @@ def check_packing(model, vocab_size: int, device: torch.device) -> None:
         before = [(5 * i + shift) % vocab_size for i in range(12)]  # the probe's row-mate
         seqs = [TrainSequence(s, 2, 0.0, g, 0, []) for g, s in enumerate((longest, before, probe))]
         with torch.no_grad():
-            logps.append(response_token_stats(model, seqs, 1.0, device, False)[2].logp)
+            logps.append(response_token_stats(model, seqs, 1.0, device, False, True, sp)[2].logp)
     if not torch.allclose(logps[0], logps[1], rtol=1e-5, atol=1e-5):
         raise ValueError(
             "learner.pack_sequences: this model's attention lets packed sequences see each "

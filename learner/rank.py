@@ -35,6 +35,7 @@ from groupflow.learner.memory_budget import (
 )
 from groupflow.learner.micro_batch import check_packing
 from groupflow.learner.probe import probe_logprobs
+from groupflow.learner.sequence_parallel import install_ulysses, parallel_groups
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
 from groupflow.learner.weight_export import (
@@ -52,15 +53,24 @@ class LearnerRank:
         self.setup = setup
         baseline = resident_bytes()  # the process before its models
         self.models = build_zero_models(setup, cfg)
+        policy = self.models.policy
+        groups = parallel_groups(setup.world_size, setup.rank, cfg.learner.sequence_parallel_size)
+        self.sequence_parallel = groups.sequence
+        if groups.sequence is not None:
+            install_ulysses(self._module, groups.sequence)
+            reference = getattr(self.models.reference, "module", None)  # LoRA's shares the policy's
+            if reference is not None:
+                install_ulysses(reference, groups.sequence)
         self.settings = StepSettings.of(
             algorithm=cfg.algorithm,
             temperature=cfg.rollout.sampling.temperature,
-            reducer=DistributedReducer(setup.world_size, self.models.policy.device),
+            reducer=DistributedReducer(groups.data_size, policy.device, groups.data_group),
             packed=cfg.learner.pack_sequences,
+            sequence_parallel=groups.sequence,
         )
         if cfg.learner.pack_sequences:
-            policy = self.models.policy
-            check_packing(policy.model, self._module.config.vocab_size, policy.device)
+            vocab_size = self._module.config.vocab_size
+            check_packing(policy.model, vocab_size, policy.device, groups.sequence)
         self.sent_checksums: Checksums = {}  # this rank's shares of the last sync's checksums
         self.sync_probe = job_probe(setup.model_path, cfg.trainer.seed, cfg.rollout.max_model_len)
         self._probe_logprobs: ProbeLogprobs | None = None  # at the current weights, once taken
@@ -129,6 +139,15 @@ class LearnerRank:
         if not self.budget_measured and positions:
             self.budget = measured_budget(self.memory, before, peak, positions)
             self.budget_measured = True
+        if self.sequence_parallel is not None and self.sequence_parallel.rank > 0:
+            # The group's ranks trained the same sequences and hold the same figures: one
+            # rank of the group speaks for it, or the driver's sums would count them each time.
+            figures = RankFigures(
+                credit=figures.credit,
+                grad_norms=figures.grad_norms,
+                peak_memory_bytes=peak,
+                memory_limit_bytes=self.memory,
+            )
         # The probe of the weights the next sync sends, taken now, while the driver waits for
         # the step anyway, so that checking the engines' loads waits for nothing.
         self._probe_logprobs = None
@@ -142,7 +161,11 @@ class LearnerRank:
         if self._probe_logprobs is None:
             policy = self.models.policy
             self._probe_logprobs = probe_logprobs(
-                policy.model, self.sync_probe, policy.device, self.settings.packed
+                policy.model,
+                self.sync_probe,
+                policy.device,
+                self.settings.packed,
+                self.sequence_parallel,
             )
         return self._probe_logprobs
 

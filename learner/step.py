@@ -44,6 +44,7 @@ from groupflow.learner.micro_batch import (
     forward_micro_batch,
     micro_batch_loss,
 )
+from groupflow.learner.sequence_parallel import SequenceParallel
 from groupflow.learner.token_stats import TokenStats, loss_masks
 
 MicroBatches = list[list[TrainSequence]]  # [micro-batch] -> sequences
@@ -73,16 +74,26 @@ class StepSettings:
     packed: bool = True  # several sequences to a row (learner.pack_sequences)
     # STAPO's running threshold with `stapo.tau_p: auto` (kept by the rank across steps)
     auto_tau_p: RunningProbabilityThreshold | None = None
+    # This rank's sequence-parallel group (learner.sequence_parallel_size > 1), else None; the
+    # reducer then spans the ranks of the same shard (learner/sequence_parallel.py)
+    sequence_parallel: SequenceParallel | None = None
 
     @classmethod
-    def of(cls, algorithm: AlgorithmConfig, temperature: float, reducer: Reducer, packed: bool):
+    def of(
+        cls,
+        algorithm: AlgorithmConfig,
+        temperature: float,
+        reducer: Reducer,
+        packed: bool,
+        sequence_parallel: SequenceParallel | None = None,
+    ):
         """The settings of a rank for the run; the running threshold starts empty."""
         auto = None
         if algorithm.stapo.tau_p == "auto":
             auto = RunningProbabilityThreshold(
                 algorithm.stapo.target_share, algorithm.stapo.auto_decay
             )
-        return cls(algorithm, temperature, reducer, packed, auto)
+        return cls(algorithm, temperature, reducer, packed, auto, sequence_parallel)
 
 
 def no_grad_stats(
@@ -93,7 +104,13 @@ def no_grad_stats(
     with torch.no_grad():
         return [
             forward_micro_batch(
-                model, mb, settings.temperature, device, False, settings.packed
+                model,
+                mb,
+                settings.temperature,
+                device,
+                False,
+                settings.packed,
+                settings.sequence_parallel,
             ).stats
             for mb in micro_batches
         ]
@@ -295,7 +312,13 @@ def _forward(
 ) -> MicroBatchForward:
     entropy_grad = settings.algorithm.entropy_coef != 0  # an entropy bonus backpropagates
     return forward_micro_batch(
-        policy.model, seqs, settings.temperature, policy.device, entropy_grad, settings.packed
+        policy.model,
+        seqs,
+        settings.temperature,
+        policy.device,
+        entropy_grad,
+        settings.packed,
+        settings.sequence_parallel,
     )
 
 

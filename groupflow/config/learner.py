@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StrictInt, field_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
 from groupflow.config.base import FloatSetting, LearnerRankResources, Section
 
@@ -139,7 +139,8 @@ class LearnerConfig(Section):
         "from the model's bytes per position (its config, dtype and checkpointing), corrected "
         "by what the first step measured; a job whose longest sequence (rollout.max_model_len) "
         "cannot fit is refused at start. A number: that many, and a longer sequence gets a "
-        "micro-batch of its own",
+        "micro-batch of its own. Per rank: with sequence_parallel_size P a row counts at its "
+        "share, ceil(width / P) positions",
     )
     memory_gib: FloatSetting | None = Field(
         None,
@@ -150,6 +151,16 @@ class LearnerConfig(Section):
         "shared among the ranks (engines, reward workers and the driver keep the other half)",
     )
     mini_batches_per_step: StrictInt = Field(1, ge=1, description="optimizer updates per step")
+    sequence_parallel_size: StrictInt = Field(
+        1,
+        ge=1,
+        description="ranks that share each sequence (Ulysses sequence parallelism, "
+        "docs/long_sequences.md): every row of a micro-batch is cut into this many shards of "
+        "consecutive positions, one per rank of a group, and attention exchanges heads for "
+        "positions by all-to-all; data parallel over the groups (num_ranks / this), ZeRO-3 "
+        "over all ranks. Must divide num_ranks and the model's attention heads. "
+        "micro_batch_tokens counts a sharded row at its share",
+    )
 
     @field_validator("micro_batch_tokens")
     @classmethod
@@ -195,3 +206,12 @@ class LearnerConfig(Section):
     )
     moe: MoeConfig = Field(default_factory=MoeConfig)
     resources: LearnerRankResources = Field(default_factory=LearnerRankResources)
+
+    @model_validator(mode="after")
+    def _sequence_groups(self):
+        if self.num_ranks % self.sequence_parallel_size:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide "
+                f"num_ranks={self.num_ranks}"
+            )
+        return self

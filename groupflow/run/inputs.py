@@ -19,6 +19,7 @@ from groupflow.core.model_dir import (
     read_model_config,
 )
 from groupflow.learner.lora import check_target_modules
+from groupflow.learner.sequence_parallel import check_heads
 from groupflow.observe.trackers import check_trackers
 from groupflow.run.job_config import check_resolved
 from groupflow.run.job_prompts import VettedPrompts, vet_prompts
@@ -65,5 +66,15 @@ def check_inputs(cfg: Config) -> CheckedInputs:
     )
     if cfg.learner.lora is not None:
         check_target_modules(model_path, cfg.learner.lora)
+    check_sequence_parallel(cfg, model_path)
     check_trackers(cfg)
     return CheckedInputs(model_path, vet_prompts(cfg, model_path))
+
+
+def check_sequence_parallel(cfg: Config, model_path: str) -> None:
+    """learner.sequence_parallel_size divides the model's attention heads (ConfigError)."""
+    if cfg.learner.sequence_parallel_size > 1:
+        model_config = read_model_config(model_path)
+        text = model_config.get("text_config", model_config)
+        heads = int(text["num_attention_heads"])
+        check_heads(heads, cfg.learner.sequence_parallel_size, str(model_path))

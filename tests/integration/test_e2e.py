@@ -87,6 +87,12 @@ def test_three_steps_with_overlap_write_the_run_directory(
             "algorithm.kl.estimator=k3",
             "--set",
             "algorithm.entropy_coef=0.01",
+            # issue 42's rider: the quickstart's two ranks as one sequence-parallel group
+            # (Ulysses attention in the real ZeRO-3 forward and backward, the reference's
+            # forward too); its step is checked against one rank in float64 in
+            # tests/unit/test_sequence_parallel.py
+            "--set",
+            "learner.sequence_parallel_size=2",
             "--set",
             "model.path=groupflow/quickstart",
         ]
@@ -138,6 +144,7 @@ def test_three_steps_with_overlap_write_the_run_directory(
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["final_eval"]["eval_set_accuracy"]) == ["long"]
     assert {"warm_start_accuracy", "final_accuracy"} <= summary.keys()
+    assert cfg.learner.sequence_parallel_size == 2
     # the end line of a run that had nothing to learn from, exactly when no step had a spread
     assert (summary["nothing_learned"] is None) == any(r["groups_with_spread"] for r in records)
     assert summary["prompts_left_out"] == {"task": 0, "task.eval_sets long": 0}

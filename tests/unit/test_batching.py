@@ -110,3 +110,31 @@ def test_too_many_mini_batches_is_refused():
 def test_mismatched_inputs_are_named():
     with pytest.raises(ValueError, match="2 lengths but 3 group ids"):
         layout_step([3, 3], [0, 0, 1], 1, 1, 10)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("trial", range(10))
+def test_a_sharded_row_counts_at_its_share_of_a_rank(trial, shards, packed):
+    """learner.sequence_parallel_size: each rank of a group computes ceil(width / P) positions
+    of every row, so the per-rank budget holds P times the tokens, and no more."""
+    rng = random.Random()
+    lengths, group_ids, groups = _random_step(rng)
+    minis, budget = rng.randint(1, groups), rng.randint(10, 120)
+    layout = layout_step(lengths, group_ids, 1, minis, budget, packed, sequence_parallel=shards)
+    for mini in layout[0]:
+        filled = [[lengths[i] for i in micro] for micro in mini if micro]
+        for k, micro in enumerate(filled):
+            rows = pack_rows(micro)[2] if packed else len(micro)
+            share = -(-max(micro) // shards)
+            assert rows * share <= budget or len(micro) == 1
+            if k + 1 < len(filled):  # closed only because the next sequence did not fit
+                more = [*micro, filled[k + 1][0]]
+                assert (pack_rows(more)[2] if packed else len(more)) * share > budget
+
+
+def test_a_sequence_longer_than_the_budget_shares_a_micro_batch_once_sharded():
+    lengths, group_ids = [8, 8, 8, 8], [0, 0, 1, 1]
+    assert len(layout_step(lengths, group_ids, 1, 1, 8)[0][0]) == 4
+    assert len(layout_step(lengths, group_ids, 1, 1, 8, sequence_parallel=2)[0][0]) == 2
+    assert len(layout_step(lengths, group_ids, 1, 1, 8, sequence_parallel=4)[0][0]) == 1

@@ -1,0 +1,151 @@
+"""Four ranks of torch.distributed on gloo, one spawned process each, for
+tests/unit/test_sequence_parallel.py: every case's learner step (learner/step.py on the tiny
+float64 model of tests/unit/test_learner_step.py) at sequence-parallel size 1 (on each rank
+alone), 2 (two groups of two, data parallel over them) and 4 (one group), and how far the
+losses and the gradients of every update of sizes 2 and 4 are from size 1's.
+
+The ranks' policies leave the weights where they are (a learning rate of 0): every update's
+gradient is then taken at the same weights at every size, so rounding is all that separates
+them (an update would magnify it in the next one's gradient; tests/unit/test_learner_step.py
+covers the updates themselves).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from groupflow.config.learner import LoraConfig
+from groupflow.learner.credit import LocalReducer
+from groupflow.learner.distributed import DistributedReducer
+from groupflow.learner.lora import add_adapters
+from groupflow.learner.sequence_parallel import install_ulysses, parallel_groups
+from groupflow.learner.step import StepSettings, train_step
+from tests.unit.test_learner_step import TEMPERATURE, algorithm, layout, sample_step, tiny_model
+
+WORLD = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    preset: str
+    keys: dict
+    packed: bool
+    many_micro_batches: bool
+    lora: bool = False
+    checkpointing: bool = False
+
+
+class RecordingRank:
+    """learner/step.py's Policy: sums the ranks' gradients at each update (as ZeRO-3 does)
+    and records them, and the losses backpropagated; the weights stay put."""
+
+    def __init__(self, model, distributed: bool, count_loss: bool):
+        self.model, self.distributed, self.count_loss = model, distributed, count_loss
+        self.device = torch.device("cpu")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grads: list[list[torch.Tensor]] = []
+        self.loss = torch.zeros((), dtype=torch.float64)
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        if self.count_loss:
+            self.loss += loss.detach()
+        loss.backward()
+
+    def step(self) -> float:
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
+        if self.distributed:
+            for g in grads:
+                dist.all_reduce(g)
+        self.grads.append(grads)
+        for p in self.params:
+            p.grad = None
+        return 0.0
+
+
+def with_observations(seqs, gen: torch.Generator):
+    """Every third sequence with a run of observation tokens inside its response (a tool's
+    result), its vLLM log-probs cut to its model tokens."""
+    out = []
+    for i, s in enumerate(seqs):
+        n = s.num_response_tokens
+        if i % 3 or n < 3:
+            out.append(s)
+            continue
+        start = int(torch.randint(1, n - 1, (), generator=gen))
+        mask = [0 if start <= t < start + 2 else 1 for t in range(n)]
+        vllm = s.vllm_logprobs[: sum(mask)] if s.vllm_logprobs else []
+        out.append(dataclasses.replace(s, loss_mask=mask, vllm_logprobs=vllm))
+    return out
+
+
+def case_model(case: Case, gen: torch.Generator):
+    model = tiny_model(gen)
+    if case.lora:
+        model = add_adapters(model, LoraConfig(rank=4, alpha=8.0))
+        with torch.no_grad():  # B starts at 0, which would leave A without a gradient
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    if case.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def run_case(case: Case, rank: int, groups: dict, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    algo = algorithm(case.preset, **case.keys)
+    model = case_model(case, gen)
+    seqs = with_observations(sample_step(model, gen, algo, num_groups=4), gen)
+    reference = copy.deepcopy(model).eval() if algo.kl.coef > 0 else None
+    out = {"widths_not_dividing": sorted({len(s.input_ids) % 4 for s in seqs})}
+
+    one = RecordingRank(copy.deepcopy(model), distributed=False, count_loss=True)
+    cut = layout(seqs, gen, 1, case.many_micro_batches)
+    train_step(one, reference, cut[0], StepSettings(algo, TEMPERATURE, LocalReducer(), case.packed))
+
+    for size, parallel in groups.items():
+        sp = parallel.sequence
+        policy = RecordingRank(copy.deepcopy(model), distributed=True, count_loss=sp.rank == 0)
+        install_ulysses(policy.model, sp)
+        ref = None
+        if reference is not None:
+            ref = copy.deepcopy(reference)
+            install_ulysses(ref, sp)
+        reducer = DistributedReducer(parallel.data_size, torch.device("cpu"), parallel.data_group)
+        settings = StepSettings(algo, TEMPERATURE, reducer, case.packed, sequence_parallel=sp)
+        cut = layout(seqs, gen, parallel.data_size, case.many_micro_batches)
+        train_step(policy, ref, cut[rank // size], settings)
+        dist.all_reduce(policy.loss)
+        assert len(policy.grads) == len(one.grads), "as many updates at every size"
+        worst = 0.0
+        for got, want in zip(policy.grads, one.grads, strict=True):
+            for g, w in zip(got, want, strict=True):
+                scale = w.abs().max().item()
+                if scale > 0:
+                    worst = max(worst, (g - w).abs().max().item() / scale)
+                else:
+                    worst = max(worst, g.abs().max().item())
+        out[size] = {
+            "grad_error": worst,
+            "loss": policy.loss.item(),
+            "loss_one": one.loss.item(),
+            "grad_scale": max(w.abs().max().item() for ws in one.grads for w in ws),
+        }
+    return out
+
+
+def run_rank(rank: int, port: int, cases: list[Case], seed: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        groups = {size: parallel_groups(WORLD, rank, size) for size in (2, 4)}
+        return {case.name: run_case(case, rank, groups, seed + i) for i, case in enumerate(cases)}
+    finally:
+        dist.destroy_process_group()
