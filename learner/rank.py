@@ -44,7 +44,6 @@ from groupflow.learner.weight_export import (
     shard_buckets,
     weight_manifest,
 )
-from groupflow.learner.zero_config import model_parameter_count
 from groupflow.learner.zero_models import RankSetup, build_zero_models
 
 
@@ -91,7 +90,10 @@ class LearnerRank:
             cfg.learner.memory_gib, node_bytes, device_bytes, self.setup.world_size
         )
         dtype_bytes = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
-        shape = ModelShape.of(self._module.config, model_parameter_count(self.setup.model_path))
+        # from the partitioned model itself: building one from the config here, with ZeRO-3's
+        # HfDeepSpeedConfig alive, would partition its meta tensors
+        parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self._module.parameters())
+        shape = ModelShape.of(self._module.config, parameters)
         per_position = bytes_per_position(shape, dtype_bytes, cfg.learner.gradient_checkpointing)
         fixed = fixed_bytes(shape, dtype_bytes, self.setup.world_size, baseline)
         self.budget = estimated_budget(self.memory, fixed, per_position)

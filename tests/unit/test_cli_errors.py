@@ -138,10 +138,16 @@ def test_a_run_whose_cluster_does_not_answer_is_one_line(
 
 @pytest.mark.parametrize("command", [["status", "r"], ["scale", "r", "--engines", "2"]])
 def test_a_run_whose_recorded_gcs_answers_but_is_no_gcs_is_refused_within_the_deadline(
-    no_jobs_api, tmp_path, capsys, command
+    no_jobs_api, tmp_path, capsys, monkeypatch, command
 ):
     """A web server where the record says the GCS is: 40 s to the line until issue 39."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import ray
+
+    # as in the command's own fresh process: the suite's earlier tests may have joined this
+    # one to their cluster (the probe refuses before any ray.init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
 
     from groupflow.run.cluster_address import CONNECT_TIMEOUT_S
 
