@@ -10,7 +10,10 @@ flight from it (`ToolPoolClient`). A worker holds no state, so one that dies is 
 Ray under the same handle (`max_restarts`, on another node if its own is gone). The calls it
 was running, and those that reach it while it restarts, are sent again, to another worker if
 one is up, until they run or `agent.tool_timeout_s` ends them: a program runs in a sandbox of
-its own, so running it twice changes nothing outside it.
+its own, so running it twice changes nothing outside it. A call that lost its worker and found
+no other to run it gives up shortly before that deadline, as `ToolWorkerLost`: its trajectory
+failed for a reason not the model's and is masked, where a timeout would be counted against
+the model's program.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ import ray
 from groupflow.config import Config
 from groupflow.reward_workers.sandbox import Limits, default_platform, require_strong, run_python
 from groupflow.rollout.python_tool import RunCode
+from groupflow.rollout.toolbox import ToolWorkerLost
 from groupflow.rollout.user_calls import LOOP_WATCH, UserCalls
 
 log = logging.getLogger(__name__)
 
 CALLS_PER_WORKER = 4  # sandboxes one worker runs at once (each is a process of its own)
 RETRY_AFTER_S = 1.0  # a worker that failed a call gets no call for this long
+# A call that lost its worker gives up this long before the ToolBox's deadline (at most a
+# tenth of it), so that it ends as a lost worker and not as the program's timeout.
+LOST_MARGIN_S = 0.5
 PROGRAM_MEMORY_MB = 512
 PROGRAM_OUTPUT_BYTES = 64 << 10
 
@@ -98,17 +105,27 @@ class ToolPoolClient:
         self.resting_until = [0.0] * len(self.workers)
 
     async def run(self, code: str, timeout_s: float) -> tuple[int, str, str, bool]:
+        give_up = time.monotonic() + timeout_s - min(LOST_MARGIN_S, timeout_s / 10)
+        lost = None  # why the call has no worker, once it lost one (or found none up)
         while True:  # the caller's deadline (ToolBox) ends the retries
             now = time.monotonic()
+            if lost is not None and now >= give_up:
+                raise ToolWorkerLost(f"the tool worker was lost ({lost}) and none ran it in time")
             up = [i for i, until in enumerate(self.resting_until) if until <= now]
             if not up:
-                await asyncio.sleep(min(self.resting_until) - now)
+                lost = lost or "no tool worker up"
+                await asyncio.sleep(max(0.0, min(min(self.resting_until), give_up) - now))
                 continue
             i = min(up, key=lambda k: self.in_flight[k])
-            self.in_flight[i] += 1
             call = self.workers[i].run.remote(code, timeout_s)
+            self.in_flight[i] += 1
             try:
-                return await call
+                if lost is None:
+                    return await call
+                return await asyncio.wait_for(call, max(0.0, give_up - time.monotonic()))
+            except TimeoutError:
+                ray.cancel(call)  # a retry nobody waits for any more
+                lost = lost or "the retry did not finish"
             except asyncio.CancelledError:
                 # the caller gave up (its deadline): a call still queued at the worker would
                 # run ahead of other trajectories' calls for nobody (a running program ends
@@ -119,5 +136,6 @@ class ToolPoolClient:
                 if self.resting_until[i] <= time.monotonic():
                     log.warning("tool worker %d failed a call, sent again: %s", i, err)
                 self.resting_until[i] = time.monotonic() + RETRY_AFTER_S
+                lost = type(err).__name__
             finally:
                 self.in_flight[i] -= 1

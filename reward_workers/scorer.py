@@ -53,10 +53,13 @@ def scored_groups(groups: list[SampledGroup], verdicts: list[Verdict]) -> list[S
 
 
 def _unless_failed(response, verdict: Verdict) -> Verdict:
-    """A trajectory its environment failed scores 0, whatever its text would."""
-    if response.end_reason != "environment_error":
+    """A trajectory its environment failed (or a tool worker under it, or its deadline while
+    the environment held it) scores 0 with the error "environment", whatever its text would:
+    the job masks it (groupflow/loop/infra_failures.py)."""
+    if response.end_reason != "environment_error" and response.infra_failure is None:
         return verdict
-    return Verdict(0.0, f"the environment failed: {response.error}", error="environment")
+    why = response.error or response.infra_failure
+    return Verdict(0.0, f"the environment failed: {why}", error="environment")
 
 
 class Scorer:

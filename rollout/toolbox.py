@@ -33,6 +33,11 @@ class ToolError(Exception):
     model reads."""
 
 
+class ToolWorkerLost(Exception):
+    """The worker that ran a call was lost and no other ran it in time: the infrastructure's
+    failure, not the model's (its trajectory ends, masked: groupflow/loop/infra_failures.py)."""
+
+
 class Tool(Protocol):
     name: str
     description: str
@@ -173,6 +178,8 @@ class ToolBox:
                 return self._reply(call.name, "timeout", content, start)
             if isinstance(raised, ToolError):  # a refusal: its message is for the model
                 return self._reply(call.name, "error", f"error: {text_of(raised)}", start)
+            if isinstance(raised, ToolWorkerLost):
+                return self._reply(call.name, "lost", f"error: {text_of(raised)}", start)
             return self._reply(call.name, "error", f"error: {err}", start)  # whatever it raised
         return self._reply(call.name, "ok", content, start)
 

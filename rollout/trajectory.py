@@ -13,7 +13,10 @@ An environment (`agent.environment`, or the built-in `ToolEnvironment` that runs
 `agent.tools`) is made per trajectory and told each model turn; it answers with the messages
 to insert, or None to end the trajectory. One that raises, whatever it raises, or answers
 with something that is not an answer ends its trajectory with `end_reason`
-"environment_error" (reward 0, counted), never the job.
+"environment_error" (reward 0, counted), never the job. Such a trajectory, one whose tool
+worker was lost, and one whose deadline passed while its environment held it, failed for a
+reason that is not the model's: `Response.infra_failure` says which, and the job masks it
+(groupflow/loop/infra_failures.py).
 
 The engine's event loop runs every trajectory of the engine, its stepping and its weight loads,
 so no size an environment chooses reaches it unbounded: an observation whose text cannot fit
@@ -152,12 +155,15 @@ async def _run(
                 step = user_attribute(env, "step")
             reply = await asyncio.wait_for(_step(step, sampled.text), deadline - clock())
         except TimeoutError:  # the deadline's: one the environment raised is UserCodeFailed
-            return trajectory.end("deadline")
+            return trajectory.end("deadline", infra_failure="environment_deadline")
         except (UserCodeFailed, InvalidObservation) as err:
             return trajectory.end("environment_error", error=str(err))
         if reply is None:
             return trajectory.end("answer")
         trajectory.tool_uses += reply.tool_uses
+        if any(use.outcome == "lost" for use in reply.tool_uses):
+            lost = "a tool worker was lost under the call"
+            return trajectory.end("environment_error", error=lost, infra_failure="tool_worker_lost")
         if turn + 1 == limits.max_turns:
             return trajectory.end("turn_limit")
         room = min(limits.total_tokens, max_model_len - len(prompt_ids)) - trajectory.length
@@ -215,7 +221,15 @@ class _Trajectory:
         self.mask += [0] * len(ids)
         self.texts.append(text)
 
-    def end(self, reason: str, finish_reason: str = "stop", error: str | None = None) -> Response:
+    def end(
+        self,
+        reason: str,
+        finish_reason: str = "stop",
+        error: str | None = None,
+        infra_failure: str | None = None,
+    ) -> Response:
+        if reason == "environment_error" and infra_failure is None:
+            infra_failure = "environment_error"
         return Response(
             token_ids=self.ids,
             text="".join(self.texts),
@@ -227,6 +241,7 @@ class _Trajectory:
             end_reason=reason,
             tool_uses=self.tool_uses,
             error=error,
+            infra_failure=infra_failure,
             final_turn=self.final_turn,
             loop_blocks=self.loop_blocks.n,
         )

@@ -66,6 +66,16 @@ class RewardConfig(Section):
         description="steps in a row whose responses were all unscored (reward workers timed "
         "out or were never placed) before the job stops; such a step is never trained on",
     )
+    max_infra_failure_share: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="share of a step's responses that may fail for a reason not the model's "
+        "(an environment or tool worker, a verifier that failed or timed out) before the job "
+        "warns, once; past it in 3 steps in a row, the job stops. Such responses are masked "
+        "either way: out of their group's statistics and the loss (docs/agents.md)",
+    )
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None,
         description="DAPO's soft overlong punishment (arXiv 2503.14476), added to the "

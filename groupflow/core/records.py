@@ -27,7 +27,9 @@ class Prompt:
 
 
 # How a tool call ended (rollout/toolbox.py), as the step's figures count them.
-TOOL_OUTCOMES = ("ok", "error", "timeout", "malformed", "unknown")
+# "lost": the tool worker running it was lost and no other ran it in time: not the model's
+# failure, and its trajectory is masked (groupflow/loop/infra_failures.py).
+TOOL_OUTCOMES = ("ok", "error", "timeout", "malformed", "unknown", "lost")
 
 
 @dataclass
@@ -64,6 +66,10 @@ class Response:
     end_reason: str | None = None
     tool_uses: list[ToolUse] = field(default_factory=list)
     error: str | None = None  # what the environment raised, when end_reason says it did
+    # Why the trajectory failed for a reason not the model's ("environment_error",
+    # "environment_deadline", "tool_worker_lost"): it is masked, never scored or trained on
+    # (groupflow/loop/infra_failures.py). None: the model's trajectory, whatever its end.
+    infra_failure: str | None = None
     # A trajectory's last model turn, the one span its answer can occupy: what a verifier
     # reads (reward_workers/scorer.py). None for a single completion, whose text is all its own.
     final_turn: str | None = None

@@ -3,13 +3,12 @@
 prompts -> generator pool -> reward pool -> advantages -> learner -> weight transport -> engines.
 
 A step (`_step`) takes its groups from the prompt stream (prompt_stream.py) as soon as each is
-scored, turns them into training sequences with their advantages, trains the learner on them,
-sends the new version to the engines and writes its record. It blocks in four stages of its
-record (`wait_rollout`, `reward`, `learn`, `sync`), each in the pipeline's one wait
-(pipeline.py, the owner of the policy version), where generation and scoring go on. Held-out
-scores are held_out.py's, checkpoints checkpointer.py's, the restart budget
-groupflow/core/recovery.py's: a lost learner rank raises LearnerLost, and the driver rebuilds
-the ranks through `recover_learner`.
+scored, masks the failures not the model's (infra_failures.py), turns them into training
+sequences with their advantages, trains the learner on them, sends the new version to the
+engines and writes its record. It blocks in four stages of its record (`wait_rollout`,
+`reward`, `learn`, `sync`), each in the pipeline's one wait (pipeline.py, the owner of the
+policy version), where generation and scoring go on. A lost learner rank raises LearnerLost,
+and the driver rebuilds the ranks through `recover_learner`.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from groupflow.learner.lr_schedule import lr_at
 from groupflow.loop.checkpoint import Checkpointing
 from groupflow.loop.checkpointer import Checkpointer, DriverState
 from groupflow.loop.held_out import HeldOutEvaluation, HeldOutSet
+from groupflow.loop.infra_failures import InfraFailures
 from groupflow.loop.live_series import LiveSeries
 from groupflow.loop.pipeline import Pipeline
 from groupflow.loop.prompt_stream import PromptStream
@@ -94,6 +94,7 @@ class TrainingJob:
         parts["reward_totals"] = self.reward_totals
         self.checkpointer = Checkpointer(cfg, checkpointing, learner, self.pipeline, parts)
         self.unscored = UnscoredSteps(cfg.reward.max_unscored_steps)
+        self.infra = InfraFailures(cfg)
         self.first_step, self.last_step = 1, 0  # this process's first step, the last trained
         self.stopped = False  # ended by a stop request before trainer.steps
 
@@ -134,25 +135,26 @@ class TrainingJob:
         self.stopping.waiting_for = step
         scored = partial(self.pipeline.scored, times=times)
         taken = self.stream.take_step(step, self.pipeline.version, scored)
-        while not self.unscored.trainable(taken.groups):  # never train on nothing
+        while not self.unscored.trainable(taken.groups) or not (
+            masked := self.infra.mask(taken.groups)
+        ):
             taken = self.stream.take_step(step, self.pipeline.version, scored)
         self.stopping.waiting_for = None  # from here the step runs to its end
         self.pipeline.feed()  # the next steps' chunks generate while this one learns
         self.live.publish()
-        advantages = group_advantages(taken.groups, self.cfg)
+        advantages = group_advantages(masked.groups, self.cfg)
         if self.sample_log is not None:
-            self.sample_log(step, taken.groups, advantages)
-        seqs = train_sequences(taken.groups, advantages, self.cfg.algorithm)
+            self.sample_log(step, taken.groups, masked.spread(advantages))
+        seqs = train_sequences(masked.groups, advantages, self.cfg.algorithm)
         staleness = [self.pipeline.version - s.policy_version for s in seqs]
         lr = lr_at(self.cfg.learner.optimizer, step, self.cfg.trainer.steps)
         results = self._learn(seqs, times, lr)
         times["gen"] = taken.generation_s
         with stage_timer("metrics", times):
             record = {"step": step, "policy_version": self.pipeline.version, "lr": lr}
-            record.update(rollout_record(taken.groups, staleness, times))
-            record.update(learner_record(results))
-            record["groups_dropped_stale"] = taken.dropped_stale
-            record["groups_filtered"] = taken.filtered
+            record.update(rollout_record(masked.groups, staleness, times, taken.groups))
+            record.update(learner_record(results) | masked.figures())
+            record.update(groups_dropped_stale=taken.dropped_stale, groups_filtered=taken.filtered)
             record.update(self.pipeline.step_figures())
         record.update(self.reward_totals.state_dict() | self.restarts.state_dict())
         record.update(self.checkpointer.figures())

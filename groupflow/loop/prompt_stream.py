@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from groupflow.config import Config
 from groupflow.core.peers import Chunk
 from groupflow.core.records import ScoredGroup
+from groupflow.loop.infra_failures import valid_rewards
 from groupflow.reward_workers.tasks.base import Task
 
 # Dynamic sampling looks at most this many steps' worth of extra groups per step (DAPO keeps
@@ -115,7 +116,7 @@ class PromptStream:
                     )
                 continue
             looked_at += 1
-            if dynamic and len(set(group.rewards)) == 1:
+            if dynamic and len(set(valid_rewards(group))) <= 1:  # failures masked
                 taken.filtered += 1
                 skipped.append(group)
                 self._refilling = True

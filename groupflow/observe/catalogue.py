@@ -382,6 +382,26 @@ METRICS: tuple[Metric, ...] = (
         _ERRORS,
         Series("groupflow_reward_timeouts", "running_total"),
     ),
+    Metric(
+        "infra_failures",
+        "responses per step masked for failures not the model's, by reason (environment_error, "
+        "environment_deadline, tool_worker_lost, verifier_error, verifier_timeout)",
+        "responses",
+        _ERRORS,
+        Series("groupflow_infra_failures", "counter", label="reason"),
+    ),
+    Metric(
+        "groups_dropped_infra",
+        "groups left with fewer than two valid members after masking, dropped untrained",
+        "",
+        _ERRORS,
+        Series("groupflow_groups_dropped_infra", "counter"),
+    ),
+    Metric(
+        "infra_failure_share",
+        "share of the step's responses masked (reward.max_infra_failure_share bounds it)",
+        "fraction",
+    ),
     # recovery and checkpoints (groupflow/loop/job.py; the checkpoint figures only with
     # trainer.checkpoint_every)
     Metric(

@@ -18,10 +18,15 @@ def _ratio(num: float, den: float) -> float:
 
 
 def rollout_record(
-    scored: list[ScoredGroup], staleness: list[int], times: dict[str, float]
+    scored: list[ScoredGroup],
+    staleness: list[int],
+    times: dict[str, float],
+    sampled: list[ScoredGroup] | None = None,
 ) -> dict[str, float | dict[str, float]]:
     """Figures of the groups a step trained on; `staleness` holds one entry per sequence and
-    `times` the step's stage times so far (groupflow.core.timing)."""
+    `times` the step's stage times so far (groupflow.core.timing). The trajectories' figures
+    count every response `sampled` (default: those trained on), the masked ones too
+    (groupflow/loop/infra_failures.py): their tool calls and end reasons happened."""
     rewards = [r for g in scored for r in g.rewards]
     lengths = [len(resp.token_ids) for g in scored for resp in g.group.responses]
     tokens = sum(lengths)
@@ -42,7 +47,7 @@ def rollout_record(
     }
     if any(g.group.prompt.task for g in scored):  # several tasks in one job
         record.update(_per_task(scored))
-    responses = [r for g in scored for r in g.group.responses]
+    responses = [r for g in (scored if sampled is None else sampled) for r in g.group.responses]
     if any(r.end_reason is not None for r in responses):  # a multi-turn job
         record.update(agent_figures(responses))
     record.update(time_keys(times))

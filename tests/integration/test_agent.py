@@ -180,10 +180,15 @@ def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tm
     assert not any(MARKER in text for text in observations)  # nothing read outside
     assert any("42" in text for text in observations)  # the benign program ran
     assert not escaped.exists()
-    # The reward plugin: the prompts it hangs on scored 0, the others 1, and the steps (and
-    # both held-out evaluations, scored by it too) completed
+    # The reward plugin: the prompts it hangs on timed out and were masked (out of the
+    # statistics and the loss, counted), the others scored 1, and the steps (and both
+    # held-out evaluations, scored by it too) completed
     assert sum(r["reward_timeouts"] for r in records) > 0
-    assert 0.0 < sum(r["reward_mean"] for r in records) / len(records) < 1.0
+    masked = sum(r["infra_failures"].get("verifier_timeout", 0) for r in records)
+    assert masked > 0 and masked % 4 == 0  # whole groups: the plugin hangs by prompt
+    assert sum(r["groups_dropped_infra"] for r in records) == masked // 4
+    assert all(r["reward_mean"] == 1.0 for r in records)
+    assert all(r["num_sequences"] + r["infra_failure_share"] * 16 == 16 for r in records)
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["final_accuracy"] <= 1.0
     # The trained policy is a model directory of its own: its tokenizer renders a tool

@@ -10,8 +10,9 @@ import time
 from fractions import Fraction
 
 import pytest
+import ray
 
-from groupflow.actors.tools import in_process_run_code
+from groupflow.actors.tools import ToolPoolClient, in_process_run_code
 from groupflow.core.records import Prompt, Response, SampledGroup, ToolUse, Verdict
 from groupflow.loop.sequences import group_advantages, train_sequences
 from groupflow.observe.rollout_figures import agent_figures
@@ -321,6 +322,79 @@ def test_a_failed_environment_scores_zero_whatever_the_verifier_says():
     (scored,) = scored_groups([group], [Verdict(1.0, "right"), Verdict(1.0, "right")])
     assert scored.rewards == [0.0, 1.0]
     assert scored.verdicts[0].error == "environment"
+
+
+@pytest.mark.parametrize(
+    ("environment", "infra_failure"),
+    [(Raising, "environment_error"), (Wrong, "environment_error"), (Slow, "environment_deadline")],
+)
+def test_an_environments_failure_is_not_the_models_and_is_never_scored(environment, infra_failure):
+    """Its trajectory says so (the job masks it, groupflow/loop/infra_failures.py) and the
+    reward side gives it the verdict error "environment" whatever its text would score."""
+    renderer = renderer_for(CHAT_TEMPLATE)
+    _, _, response = run(
+        renderer,
+        ScriptedEngine(renderer.tokenizer, ["1"]),
+        environment,
+        TurnLimits(4, 96, 240, 0.2),
+    )
+    assert response.infra_failure == infra_failure
+    group = SampledGroup(Prompt("u", "", 1), [0], [response], 0)
+    (scored,) = scored_groups([group], [Verdict(1.0, "right")])
+    assert scored.verdicts[0].error == "environment" and scored.rewards == [0.0]
+
+
+def test_a_turn_past_the_deadline_is_the_models_own():
+    """The deadline checked after a slow turn (no environment waited on) is no failure."""
+    renderer = renderer_for(CHAT_TEMPLATE)
+    times = iter([0.0, 5.0])
+    prompt = next(TASK.train_prompts(seed=1))
+    engine = ScriptedEngine(renderer.tokenizer, ["1"])
+    box = ToolBox([Calculator()], 5.0, 200)
+    coro = run_trajectory(
+        prompt,
+        renderer.ids(prompt),
+        engine,
+        lambda p: ToolEnvironment(p, box, ToolCallParser("hermes", renderer.tokenizer, [])),
+        ObservationRenderer(renderer),
+        TurnLimits(4, 96, 240, 1.0),
+        256,
+        clock=lambda: next(times),
+    )
+    response = asyncio.run(coro)
+    assert response.end_reason == "deadline" and response.infra_failure is None
+
+
+class LostWorker:
+    """A pool worker that is lost under every call, as Ray reports it."""
+
+    class run:  # noqa: N801 - shaped as an actor's method
+        @staticmethod
+        async def remote(code, timeout_s):
+            await asyncio.sleep(0.01)
+            raise ray.exceptions.RayActorError()
+
+
+def test_a_call_whose_tool_worker_is_lost_ends_its_trajectory_as_not_the_models():
+    """The pool's client gives up before the tool's deadline, so the call is `lost`, not a
+    `timeout` of the model's program, and the trajectory ends there, masked."""
+    box = ToolBox([PythonTool(ToolPoolClient([LostWorker(), LostWorker()]).run, 1.0)], 1.0, 200)
+    start = time.monotonic()
+    reply = asyncio.run(box.call(ToolCall("python", {"code": "print(1)"})))
+    assert reply.use.outcome == "lost" and "lost" in reply.content
+    assert time.monotonic() - start < 1.0
+    renderer = renderer_for(CHAT_TEMPLATE)
+    parser = ToolCallParser("hermes", renderer.tokenizer, box.schemas)
+    call = '<tool_call>{"name":"python","arguments":{"code":"print(1)"}}</tool_call>'
+    _, _, response = run(
+        renderer,
+        ScriptedEngine(renderer.tokenizer, [call, "7"]),
+        lambda p: ToolEnvironment(p, box, parser),
+        TurnLimits(4, 128, 1000, 30.0),
+        context=1024,
+    )
+    assert response.end_reason == "environment_error" and response.turns == 1
+    assert response.infra_failure == "tool_worker_lost"
 
 
 def test_a_user_environment_that_returns_messages_continues():
