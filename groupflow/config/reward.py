@@ -66,7 +66,7 @@ class RewardConfig(Section):
         description="steps in a row whose responses were all unscored (reward workers timed "
         "out or were never placed) before the job stops; such a step is never trained on",
     )
-    max_infra_failure_share: float = Field(
+    max_infra_failure_share: FloatSetting = Field(
         0.2,
         ge=0,
         le=1,
