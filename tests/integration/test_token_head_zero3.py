@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from groupflow.core.random_model import random_causal_lm
+from tests.unit.test_moe_blocks import TINY_MOE
 
 pytestmark = pytest.mark.integration
 
@@ -169,20 +170,6 @@ def test_zero3_head_matches_plain_full_logits(rank_process, tmp_path, tied, chec
         for name, got, want in step:
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=0, atol=3e-5 * scale, msg=name)
-
-
-# A mixture of experts small enough for a second's forward: 4 experts, 2 per token, 2 layers.
-TINY_MOE = dict(
-    hidden_size=32,
-    moe_intermediate_size=16,
-    intermediate_size=64,
-    num_experts=4,
-    num_experts_per_tok=2,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-)
 
 
 def moe_block_gathers(leaf: bool, path: str) -> list[list[list[int]]]:

@@ -15,6 +15,8 @@ from groupflow.learner.lora import check_target_modules
 from groupflow.learner.model_setup import prepare_model
 from groupflow.learner.moe_blocks import make_leaf_modules, moe_blocks
 
+# A mixture of experts small enough for a second's forward: 4 experts, 2 per token, 2 layers
+# (tests/integration/test_token_head_zero3.py uses it too).
 TINY_MOE = dict(
     hidden_size=32,
     moe_intermediate_size=16,
