@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +25,20 @@ from groupflow.core.adapters import (
     engine_max_rank,
     serving_config,
 )
+from groupflow.core.model_dir import read_model_config
 from groupflow.core.records import Prompt, Response, SampledGroup
 from groupflow.core.sync_probe import Probe, ProbeLogprobs, job_probe
-from groupflow.core.weight_format import LoadedWeights, checksums
+from groupflow.core.weight_format import (
+    LoadedWeights,
+    WeightSyncMismatch,
+    WorkerLoad,
+    checksums,
+)
 from groupflow.rollout.agent import Agent, AgentSettings
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 from groupflow.rollout.python_tool import RunCode
+from groupflow.rollout.shard_stream import ShardSender
+from groupflow.rollout.tp_shards import ModelShape, shard_plan
 from groupflow.rollout.weight_intake import checksummed
 
 if TYPE_CHECKING:
@@ -137,6 +146,7 @@ class RolloutEngine:
             cores = sorted(os.sched_getaffinity(0))
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(cores, tp)
         self.tensor_parallel_size = tp
+        self.model_shape = ModelShape.of(read_model_config(settings.model_path)) if tp > 1 else None
 
         self.llm = LLM(
             model=settings.model_path,
@@ -386,11 +396,9 @@ class RolloutEngine:
         else:
             pairs = checksummed(named_tensors, loaded.checksums)
             if self.tensor_parallel_size > 1:
-                # The workers are other processes: the sync reaches them as one message, full
-                # tensors that each worker's weight loaders cut to its own shard, so the engine
-                # holds the model once more while it loads (an iterator does not cross).
-                pairs = list(pairs)
-            self.llm.collective_rpc("load_named_tensors", args=(pairs,))
+                loaded.workers = self._load_by_shard(pairs, version)
+            else:
+                self.llm.collective_rpc("load_named_tensors", args=(pairs,))
         engine = self.llm.llm_engine
         # Tokens sampled from here on carry the new version (vLLM labels each one), and no
         # key-value cache the old weights computed is used again: running requests compute
@@ -399,6 +407,53 @@ class RolloutEngine:
         engine.reset_prefix_cache(reset_running_requests=True)
         self.policy_version = version
         return loaded
+
+    def _load_by_shard(self, pairs, version: int) -> list[WorkerLoad]:
+        """Load `pairs` on the tensor-parallel workers, other processes: each receives its own
+        part of each tensor only, as the pairs arrive (rollout/shard_stream.py), while vLLM's
+        call into every worker runs in a thread of its own. Raises WeightSyncMismatch where a
+        worker received other bytes than the engine sent it."""
+        tp = self.tensor_parallel_size
+        ended: dict[str, object] = {}
+
+        def load_on_workers():
+            try:
+                ended["result"] = self.llm.collective_rpc("load_shards", args=(sender.address,))
+            except BaseException as err:  # raised below, in the caller's thread
+                ended["error"] = err
+
+        with ShardSender(tp) as sender:
+            workers = threading.Thread(target=load_on_workers, name="shard-load", daemon=True)
+            workers.start()
+            try:
+                sender.accept(workers.is_alive)
+                sender.send(
+                    pairs, lambda name, shape: shard_plan(name, shape, self.model_shape, tp)
+                )
+            except ConnectionError:
+                # a worker failed its load: its error, not the closed socket, says why
+                sender.close()
+                workers.join()
+                if "error" in ended:
+                    raise ended["error"] from None
+                raise
+            except BaseException:
+                sender.close()  # the workers' streams end: they fail their loads, and restore
+                workers.join()
+                raise
+            workers.join()
+        if "error" in ended:
+            raise ended["error"]
+        loads = []
+        for (load, received), sent in zip(ended["result"], sender.sent, strict=True):
+            for name in sorted(sent.keys() | received.keys()):
+                if sent.get(name) != received.get(name):
+                    raise WeightSyncMismatch(
+                        f"weight sync {version}: tensor-parallel worker {load.rank} received "
+                        f"other bytes of {name} than the engine sent it"
+                    )
+            loads.append(load)
+        return loads
 
     async def parameters_snapshot(self) -> dict:
         return (await self._call(self.llm.collective_rpc, "named_parameters_snapshot"))[0]

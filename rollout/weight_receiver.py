@@ -7,8 +7,9 @@ from collections.abc import Iterable
 import torch
 
 from groupflow.core.adapters import ADAPTER_ID
-from groupflow.core.weight_format import layer_of
+from groupflow.core.weight_format import Checksums, WorkerLoad, layer_of
 from groupflow.rollout.expert_reload import expert_kernels_processed
+from groupflow.rollout.shard_stream import ResidentPeak, ShardStream
 
 # With tied embeddings vLLM's output projection shares the input embedding's weight.
 TIED_HEAD = {"model.embed_tokens": "lm_head"}
@@ -47,6 +48,17 @@ class WeightReceiver:
         finally:
             self._repack_kept_cpu_weights(layers | {TIED_HEAD.get(x, x) for x in layers})
         return len(layers)
+
+    def load_shards(self, address: str) -> tuple[WorkerLoad, Checksums]:
+        """Load a sync's parts for this tensor-parallel worker, read from the engine's socket
+        at `address` as vLLM consumes them (rollout/shard_stream.py). Returns what it received
+        and held, and the checksum of each part it received."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        with ResidentPeak() as held, ShardStream(address, rank) as stream:
+            self.load_named_tensors(stream.pairs())
+        return WorkerLoad(rank, stream.bytes, held.extra), stream.received
 
     def load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], config: dict) -> int:
         """Serve the LoRA adapter `named_tensors` (PEFT's names, groupflow/core/adapters.py) with

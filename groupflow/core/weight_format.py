@@ -275,6 +275,18 @@ class LoadedWeights:
     version: int
     checksums: Checksums = field(default_factory=dict)
     probe: list[list[float]] | None = None
+    # a tensor-parallel engine's workers, by rank, each loading its parts only
+    workers: list[WorkerLoad] = field(default_factory=list)
+
+
+@dataclass
+class WorkerLoad:
+    """One tensor-parallel worker's side of a load (rollout/shard_stream.py): the bytes of the
+    parts it received, and the most resident memory it held above its start while loading."""
+
+    rank: int
+    received_bytes: int
+    peak_extra_bytes: int
 
 
 class WeightSyncMismatch(UserError):

@@ -54,13 +54,15 @@ def _train(learner, seqs):
     return ray.get(learner.async_train_step(seqs))
 
 
-def _sync(transport, version: int) -> None:
-    """A sync, every engine's load checked against the learner's checksums."""
+def _sync(transport, version: int) -> list:
+    """A sync, every engine's load checked against the learner's checksums: what each engine
+    loaded (LoadedWeights)."""
     handles = transport.async_sync(version, transport.engines)
     ray.get(handles.learner, timeout=300)
     loaded = ray.get(handles.engines, timeout=300)
     for handle, value in zip(handles.engines, loaded, strict=True):
         assert transport.check_load(handle, value), "verified"
+    return loaded
 
 
 def _sample_sequences(engines, n_prompts=8, group_size=4, seed=0):
@@ -488,7 +490,16 @@ def test_a_tensor_parallel_engine_samples_what_a_one_device_engine_does_after_a_
     tp_pool = start_generator_pool(tp_cfg, learner.model_path)
     try:
         _train(learner, _sample_sequences(engines, seed=7))
-        _sync(ObjectStoreTransport(learner, [engines[0], *tp_pool.engines]), version=20)
+        loaded = _sync(ObjectStoreTransport(learner, [engines[0], *tp_pool.engines]), version=20)
+        # each worker received its own part of each tensor only (rollout/shard_stream.py), and
+        # held no more than 1.2 times that while it loaded: never a second whole model
+        whole = sum(t.numel() * t.element_size() for t in learner_weights(learner).values())
+        workers = loaded[1].workers
+        assert [w.rank for w in workers] == [0, 1]
+        for w in workers:
+            assert w.received_bytes < 0.6 * whole, (w, whole)
+            assert w.peak_extra_bytes < 1.2 * w.received_bytes, (w, whole)
+        print(f"TP=2 load: model {whole} bytes, workers {workers}")
         prompts = make_task("arithmetic").eval_prompts(24)
         one_device, tensor_parallel = ray.get(
             [
