@@ -22,11 +22,22 @@ times faster it is than the full model's.
 prints instead what the checksums cost alone (groupflow/core/weight_format.py): GB/s of a
 bucket-sized tensor per dtype on one thread, a whole tensor and a partition that starts
 off a word boundary.
+
+    .venv/bin/python bench/weight_sync.py --tp-load [--shapes 512x8,1024x8] [--repeats 3]
+
+prints instead, for each shape, a tensor-parallel engine's load (rollout.tensor_parallel_size
+2, vLLM's multiprocess workers on this machine, no Ray) of its own weights, two ways: `whole`,
+every worker handed every whole tensor in one message (the load before loads by shard), and
+`by shard` (rollout/shard_stream.py), each worker reading its own part of each tensor alone.
+For each, the most resident memory any worker held above its start while loading (sampled
+every millisecond from outside the workers), against the model's bytes and a worker's shard
+of them, and the seconds per load.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -43,6 +54,8 @@ from groupflow.actors.transport_registry import make_transport
 from groupflow.config import Config
 from groupflow.core.random_model import random_causal_lm
 from groupflow.core.weight_format import bucket_manifest, checksum
+from groupflow.rollout.engine import EngineSettings, RolloutEngine
+from groupflow.rollout.shard_stream import ResidentPeak
 from groupflow.run.job_config import small_model_config
 from groupflow.run.quickstart import quickstart_model_path
 
@@ -191,6 +204,54 @@ def bench_checksums(bucket_mb: int, repeats: int) -> None:
         print(f"{str(dtype).removeprefix('torch.'):9s} {bucket_mb:4d}   {'   '.join(figures)}")
 
 
+def _descendants(pid: int) -> tuple[int, ...]:
+    """The processes `pid` started, and theirs (Linux)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return tuple(c for child in children for c in (child, *_descendants(child)))
+
+
+def bench_tp_load(hidden: int, layers: int, repeats: int) -> None:
+    """A TP=2 engine's load of its own weights, whole and by shard (module doc)."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        nbytes = random_model(hidden, layers, Path(tmp))
+        weights = {
+            n: t for f in sorted(Path(tmp).glob("*.safetensors")) for n, t in load_file(f).items()
+        }
+        engine = RolloutEngine(EngineSettings(model_path=tmp, tensor_parallel_size=2))
+        workers = _descendants(os.getpid())
+        ways = {
+            "whole": lambda: engine.llm.collective_rpc(
+                "load_named_tensors", args=(list(weights.items()),)
+            ),
+            "by shard": lambda: engine.load_weights(iter(weights.items()), version=1),
+        }
+        for way, load in ways.items():
+            load()  # warm-up: the allocator's first pages
+            peaks, seconds = [], []
+            for _ in range(repeats):
+                with ResidentPeak(workers) as held:
+                    began = time.perf_counter()
+                    loaded = load()
+                    seconds.append(time.perf_counter() - began)
+                peaks.append(held.extra)
+            shard = max(w.received_bytes for w in loaded.workers) if way == "by shard" else None
+            print(
+                f"{hidden}x{layers:<3} {nbytes / 1e6:9.1f} MB  {way:9s} "
+                f"worker peak +{max(peaks) / 1e6:8.1f} MB = {max(peaks) / nbytes:5.2f} x model"
+                + (
+                    f" = {max(peaks) / shard:5.2f} x its shard ({shard / 1e6:.1f} MB)"
+                    if shard
+                    else ""
+                )
+                + f"  {statistics.median(seconds):7.3f} s/load",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="256x4,512x8,1024x8,1024x16")
@@ -198,6 +259,9 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=64, help="rollout.weight_bucket_mb")
     parser.add_argument("--checksums", action="store_true", help="the checksums' cost alone")
+    parser.add_argument(
+        "--tp-load", action="store_true", help="a TP=2 engine's load, whole and by shard"
+    )
     parser.add_argument(
         "--lora",
         default="",
@@ -208,6 +272,10 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.checksums:
         bench_checksums(args.bucket_mb, args.repeats)
+        return
+    if args.tp_load:
+        for shape in args.shapes.split(","):
+            bench_tp_load(*(int(x) for x in shape.split("x")), args.repeats)
         return
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
     print(

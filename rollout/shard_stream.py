@@ -152,30 +152,38 @@ def _read_into(sock: socket.socket, buffer) -> None:
 
 
 class ResidentPeak:
-    """The most resident memory (Linux) this process held in a block above what it held at
-    its start (`extra`), sampled every millisecond by a thread of its own."""
+    """The most resident memory (Linux) a process held in a block above what it held at the
+    block's start (`extra`: the most of any of `pids`, this process by default), sampled every
+    millisecond by a thread of its own."""
+
+    def __init__(self, pids: tuple[int | str, ...] = ("self",)):
+        self.pids = pids
 
     def __enter__(self) -> ResidentPeak:
-        self.base = self.peak = _resident_bytes()
+        self.base = [_resident_bytes(pid) for pid in self.pids]
+        self.peak = list(self.base)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _resident_bytes())
+        while True:
+            self.peak = [
+                max(p, _resident_bytes(pid)) for p, pid in zip(self.peak, self.pids, strict=True)
+            ]
+            if self._stop.wait(0.001):
+                return
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _resident_bytes())
 
     @property
     def extra(self) -> int:
-        return self.peak - self.base
+        return max(p - b for p, b in zip(self.peak, self.base, strict=True))
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def _resident_bytes(pid: int | str) -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
