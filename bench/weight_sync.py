@@ -238,7 +238,11 @@ def bench_tp_load(hidden: int, layers: int, repeats: int) -> None:
                     loaded = load()
                     seconds.append(time.perf_counter() - began)
                 peaks.append(held.extra)
-            shard = max(w.received_bytes for w in loaded.workers) if way == "by shard" else None
+            shard = None
+            if way == "by shard":  # and what the workers measured of themselves
+                shard = max(w.received_bytes for w in loaded.workers)
+                own = max(w.peak_extra_bytes for w in loaded.workers)
+                print(f"  by shard: the workers' own peak +{own / 1e6:.1f} MB", flush=True)
             print(
                 f"{hidden}x{layers:<3} {nbytes / 1e6:9.1f} MB  {way:9s} "
                 f"worker peak +{max(peaks) / 1e6:8.1f} MB = {max(peaks) / nbytes:5.2f} x model"

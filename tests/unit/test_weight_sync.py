@@ -17,6 +17,7 @@ from groupflow.core.random_model import random_causal_lm
 from groupflow.core.weight_format import (
     LoadedWeights,
     WeightSyncMismatch,
+    WorkerLoad,
     add_checksums,
     bucket_manifest,
     bytes_tensor,
@@ -33,6 +34,8 @@ from groupflow.learner.weight_export import (
     weight_manifest,
 )
 from groupflow.rollout.engine import RolloutEngine
+from groupflow.rollout.shard_stream import ShardStream
+from groupflow.rollout.tp_shards import ModelShape, shard_plan
 from groupflow.rollout.weight_intake import broadcast
 
 
@@ -203,17 +206,39 @@ def test_layer_of_names_the_unit_vllm_loads_whole():
 
 class RecordingLLM:
     """vLLM's side of a load, recorded: the pairs consumed as its worker consumes them (one
-    pass, as they arrive)."""
+    pass, as they arrive); with `workers` > 1, each tensor-parallel worker's, read from the
+    engine's shard stream by a thread of its own as by a process (rollout/weight_receiver.py
+    `load_shards`), `corrupt` changing what a worker says it received of a tensor."""
 
-    def __init__(self):
-        self.loads: list[list[tuple[str, torch.Tensor]]] = []
+    def __init__(self, workers: int = 1, corrupt: tuple[int, str] | None = None):
+        self.workers, self.corrupt = workers, corrupt
+        self.loads: list[list[list[tuple[str, torch.Tensor]]]] = []  # [load][worker] pairs
         self.llm_engine = self  # the engine core's calls, recorded here too
         self.after_load: list[tuple] = []
 
     def collective_rpc(self, method, args):
-        assert method == "load_named_tensors"
-        (named,) = args
-        self.loads.append([(n, t.clone()) for n, t in named])
+        assert method == ("load_named_tensors" if self.workers == 1 else "load_shards")
+        if self.workers == 1:
+            (named,) = args
+            self.loads.append([[(n, t.clone()) for n, t in named]])
+            return None
+        (address,) = args
+        got, results = [None] * self.workers, [None] * self.workers
+
+        def worker(rank: int) -> None:
+            with ShardStream(address, rank) as stream:
+                got[rank] = [(n, getattr(t, "part", t).clone()) for n, t in stream.pairs()]
+            if self.corrupt is not None and self.corrupt[0] == rank:
+                stream.received[self.corrupt[1]] = (0, 0)
+            results[rank] = (WorkerLoad(rank, stream.bytes, 0), stream.received)
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.loads.append(got)
+        return results
 
     def set_weight_version(self, version: str):
         self.after_load.append(("version", version))
@@ -226,11 +251,13 @@ class RecordingEngine:
     """The engine's receiving and loading steps, over a recording stand-in for vLLM."""
 
     load_weights = RolloutEngine.load_weights
+    _load_by_shard = RolloutEngine._load_by_shard
 
-    def __init__(self, tensor_parallel_size: int = 1):
-        self.llm = RecordingLLM()
+    def __init__(self, tensor_parallel_size: int = 1, corrupt: tuple[int, str] | None = None):
+        self.llm = RecordingLLM(tensor_parallel_size, corrupt)
         self.policy_version = 0
         self.tensor_parallel_size = tensor_parallel_size
+        self.model_shape = ModelShape(num_key_value_heads=2, vocab_size=96)
         self.lora = None  # the whole model
 
     def receive_weights(self, group, buckets, version: int, device: str):
@@ -260,7 +287,7 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
     buckets = bucket_manifest(manifest, bucket_bytes)
     assert len(buckets) > 3
 
-    # the second engine tensor-parallel: its workers take the sync as one message
+    # the second engine tensor-parallel: each of its workers reads its own parts alone
     port, engines = free_port(), [RecordingEngine(), RecordingEngine(tensor_parallel_size=2)]
     errors: list[BaseException] = []
     sent, loaded = {}, {}
@@ -289,10 +316,29 @@ def test_buckets_reach_the_engines_exactly_in_one_load(gen):
         assert engine.llm.after_load == [("version", "7"), ("reset", True)]
         assert engine.policy_version == loaded[rank].version == 7
         check_loaded(sent, loaded[rank], f"engine {rank}")
-        got = engine.llm.loads[0]
-        assert [n for n, _ in got] == [e[0] for e in manifest]
-        for name, tensor in got:
-            assert torch.equal(tensor, want[name].detach()), name
+        tp = engine.tensor_parallel_size
+        assert [w.rank for w in loaded[rank].workers] == ([0, 1] if tp > 1 else [])
+        for worker, got in enumerate(engine.llm.loads[0]):
+            assert [n for n, _ in got] == [e[0] for e in manifest]
+            for name, tensor in got:
+                whole = want[name].detach()
+                splits = shard_plan(name, tuple(whole.shape), engine.model_shape, tp)
+                assert torch.equal(tensor, whole if splits is None else splits[worker].of(whole))
+            if tp > 1:  # half of every projection, the embedding's rows: not the whole model
+                held = sum(t.numel() for _, t in got)
+                assert held < 0.6 * sum(p.numel() for p in want.values())
+                assert loaded[rank].workers[worker].received_bytes == 4 * held
+
+
+def test_a_tensor_parallel_worker_that_received_other_bytes_stops_the_load(gen):
+    model = random_causal_lm(96, seed=3, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    name = "model.layers.0.mlp.down_proj.weight"
+    engine = RecordingEngine(tensor_parallel_size=2, corrupt=(1, name))
+    with pytest.raises(
+        WeightSyncMismatch,
+        match=f"^weight sync 4: tensor-parallel worker 1 received other bytes of {name} ",
+    ):
+        engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), 4)
 
 
 # ----- checksums --------------------------------------------------------------------------------
