@@ -133,8 +133,8 @@ class VerifiersTask:
         except Exception as err:  # pydantic's ValidationError: the first problem, in one line
             errors = getattr(err, "errors", lambda: [])()
             if errors:
-                key = ".".join(str(part) for part in errors[0]["loc"])
-                raise ValueError(f"{where}.{key}: {errors[0]['msg']}") from None
+                key = "".join(f".{part}" for part in errors[0]["loc"])
+                raise ValueError(f"{where}{key}: {errors[0]['msg']}") from None
             raise ValueError(f"{where}: {first_line(err, 200)}") from None
         return vf.load_taskset(config)
 
