@@ -81,13 +81,19 @@ def test_a_bad_reasoning_gym_name_or_option_is_one_line_naming_it():
         build_config({"task": {"name": "reasoning_gm:chain_sum"}})
 
 
-def test_a_reasoning_gym_task_mixes_with_the_built_in_ones():
+def test_a_reasoning_gym_task_mixes_with_the_built_in_ones_and_makes_a_held_out_set():
     cfg = build_config(
         {"task": [{"name": "arithmetic"}, {"name": "reasoning_gym:chain_sum", "label": "rg"}]}
     )
     task = make_task(cfg.task.name, cfg.task.options)
     prompt = next(p for p in task.train_prompts(_seed()) if p.task == "rg")
     assert task.verify(prompt, f"<answer>{prompt.answer['answer']}</answer>").reward == 1.0
+    # and as an extra held-out set, checked alike
+    held_out = {"eval_sets": [{"name": "rg", "task": "reasoning_gym:gcd", "size": 4}]}
+    assert build_config({"task": held_out}).task.eval_sets[0].task == "reasoning_gym:gcd"
+    held_out["eval_sets"][0]["task"] = "reasoning_gym:gdc"
+    with pytest.raises(ConfigError, match="did you mean gcd"):
+        build_config({"task": held_out})
 
 
 # ----- verifiers ------------------------------------------------------------------------------
