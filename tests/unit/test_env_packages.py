@@ -5,6 +5,7 @@ them. Both packages are in the `envs` extra that `dev` brings, so nothing here s
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import textwrap
 import uuid
@@ -12,6 +13,7 @@ import uuid
 import pytest
 
 from groupflow.config import ConfigError
+from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task
 from groupflow.run.job_config import build_config
 
@@ -208,3 +210,31 @@ def test_a_missing_taskset_is_one_line():
         build_config({"task": {"name": "verifiers:no_such_taskset_here"}})
     assert "\n" not in str(err.value)
     assert "no verifiers taskset 'no_such_taskset_here'" in str(err.value)
+
+
+def test_the_reward_workers_scorer_processes_score_both_packages(taskset, tmp_path, monkeypatch):
+    """Through a scorer process (reward_workers/verifier_child.py), as a reward worker scores:
+    the process builds the job's task by name and scores what the driver's stream drew."""
+    name = taskset(TASKSET, '["SumsTaskset"]')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    entries = [
+        {"name": "reasoning_gym:chain_sum", "options": {**CHAIN_SUM, "answer_format": "plain"}},
+        {"name": f"verifiers:{name}", "label": "sums"},
+    ]
+    scorer = Scorer("mixture", {"tasks": entries}, processes=1)
+    try:
+        stream = scorer.task.train_prompts(_seed())
+        drawn = {p.task: p for p in itertools.islice(stream, 50)}
+        rg, sums = drawn["reasoning_gym:chain_sum"], drawn["sums"]
+        items = [
+            (rg, rg.answer["answer"]),
+            (rg, str(int(rg.answer["answer"]) + 1)),
+            (rg, rg.answer["answer"] + "0"),  # holds the gold answer: a partial score
+            (sums, sums.answer["answer"]),
+            (sums, "nine"),
+        ]
+        rewards = [v.reward for v in scorer.pool.verify_all(items)]
+    finally:
+        scorer.close()
+    assert rewards[:2] + rewards[3:] == [1.0, 0.0, 1.0, 0.25]
+    assert 0.0 < rewards[2] < 1.0
