@@ -28,7 +28,7 @@ from groupflow.config.load import (
     validate_config,
 )
 from groupflow.core.errors import first_line
-from groupflow.reward_workers.tasks import TASKS, check_options, task_class
+from groupflow.reward_workers.tasks import TASKS, check_options, is_task, task_class
 from groupflow.reward_workers.tasks.mixture import mixture_entries
 from groupflow.rollout.tools import BUILTIN_TOOLS
 
@@ -76,7 +76,7 @@ def resolve(cfg: Config) -> Config:
     are unset; in place, and `cfg` is returned. Resolving a resolved config changes nothing.
     A problem is a ConfigError naming its key, as the schema's are."""
     for i, held_out in enumerate(cfg.task.eval_sets):
-        if held_out.task not in TASKS or held_out.task == "mixture":
+        if not is_task(held_out.task) or held_out.task == "mixture":
             choices = sorted(set(TASKS) - {"mixture"})
             raise ConfigError(
                 f"task.eval_sets.{i}: unknown task {held_out.task!r}; choose one of {choices}"

@@ -28,12 +28,43 @@ TASKS: dict[str, tuple[str, str]] = {
     # several of the above in one job: groupflow/config/load.py reads it from a list under `task`
     "mixture": ("mixture", "MixtureTask"),
 }
+# Tasks of installed environment packages, named `<package>:<what of it>`
+# (`reasoning_gym:chain_sum`, `verifiers:my_taskset`; docs/environments.md): package ->
+# (module, class). The module's `declared_options(what)` are the task's options, and the
+# class is built with what the name names and those options.
+PACKAGE_TASKS: dict[str, tuple[str, str]] = {
+    "reasoning_gym": ("reasoning_gym_task", "ReasoningGymTask"),
+    "verifiers": ("verifiers_task", "VerifiersTask"),
+}
+
+
+def package_task(name: str) -> tuple[str, str] | None:
+    """(package, what it names) for a package task's name, None for a built-in name."""
+    package, sep, target = name.partition(":")
+    if not sep:
+        return None
+    if package not in PACKAGE_TASKS or not target:
+        raise ValueError(
+            f"task.name: {name!r} names no package task; write one of "
+            f"{', '.join(p + ':<name>' for p in PACKAGE_TASKS)}"
+        )
+    return package, target
+
+
+def is_task(name: str) -> bool:
+    """Whether `name` is a built-in task or names a package task (what it names is checked
+    with its options)."""
+    return name in TASKS or (":" in name and name.partition(":")[0] in PACKAGE_TASKS)
 
 
 def task_class(name: str) -> type:
-    if name not in TASKS:
+    package = package_task(name)
+    if package is not None:
+        module, cls = PACKAGE_TASKS[package[0]]
+    elif name not in TASKS:
         raise ValueError(f"task.name: unknown task {name!r}; choose one of {sorted(TASKS)}")
-    module, cls = TASKS[name]
+    else:
+        module, cls = TASKS[name]
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
@@ -41,7 +72,12 @@ def task_class(name: str) -> type:
 def task_options(name: str) -> dict[str, inspect.Parameter]:
     """The options a task takes, by name: its constructor's parameters, with their types and
     defaults. The constructor is the one place a task declares them; the config is checked
-    against it (`check_options`) before anything is built."""
+    against it (`check_options`) before anything is built. A package task declares its own
+    (`declared_options` of its module), which may depend on what it names."""
+    package = package_task(name)
+    if package is not None:
+        cls = task_class(name)
+        return importlib.import_module(cls.__module__).declared_options(package[1])
     signature = inspect.signature(task_class(name), eval_str=True)
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name: p for p in signature.parameters.values() if p.kind in keyword}
@@ -112,7 +148,10 @@ def _short_repr(value: Any) -> str:
 def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
     cls = task_class(name)
     check_options(name, options or {}, "task.options")
+    package = package_task(name)
     try:
+        if package is not None:
+            return cls(package[1], **(options or {}))
         return cls(**(options or {}))
     except TypeError as err:
         raise ValueError(f"task.options: {err}") from None

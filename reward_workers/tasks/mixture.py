@@ -32,7 +32,7 @@ class MixtureEntry:
 
 def mixture_entries(tasks: Any) -> list[MixtureEntry]:
     """The task list of a mixture, checked; ValueError naming the entry otherwise."""
-    from groupflow.reward_workers.tasks import TASKS
+    from groupflow.reward_workers.tasks import TASKS, is_task
 
     if not isinstance(tasks, list) or not tasks:
         raise ValueError("a mixture needs a non-empty list of tasks")
@@ -43,7 +43,7 @@ def mixture_entries(tasks: Any) -> list[MixtureEntry]:
         if unknown := set(entry) - ENTRY_KEYS:
             raise ValueError(f"entry {i}: unknown key {sorted(unknown)[0]!r}")
         name, label = entry["name"], entry.get("label", entry["name"])
-        if name not in TASKS or name == MixtureTask.name:
+        if not is_task(name) or name == MixtureTask.name:
             choices = sorted(set(TASKS) - {MixtureTask.name})
             raise ValueError(f"entry {i}: unknown task {name!r}; choose one of {choices}")
         weight = entry.get("weight", 1.0)
