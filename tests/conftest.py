@@ -21,6 +21,19 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
+def rank_process():
+    """One spawned process that plays a DeepSpeed ZeRO-3 learner rank of world size 1 (DeepSpeed
+    stays out of pytest's process), shared by the tests that need one
+    (tests/integration/test_token_head_zero3.py, test_checkpoint_zero3.py): its start and
+    imports are paid once."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
 def quickstart_model() -> str:
     from groupflow.config import Config
     from groupflow.run.quickstart import quickstart_model_path

@@ -4,9 +4,7 @@ optimizer shard are refused before DeepSpeed reads them (learner/checkpoint.py).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -63,8 +61,7 @@ def save_load_and_tamper(path: str) -> tuple[bool, str]:
     return Path(path, "MARKER").exists(), ""
 
 
-def test_a_real_zero3_checkpoint_passes_and_a_tampered_one_is_refused(tmp_path):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        ran, refusal = pool.submit(save_load_and_tamper, str(tmp_path)).result(timeout=300)
+def test_a_real_zero3_checkpoint_passes_and_a_tampered_one_is_refused(rank_process, tmp_path):
+    ran, refusal = rank_process.submit(save_load_and_tamper, str(tmp_path)).result(timeout=300)
     assert not ran
     assert "optim_states.pt" in refusal and "system" in refusal and "\n" not in refusal

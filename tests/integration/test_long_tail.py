@@ -50,13 +50,22 @@ def _long_tail():
 def long_tail_engines(monkeypatch):
     install = _long_tail()
     start = groupflow.run.job_actors.start_generator_pool
+    make_transport = groupflow.run.job_actors.make_transport
+    installs = []
 
     def start_long_tailed(*args, **kwargs):
         pool = start(*args, **kwargs)
-        ray.get([e.__ray_call__.remote(lambda _: install()) for e in pool.engines])
+        # queued behind each engine's start: the learner ranks start meanwhile
+        installs.extend(e.__ray_call__.remote(lambda _: install()) for e in pool.engines)
         return pool
 
+    def installed_first(*args, **kwargs):  # the job's last start, before any generation
+        ray.get(installs)
+        installs.clear()
+        return make_transport(*args, **kwargs)
+
     monkeypatch.setattr(groupflow.run.job_actors, "start_generator_pool", start_long_tailed)
+    monkeypatch.setattr(groupflow.run.job_actors, "make_transport", installed_first)
 
 
 def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(

@@ -4,10 +4,8 @@ backward, the statistics and gradients equal a plain torch model's full-logits p
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -18,13 +16,6 @@ from tests.unit.test_moe_blocks import TINY_MOE
 pytestmark = pytest.mark.integration
 
 VOCAB = 61
-
-
-@pytest.fixture(scope="module")
-def rank_process():
-    """One spawned process that plays a learner rank (DeepSpeed stays out of pytest's)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield pool
 
 
 def _free_port() -> int:

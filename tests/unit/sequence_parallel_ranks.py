@@ -1,4 +1,4 @@
-"""Four ranks of torch.distributed on gloo, one spawned process each, for
+"""Four ranks of torch.distributed on gloo, one process each, for
 tests/unit/test_sequence_parallel.py: every case's learner step (learner/step.py on the tiny
 float64 model of tests/unit/test_learner_step.py) at sequence-parallel size 1 (on each rank
 alone), 2 (two groups of two, data parallel over them) and 4 (one group), and how far the
@@ -27,6 +27,15 @@ from groupflow.learner.step import StepSettings, train_step
 from tests.unit.test_learner_step import TEMPERATURE, algorithm, layout, sample_step, tiny_model
 
 WORLD = 4
+# What the ranks import, transformers' model classes and peft (lazily, with their first model)
+# included: imported once, in the process the ranks are forked from, rather than by each rank
+PRELOAD = [
+    __name__,
+    "peft",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+]
 
 
 @dataclasses.dataclass(frozen=True)

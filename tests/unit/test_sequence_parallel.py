@@ -2,7 +2,7 @@
 learner.sequence_parallel_size 2 and 4 gives size 1's loss and gradients, to 1e-10 of each
 parameter's largest gradient, for every preset, packed and padded, with observation tokens,
 row widths that the size does not divide, LoRA and gradient checkpointing; with data
-parallelism over the groups at size 2. Four gloo ranks in spawned processes
+parallelism over the groups at size 2. Four gloo ranks in processes of their own
 (tests/unit/sequence_parallel_ranks.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from groupflow.config import ConfigError
 from groupflow.learner.sequence_parallel import check_heads
 from groupflow.run.inputs import check_sequence_parallel
 from groupflow.run.job_config import build_config
-from tests.unit.sequence_parallel_ranks import WORLD, Case, run_rank
+from tests.unit.sequence_parallel_ranks import PRELOAD, WORLD, Case, run_rank
 from tests.unit.test_learner_step import CASES
 
 TOLERANCE = 1e-10
@@ -44,7 +44,11 @@ def ranks_results() -> list[dict]:
     """Every case on four ranks at once; each rank's comparisons."""
     seed = 1000
     port = _free_port()
-    with multiprocessing.get_context("spawn").Pool(WORLD) as pool:
+    # Fresh processes (no threads or state of this one), forked from a server that has
+    # imported what they need (PRELOAD: seconds of CPU each)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    with context.Pool(WORLD) as pool:
         return pool.starmap(run_rank, [(r, port, SP_CASES, seed) for r in range(WORLD)])
 
 
