@@ -5,6 +5,7 @@ learner steps."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -40,7 +41,12 @@ CHAT = {"task": {"system_prompt": SYSTEM}}  # every prompt rendered with a syste
 def stack(ray_cluster, chat_model):
     cfg = small_model_config(
         CHAT,
-        ["rollout.num_engines=2", "learner.optimizer.lr=1e-3", "rollout.partial_rollout=true"],
+        [
+            "rollout.num_engines=2",
+            "learner.optimizer.lr=1e-3",
+            "rollout.partial_rollout=true",
+            "rollout.resources.num_cpus=2",  # two threads each, from their own resources
+        ],
     )
     pool = start_generator_pool(cfg, chat_model)
     learner = LearnerGroup(cfg, chat_model)
@@ -191,6 +197,21 @@ def test_a_prompt_of_a_task_with_its_own_limit_stops_there(stack, prompts):
     groups = _sample(stack[1][0], short + prompts[3:], max_tokens=12)
     assert all(len(r.token_ids) <= 2 for g in groups[:3] for r in g.responses)
     assert any(len(r.token_ids) > 2 for g in groups[3:] for r in g.responses)
+
+
+def _threads(actor) -> tuple[int, str]:
+    """Run in an actor (its `weight_sync` runs a function there): torch's intra-op threads and
+    the tokenizers' pool, as the process runs them."""
+    return torch.get_num_threads(), os.environ["RAYON_NUM_THREADS"]
+
+
+def test_each_actor_runs_the_threads_of_its_own_resources(stack):
+    """Not one a core of the node: the engines' 2 CPUs, the ranks' half a CPU (one thread)."""
+    cfg, engines, learner = stack
+    engine_threads = ray.get([e.weight_sync.remote(_threads) for e in engines])
+    rank_threads = ray.get([r.weight_sync.remote(_threads) for r in learner.ranks])
+    assert engine_threads == [(2, "2")] * 2
+    assert rank_threads == [(1, "1")] * 2
 
 
 # ----- weight syncs and learner steps ---------------------------------------------------------
