@@ -55,9 +55,6 @@ class EngineSettings:
     # the job's seed, from which the engine draws the sync probe it scores after each load
     # (groupflow/core/sync_probe.py); None: no probe
     sync_probe_seed: int | None = None
-    # the engine's threads (groupflow/core/threads.py), and whether they are pinned to cores
-    threads: int = 1
-    pinned: bool = False
 
 
 @dataclass
@@ -96,8 +93,6 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         lora=None if lora is None else EngineLora(engine_max_rank(lora.rank), serving_config(lora)),
         agent=AgentSettings.of(cfg) if cfg.multi_turn else None,
         sync_probe_seed=cfg.trainer.seed,
-        threads=cfg.rollout.resources.threads,
-        pinned=bool(cfg.rollout.resources.cpu_cores),
     )
 
 
@@ -139,16 +134,8 @@ class RolloutEngine:
 
         tp = settings.tensor_parallel_size
         if tp > 1 and current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            if settings.pinned:  # the cores it is pinned to are its own: each worker a run
-                cores = sorted(os.sched_getaffinity(0))
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(cores, tp)
-            else:
-                # vLLM would bind the workers to every core of the node; the engine owns
-                # `threads` of them, not which, so its workers share those out, unbound.
-                share = max(1, settings.threads // tp)  # at least one each
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-                os.environ["OMP_NUM_THREADS"] = str(share)  # a spawned worker reads it
-                torch.set_num_threads(share)  # a forked one inherits it
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(cores, tp)
         self.tensor_parallel_size = tp
 
         self.llm = LLM(
