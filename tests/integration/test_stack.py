@@ -41,12 +41,7 @@ CHAT = {"task": {"system_prompt": SYSTEM}}  # every prompt rendered with a syste
 def stack(ray_cluster, chat_model):
     cfg = small_model_config(
         CHAT,
-        [
-            "rollout.num_engines=2",
-            "learner.optimizer.lr=1e-3",
-            "rollout.partial_rollout=true",
-            "rollout.resources.num_cpus=2",  # two threads each, from their own resources
-        ],
+        ["rollout.num_engines=2", "learner.optimizer.lr=1e-3", "rollout.partial_rollout=true"],
     )
     pool = start_generator_pool(cfg, chat_model)
     learner = LearnerGroup(cfg, chat_model)
@@ -206,12 +201,13 @@ def _threads(actor) -> tuple[int, str]:
 
 
 def test_each_actor_runs_the_threads_of_its_own_resources(stack):
-    """Not one a core of the node: the engines' 2 CPUs, the ranks' half a CPU (one thread)."""
+    """Not one a core of the node: the engines' and the ranks' half a CPU is one thread, for
+    torch and for the tokenizers alike (tests/unit/test_threads.py derives larger counts)."""
     cfg, engines, learner = stack
+    assert cfg.rollout.resources.num_cpus == cfg.learner.resources.num_cpus == 0.5
     engine_threads = ray.get([e.weight_sync.remote(_threads) for e in engines])
     rank_threads = ray.get([r.weight_sync.remote(_threads) for r in learner.ranks])
-    assert engine_threads == [(2, "2")] * 2
-    assert rank_threads == [(1, "1")] * 2
+    assert engine_threads == rank_threads == [(1, "1")] * 2
 
 
 # ----- weight syncs and learner steps ---------------------------------------------------------
