@@ -50,6 +50,7 @@ from groupflow.core.peers import (
 from groupflow.core.records import Prompt, SampledGroup
 from groupflow.core.recovery import RestartBudget
 from groupflow.core.scaling_protocol import PoolState, ray_demand
+from groupflow.core.threads import thread_env
 from groupflow.rollout.engine import engine_settings
 
 log = logging.getLogger(__name__)
@@ -327,16 +328,14 @@ def start_generator_pool(
         restarts = RestartBudget(cfg.trainer.max_restarts)
     res = cfg.rollout.resources
     device = device_for(res.num_gpus)
+    # A GPU engine's hot loop gains nothing from torch's intra-op threads, which spin between
+    # its small CPU ops (vLLM sets them to 1 there): its CPUs go to the tokenizer.
+    intra_op = 1 if res.num_gpus and res.torch_threads is None else None
     actor = ray.remote(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,
         resources=res.custom,
-        runtime_env={
-            "env_vars": {
-                "OMP_NUM_THREADS": str(res.torch_threads),
-                **device.engine_env(),
-            }
-        },
+        runtime_env={"env_vars": {**thread_env(res.threads, intra_op), **device.engine_env()}},
     )
 
     tool_workers = start_tool_pool(cfg)

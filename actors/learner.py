@@ -20,6 +20,7 @@ from groupflow.config.base import ConfigError
 from groupflow.core.device import device_for
 from groupflow.core.placement import NOTE_AFTER_S, describe_cluster, describe_demand
 from groupflow.core.records import TrainSequence
+from groupflow.core.threads import thread_env
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.memory_budget import check_longest_fits
@@ -41,7 +42,7 @@ class LearnerRankActor(SyncHost):
         import torch
 
         pin_to_cores(cfg.learner.resources.cpu_cores)
-        torch.set_num_threads(cfg.learner.resources.torch_threads)
+        torch.set_num_threads(cfg.learner.resources.threads)
         self.rank = LearnerRank(setup, cfg)
 
     def train_step(
@@ -170,7 +171,7 @@ class LearnerGroup:
                 num_gpus=res.num_gpus,
                 resources=res.custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(res.torch_threads)}},
+                runtime_env={"env_vars": thread_env(res.threads)},
             ).remote()
             for i in range(n)
         ]

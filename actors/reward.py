@@ -40,6 +40,7 @@ from groupflow.core.peers import Futures, Handle, PeerDied
 from groupflow.core.records import SampledGroup, ScoredGroup, Verdict
 from groupflow.core.scaling_protocol import PoolState, ray_demand
 from groupflow.core.start_errors import StartError
+from groupflow.core.threads import thread_env
 from groupflow.reward_workers.scorer import ResponseItem, Scorer, response_items, scored_groups
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,10 @@ def start_reward_pool(cfg: Config) -> RewardPool:
     dead one is replaced by a new actor with the same settings."""
     res = cfg.reward.resources
     actor = ray.remote(RewardWorker).options(
-        num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom
+        num_cpus=res.num_cpus,
+        num_gpus=res.num_gpus,
+        resources=res.custom,
+        runtime_env={"env_vars": thread_env(res.threads)},  # its scorer processes' too
     )
     args = (
         cfg.task.name,

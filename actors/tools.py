@@ -26,6 +26,7 @@ import time
 import ray
 
 from groupflow.config import Config
+from groupflow.core.threads import thread_env
 from groupflow.reward_workers.sandbox import Limits, default_platform, require_strong, run_python
 from groupflow.rollout.python_tool import RunCode
 from groupflow.rollout.toolbox import ToolWorkerLost
@@ -89,6 +90,7 @@ def start_tool_pool(cfg: Config) -> list:
     actor = ray.remote(ToolWorker).options(
         num_cpus=res.num_cpus,
         resources=res.custom,
+        runtime_env={"env_vars": thread_env(res.threads)},  # its programs' too
         max_concurrency=CALLS_PER_WORKER,
         max_restarts=-1,  # stateless: a restart costs a process start, never a result
         max_task_retries=0,  # the client sends a failed call again, elsewhere if it can

@@ -31,7 +31,7 @@ of the heap (mallinfo2: allocated, mmapped, and freed-but-kept). Run it under th
 lock:
 
     flock /tmp/realstack.lock .venv/bin/python bench/learner_memory.py --rank [--steps 2]
-        [--set learner.micro_batch_tokens=16384 ...]
+        [--set learner.micro_batch_tokens=16384 ...] [--heap-blocks]
 """
 
 from __future__ import annotations
@@ -234,8 +234,9 @@ def _heap() -> dict[str, float]:
     return {"heap": info.uordblks / 1e9, "mmap": info.hblkhd / 1e9, "kept": info.fordblks / 1e9}
 
 
-def rank_profile(steps: int, overrides: list[str]) -> None:
-    """One learner rank's memory over `steps` steps of the 256-token workload (see --rank)."""
+def rank_profile(steps: int, overrides: list[str], heap_blocks: bool) -> None:
+    """One learner rank's memory over `steps` steps of the 256-token workload (see --rank);
+    `heap_blocks`: large blocks in glibc's heap, as before the rank mapped them apart."""
     from vs_trl import random_model
 
     from groupflow.config.load import validate_config
@@ -254,6 +255,8 @@ def rank_profile(steps: int, overrides: list[str]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     print(f"process before the rank: {resident_bytes() / 1e9:.2f} GB resident")
     rank = LearnerRank(RankSetup(str(model), 0, 1, "127.0.0.1", port, device_for(0)), cfg)
+    if heap_blocks:  # where glibc's own threshold rises once a step's activations are freed
+        ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
     print(f"rank built: {resident_bytes() / 1e9:.2f} GB resident, {_heap()}")
     print(
         f"micro_batch_tokens {cfg.learner.micro_batch_tokens}: budget {rank.micro_batch_tokens()}"
@@ -294,9 +297,15 @@ def main() -> None:
     parser.add_argument("--rank", action="store_true", help="a real rank's memory (issue 43)")
     parser.add_argument("--steps", type=int, default=2, help="steps of --rank")
     parser.add_argument("--set", action="append", default=[], help="config key=value (--rank)")
+    parser.add_argument(
+        "--heap-blocks",
+        action="store_true",
+        help="--rank with large blocks in glibc's heap (its threshold risen to 32 MiB), as "
+        "before a rank mapped them apart (learner/host_memory.py)",
+    )
     args = parser.parse_args()
     if args.rank:
-        rank_profile(args.steps, args.set)
+        rank_profile(args.steps, args.set, args.heap_blocks)
         return
 
     step = probe_step()

@@ -6,7 +6,9 @@ backward ends, but glibc keeps freed blocks of up to 32 MiB in its heap (its mma
 rises to the largest block freed), where the next micro-batch's blocks of other sizes
 fragment it: the heap, resident as a whole, grows to several times what is allocated at any
 moment, and Ray's memory monitor counts all of it. `release_freed_memory` hands the heap's free
-pages back (malloc_trim), so what a rank holds after a micro-batch is what it allocates.
+pages back (malloc_trim), so what a rank holds after a micro-batch is what it allocates, and
+`map_large_blocks` keeps the large blocks (activations) out of the heap in the first place, so
+that within a micro-batch too a rank holds about what it allocates.
 Linux-only figures read /proc; elsewhere they are 0 and the release does nothing.
 """
 
@@ -27,6 +29,22 @@ def _libc():
     except (OSError, AttributeError, TypeError):
         return None
     return libc
+
+
+# glibc's own starting threshold: a block of 128 KiB or more is mapped apart from the heap.
+_MMAP_THRESHOLD = 128 << 10
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
+def map_large_blocks() -> None:
+    """Keep every block of 128 KiB or more out of the heap, in a mapping of its own that its
+    free unmaps: a micro-batch's activations then leave no freed holes for the next ones'
+    blocks to fragment. glibc raises its threshold to the largest block freed (up to 32 MiB),
+    so a CPU rank's activations would otherwise land in the heap; fixing it stops that. The
+    cost, a page fault per fresh page of a large block, is small beside the math on it."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
 def release_freed_memory() -> None:

@@ -20,6 +20,7 @@ from groupflow.learner.checkpoint import load_rank_checkpoint, save_rank_checkpo
 from groupflow.learner.distributed import DistributedReducer
 from groupflow.learner.figures import RankFigures
 from groupflow.learner.host_memory import (
+    map_large_blocks,
     peak_resident_bytes,
     release_freed_memory,
     reset_peak,
@@ -50,6 +51,8 @@ from groupflow.learner.zero_models import RankSetup, build_zero_models
 class LearnerRank:
     def __init__(self, setup: RankSetup, cfg: Config):
         self.setup = setup
+        if setup.device.kind == "cpu":
+            map_large_blocks()  # before the models: every large block of the rank's mapped
         baseline = resident_bytes()  # the process before its models
         self.models = build_zero_models(setup, cfg)
         policy = self.models.policy

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from groupflow.core.errors import UserError
+from groupflow.core.threads import actor_threads
 
 # Every integer setting fits a signed 64-bit integer (what seeds and counts reach torch as).
 INT64 = 1 << 63
@@ -75,7 +76,12 @@ class Resources(Section):
     num_gpus: FloatSetting = Field(
         0.0, ge=0, description="GPUs Ray reserves for the actor; 0 = runs on CPU"
     )
-    torch_threads: StrictInt = Field(1, ge=1, description="intra-op threads for torch in the actor")
+    torch_threads: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="threads of the actor's process (torch's intra-op, OpenMP, MKL, the "
+        "tokenizers); unset: the cores in cpu_cores, else num_cpus rounded down (at least 1)",
+    )
     cpu_cores: list[Annotated[StrictInt, Field(ge=0)]] = Field(
         default_factory=list,
         description="cores the actor's threads are pinned to (os.sched_setaffinity; empty: "
@@ -85,6 +91,12 @@ class Resources(Section):
         default_factory=dict,
         description="custom Ray resources, e.g. {groupflow_rollout: 1} to pin a worker group",
     )
+
+    @property
+    def threads(self) -> int:
+        """The threads the actor runs (groupflow/core/threads.py): from its own resources, not
+        the node's core count."""
+        return actor_threads(self.num_cpus, self.cpu_cores, self.torch_threads)
 
 
 # Each pool's defaults, as a Resources of its own: a `resources` setting given in part (e.g.

@@ -5,6 +5,7 @@ learner steps."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -193,6 +194,22 @@ def test_a_prompt_of_a_task_with_its_own_limit_stops_there(stack, prompts):
     groups = _sample(stack[1][0], short + prompts[3:], max_tokens=12)
     assert all(len(r.token_ids) <= 2 for g in groups[:3] for r in g.responses)
     assert any(len(r.token_ids) > 2 for g in groups[3:] for r in g.responses)
+
+
+def _threads(actor) -> tuple[int, str]:
+    """Run in an actor (its `weight_sync` runs a function there): torch's intra-op threads and
+    the tokenizers' pool, as the process runs them."""
+    return torch.get_num_threads(), os.environ["RAYON_NUM_THREADS"]
+
+
+def test_each_actor_runs_the_threads_of_its_own_resources(stack):
+    """Not one a core of the node: the engines' and the ranks' half a CPU is one thread, for
+    torch and for the tokenizers alike (tests/unit/test_threads.py derives larger counts)."""
+    cfg, engines, learner = stack
+    assert cfg.rollout.resources.num_cpus == cfg.learner.resources.num_cpus == 0.5
+    engine_threads = ray.get([e.weight_sync.remote(_threads) for e in engines])
+    rank_threads = ray.get([r.weight_sync.remote(_threads) for r in learner.ranks])
+    assert engine_threads == rank_threads == [(1, "1")] * 2
 
 
 # ----- weight syncs and learner steps ---------------------------------------------------------

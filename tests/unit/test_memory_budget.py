@@ -123,6 +123,36 @@ def test_a_micro_batchs_freed_pages_go_back_to_the_system():
     assert after < held - (192 << 20)
 
 
+ACTIVATIONS = """
+import sys
+import torch
+from groupflow.learner.host_memory import map_large_blocks, resident_bytes
+if sys.argv[1] == "mapped":
+    map_large_blocks()
+torch.ones(4 << 20)  # a 16 MiB block freed: glibc's threshold rises to it
+before = resident_bytes()
+# A micro-batch's activations (1 to 4 MiB each), freed at its end while one stays
+blocks = [torch.ones((1 + i % 4) << 18) for i in range(96)]
+kept = blocks[-1]
+del blocks
+print(before, resident_bytes())
+"""
+
+
+def test_a_micro_batchs_large_blocks_are_unmapped_when_freed():
+    """With large blocks mapped apart (as a CPU rank runs), what a micro-batch freed leaves
+    the process at once; in glibc's heap, at its risen threshold, it stays resident."""
+    grown = {}
+    for mode in ("heap", "mapped"):
+        out = subprocess.run(
+            [sys.executable, "-c", ACTIVATIONS, mode], capture_output=True, text=True, check=True
+        )
+        before, after = (int(v) for v in out.stdout.split())
+        grown[mode] = after - before
+    assert grown["heap"] > 150 << 20  # of the 240 MiB freed, most stays
+    assert grown["mapped"] < 16 << 20
+
+
 def test_peak_resident_memory_starts_afresh():
     reset_peak()
     now = resident_bytes()
