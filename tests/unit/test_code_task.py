@@ -167,6 +167,56 @@ def test_broken_and_hostile_solutions_score_zero(task, code, reason):
     assert reason in verdict.reason
 
 
+# Issue 39: a correct program that first tries to break out (rewriting every frame's globals,
+# as a sandbox bypass does) scored 0, the harness failing with "'frozenset' object has no
+# attribute 'clear'". The harness shares the interpreter; none of this may reach its objects.
+HARNESS_ATTACKS = {
+    "every-frames-globals": (
+        "def rewrite(frame):\n"
+        "    while frame is not None:\n"
+        "        for key in list(frame.f_globals):\n"
+        "            if not key.startswith('__'):\n"
+        "                frame.f_globals[key] = frozenset()\n"
+        "        frame = frame.f_back\n"
+        "import sys\n"
+        "rewrite(sys._getframe())\n"
+    ),
+    "patched-modules": (
+        "import json, os, signal, builtins\n"
+        "json.dumps = lambda *a, **k: frozenset().clear()\n"
+        "json.encoder.c_make_encoder = None\n"
+        "os.write = os.dup2 = lambda *a: None\n"
+        "signal.setitimer = signal.signal = lambda *a: None\n"
+        "builtins.enumerate = builtins.callable = builtins.str = lambda *a: frozenset()\n"
+    ),
+    "alarm-to-itself": "import os, signal\nos.kill(os.getpid(), signal.SIGALRM)\n",
+}
+
+
+@pytest.mark.parametrize("attack", list(HARNESS_ATTACKS))
+def test_a_correct_solution_that_attacks_the_harness_first_still_passes(task, attack):
+    code = f"try:\n    exec({HARNESS_ATTACKS[attack]!r})\nexcept BaseException:\n    pass\n"
+    verdict = _verify(task, code + GCD)
+    assert (verdict.reward, verdict.reason) == (1.0, "passed 4/4 tests")
+
+
+def test_an_exception_whose_str_raises_fails_its_case_only(task):
+    code = (
+        "class Sly(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise Sly()\n"
+        "def gcd(a, b):\n"
+        "    if a == 12:\n"
+        "        raise Sly()\n"
+        "    while b:\n"
+        "        a, b = b, a % b\n"
+        "    return a\n"
+    )
+    verdict = _verify(task, code)
+    assert verdict.reward == 0.75
+    assert "gcd(12, 18) raised Sly" in verdict.reason
+
+
 def test_an_endless_case_costs_only_itself(task):
     code = "def gcd(a, b):\n    while a == 12:\n        pass\n    while b:\n        a, b = b, a % b\n    return a\n"
     start = time.monotonic()
