@@ -252,6 +252,9 @@ def test_no_number_setting_takes_a_boolean(key, path, value):
         ("learner.moe.leaf_modules=2", "learner.moe.leaf_modules: Input should be a valid bool"),
         ("learner.moe=null", "learner.moe: Input should be a valid dictionary"),
         ("learner.moe.experts=4", "learner.moe.experts: unknown key"),
+        # numpy, inside every engine's start, refuses a seed outside [0, 2**32)
+        ("trainer.seed=-1", "trainer.seed: Input should be greater than or equal to 0"),
+        ("trainer.seed=4294967296", "trainer.seed: Input should be less than or equal to"),
     ],
 )
 def test_ranges_are_strict_and_refused_in_one_line(override, problem):
