@@ -1,12 +1,15 @@
 """The code task: extraction, test specs, comparison, and sandboxed runs of solutions."""
 
+import dis
 import itertools
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from groupflow.core.records import Prompt
+from groupflow.reward_workers.tasks import code_tests
 from groupflow.reward_workers.tasks.code_problems import CodeTask
 from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, same_value
 
@@ -198,6 +201,20 @@ def test_a_correct_solution_that_attacks_the_harness_first_still_passes(task, at
     code = f"try:\n    exec({HARNESS_ATTACKS[attack]!r})\nexcept BaseException:\n    pass\n"
     verdict = _verify(task, code + GCD)
     assert (verdict.reward, verdict.reason) == (1.0, "passed 4/4 tests")
+
+
+def test_the_harness_reads_no_global_or_builtin_name_once_the_solution_runs():
+    """What runs after the solution loads takes everything from its arguments, as the audit
+    hook's functions do (reward_workers/tasks/code_harness_child.py)."""
+    source = (Path(code_tests.__file__).parent / "code_harness_child.py").read_text()
+    module = compile(source, "code_harness_child.py", "exec")
+    names = {"_on_alarm", "_unserializable", "_to_json", "_describe", "_report", "_run"}
+    codes = [c for c in module.co_consts if getattr(c, "co_name", None) in names]
+    assert {c.co_name for c in codes} == names
+    for code in codes:
+        assert code.co_freevars == () and code.co_cellvars == (), code.co_name
+        loads = {i.opname for i in dis.get_instructions(code)}
+        assert not loads & {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "STORE_GLOBAL"}, code.co_name
 
 
 def test_an_exception_whose_str_raises_fails_its_case_only(task):
