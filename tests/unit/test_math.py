@@ -411,7 +411,7 @@ def test_a_comparison_past_its_budget_is_a_refusal_in_time():
         verdict = task.verify(_gold(COSTLY_GOLD), response)
         assert (verdict.reward, verdict.error) == (0.0, None)
         assert verdict.reason.startswith("refused (boxed): "), verdict.reason
-        assert time.perf_counter() - start < 0.5 + 0.3
+        assert time.perf_counter() - start < 0.5 + 1.0  # not the seconds sympy took
     assert task.verify(_gold(COSTLY_GOLD), f"\\boxed{{{COSTLY_GOLD}}}").reward == 1.0
 
 
