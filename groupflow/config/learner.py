@@ -107,6 +107,9 @@ class LoraConfig(Section):
         return modules
 
 
+MIN_RANK_MEMORY_GIB = 0.25
+
+
 class MoeConfig(Section):
     """Mixture-of-experts models on the learner (docs/moe.md); no effect on a dense model."""
 
@@ -144,11 +147,14 @@ class LearnerConfig(Section):
     )
     memory_gib: FloatSetting | None = Field(
         None,
-        gt=0,
+        # a rank's interpreter, torch and DeepSpeed hold more before any model: less is a
+        # typo (a budget of no position, a memory alert that never clears)
+        ge=MIN_RANK_MEMORY_GIB,
         le=1 << 20,
         description="memory each rank may use, in GiB, with micro_batch_tokens: auto. Unset: "
         "on a GPU, 90% of its device's memory; on a CPU node, half of the node's memory "
-        "shared among the ranks (engines, reward workers and the driver keep the other half)",
+        f"shared among the ranks (engines, reward workers and the driver keep the other half). "
+        f"At least {MIN_RANK_MEMORY_GIB}",
     )
     mini_batches_per_step: StrictInt = Field(1, ge=1, description="optimizer updates per step")
     sequence_parallel_size: StrictInt = Field(

@@ -9,6 +9,8 @@ from pydantic import Field, StrictInt, field_validator, model_validator
 
 from groupflow.config.base import FloatSetting, Section
 
+MAX_SEED = (1 << 31) - 1
+
 
 class TrainerConfig(Section):
     """The run: steps, seeds, evaluation, checkpoints and where it is written."""
@@ -35,7 +37,15 @@ class TrainerConfig(Section):
     steps: StrictInt = Field(
         20, ge=1, description="training steps (one weight update and sync each)"
     )
-    seed: StrictInt = Field(0, description="seed of the learner and of the prompt order")
+    seed: StrictInt = Field(
+        0,
+        ge=0,
+        # each engine seeds numpy with trainer.seed plus its slot (vLLM's set_random_seed),
+        # which numpy refuses outside [0, 2**32): past this, an engine's start would fail
+        le=MAX_SEED,
+        description="seed of the learner, the engines, the prompt order and the sync probe "
+        f"(0 to {MAX_SEED})",
+    )
     output_dir: str = Field(
         "runs",
         description="where run directories are written (output_dir/run_name); on a cluster a "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from groupflow.core.errors import UserError
 from groupflow.core.random_model import random_causal_lm
 from groupflow.observe.driver_log import FILE_ONLY
 from groupflow.observe.progress import PhaseProgress
@@ -40,8 +41,27 @@ ARCHITECTURE = dict(
 WARM_START = dict(batch_size=64, lr=1e-3, warmup=30, seed=0)
 
 
+_CACHE_SETTING = "the model cache (GROUPFLOW_CACHE, else ~/.cache/groupflow)"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("GROUPFLOW_CACHE", Path.home() / ".cache" / "groupflow"))
+
+
+def _why(err: OSError) -> str:
+    return err.strerror or type(err).__name__
+
+
+def _check_cache_writable(directory: Path) -> None:
+    """Before the warm start (minutes): a cache that is a file, or not writable, in one line."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{_CACHE_SETTING} ({directory}): not a directory") from None
+    except OSError as err:
+        raise UserError(f"{_CACHE_SETTING} ({directory}): {_why(err)}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UserError(f"{_CACHE_SETTING} ({directory}): not writable")
 
 
 def build_tokenizer(extra_characters: str = "", chat_template: str | None = None):
@@ -173,6 +193,7 @@ def quickstart_model_path(
     target = cache_root() / f"{name}-{digest}"
     if (target / "config.json").is_file():
         return target
+    _check_cache_writable(target.parent)
     log.info(
         "building the quickstart model (first run only, %d warm-start steps) into %s",
         warm_start_steps,
@@ -187,9 +208,12 @@ def quickstart_model_path(
     # Write to a temporary directory and rename, so a cut-off build never looks finished.
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "groupflow_spec.json").write_text(json.dumps(spec, indent=1))
-    partial.rename(target)
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "groupflow_spec.json").write_text(json.dumps(spec, indent=1))
+        partial.rename(target)
+    except OSError as err:  # the disk filled up, or the cache changed under the build
+        raise UserError(f"{_CACHE_SETTING} ({target.parent}): {_why(err)}") from None
     log.info("quickstart model ready")
     return target

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from groupflow.config.job import ModelConfig
+from groupflow.core.errors import UserError
 from groupflow.run.quickstart import quickstart_model_path
 
 ARCHITECTURE = "qwen3_moe"
@@ -59,7 +62,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", default="arithmetic", help="the task it is warm-started on")
     parser.add_argument("--warm-start-steps", type=int, help="model.warm_start_steps' default")
     args = parser.parse_args(argv)
-    print(small_moe_path(args.task, {}, args.warm_start_steps))
+    try:
+        steps = args.warm_start_steps
+        if steps is not None:  # the bounds of model.warm_start_steps
+            steps = ModelConfig(warm_start_steps=steps).warm_start_steps
+        path = small_moe_path(args.task, {}, steps)
+    except ValidationError as err:
+        _refuse(parser, f"--warm-start-steps: {err.errors()[0]['msg']}")
+    except UserError as err:
+        _refuse(parser, str(err))
+    except ValueError as err:  # an unknown task: make_task names the choices
+        _refuse(parser, f"--task: {str(err).removeprefix('task.name: ')}")
+    print(path)
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 if __name__ == "__main__":

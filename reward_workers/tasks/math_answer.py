@@ -29,6 +29,8 @@ from collections.abc import Iterator
 import sympy
 from math_verify import parse, verify
 
+from groupflow.reward_workers.tasks.time_budget import BudgetSpent, within
+
 MAX_EXTRACTION_CHARS = 20_000
 MAX_ANSWER_CHARS = 200
 MAX_NESTING = 16
@@ -54,6 +56,15 @@ _FACTORIAL_LIKE = {"factorial", "factorial2", "subfactorial", "gamma", "binomial
 
 class AnswerTooCostly(ValueError):
     pass
+
+
+# Gold answers whose parse alone ran past a comparison's budget, and how often: after
+# GOLD_PARSE_TRIES such parses (the first parse of a process also loads the LaTeX grammar) a
+# gold is not parsed again in this process, since every response to its prompt would spend
+# the budget on it; it is matched as its text only.
+_GOLDS_PAST_BUDGET: collections.Counter[str] = collections.Counter()
+GOLD_PARSE_TRIES = 2
+_GOLD_PAST_BUDGET = "the gold answer takes too long to parse: matched as its text only"
 
 
 class AnswerRefused(ValueError):
@@ -181,11 +192,13 @@ def _line_around(text: str, position: int) -> str:
     return text[text.rfind("\n", 0, position) + 1 : len(text) if end < 0 else end].strip()
 
 
-def equivalent(gold: str, candidate: str) -> bool:
+def equivalent(gold: str, candidate: str, budget_s: float | None = None) -> bool:
     """Whether the candidate answer equals the gold one: the same text, the same plain number,
-    else per math-verify with the numeric rules above.
+    else per math-verify with the numeric rules above, within `budget_s` seconds of parsing
+    and comparing (time_budget.within).
 
-    Raises AnswerRefused for a hedge, AnswerTooCostly for answers refused up front."""
+    Raises AnswerRefused for a hedge, AnswerTooCostly for answers refused up front and for a
+    comparison past its budget."""
     if _normal_text(gold) == _normal_text(candidate):
         return True
     _check_one_value(gold, candidate)
@@ -197,7 +210,16 @@ def equivalent(gold: str, candidate: str) -> bool:
         # (checked above) is the only way to match it, or a plain number (just above).
         return False
     _check_shape(candidate)
-    return _compare(gold, candidate)
+    if _GOLDS_PAST_BUDGET[gold] >= GOLD_PARSE_TRIES:
+        raise AnswerTooCostly(_GOLD_PAST_BUDGET)
+    tries = _GOLDS_PAST_BUDGET[gold]
+    try:
+        with within(budget_s):
+            return _compare(gold, candidate)
+    except BudgetSpent:
+        if _GOLDS_PAST_BUDGET[gold] > tries:  # spent on parsing the gold itself
+            raise AnswerTooCostly(_GOLD_PAST_BUDGET) from None
+        raise AnswerTooCostly(f"comparing with the gold answer took over {budget_s:g} s") from None
 
 
 def matched_as_text_only(gold: str) -> bool:
@@ -259,7 +281,12 @@ def _check_shape(candidate: str) -> None:
 
 
 def _compare(gold: str, candidate: str) -> bool:
-    parsed, gold_parsed = _parse(candidate), _parse(gold)
+    try:
+        gold_parsed = _parse(gold)  # once per gold and process (_parse is cached)
+    except BudgetSpent:
+        _GOLDS_PAST_BUDGET[gold] += 1
+        raise
+    parsed = _parse(candidate)
     for expr in (*parsed, *gold_parsed):
         _check_cost(expr)
     value, gold_value = _first_expression(parsed), _first_expression(gold_parsed)

@@ -26,6 +26,10 @@ from groupflow.reward_workers.tasks.options import check_positive_seconds
 from groupflow.reward_workers.tasks.prompt_pool import PooledTask
 
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."
+# The share of `timeout_s` that parsing and comparing an answer may spend before the check
+# ends as a refusal (a plain verdict); the rest is for extraction, and the scorer process is
+# killed only at `timeout_s` plus a margin (a timeout verdict and a restart).
+COMPARE_SHARE = 0.8
 
 # (problem, answer, held out for evaluation)
 BUILTIN_PROBLEMS: tuple[tuple[str, str, bool], ...] = (
@@ -127,7 +131,7 @@ class MathTask(PooledTask):
         answer, how = found
         shown = answer if len(answer) <= 60 else answer[:57] + "..."
         try:
-            same = equivalent(gold, answer)
+            same = equivalent(gold, answer, COMPARE_SHARE * self.timeout_s)
         except (AnswerTooCostly, AnswerRefused) as err:
             return Verdict(0.0, f"refused ({how}): {err}")
         if same:

@@ -85,6 +85,12 @@ def _first_step(metrics: Path, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
+# More steps than the job can reach before the test stops it, however busy the machine: with
+# 30, a job that ran fast while the CLI commands (each importing Ray) ran slowly ended on its
+# own before `status` and `stop` reached it. The stop ends it; the LR schedule barely moves.
+SUBMITTED_STEPS = 100_000
+
+
 def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_path):
     """Submitted, found by run name and by job id while it runs, its reward workers scaled
     from 2 to 3 (each step in metrics.jsonl once, with the workers that served it), then
@@ -100,13 +106,13 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
             "submit",
             "--no-follow",
             "--set",
-            "trainer.steps=30",
+            f"trainer.steps={SUBMITTED_STEPS}",
             "--set",
             "task.eval_size=16",
             "--set",
             f"trainer.output_dir={tmp_path}",
             "--set",
-            "trainer.checkpoint_every=100",
+            f"trainer.checkpoint_every={SUBMITTED_STEPS + 1}",
             # STAPO and its riders (two learner ranks, wandb offline) ride on this job, on the
             # 16 prompts a step of a preset's run: its micro-batches of 96 tokens make a step's
             # cost grow with its tokens, and nothing here depends on how many there are
@@ -144,7 +150,7 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     assert said[0].startswith("stop requested: the job finishes its step in flight"), said
     at = re.escape(str(run))
     stopped = re.fullmatch(
-        rf"stopped at step (\d+) of 30 \(groupflow stop\): wrote checkpoint "
+        rf"stopped at step (\d+) of {SUBMITTED_STEPS} \(groupflow stop\): wrote checkpoint "
         rf"{at}/checkpoints/step_(\d+), model {at}/model, plots and summary\.json in {at}; "
         r"resume with: groupflow submit CONFIG .*",
         said[-1],
@@ -162,14 +168,16 @@ def test_submitted_quickstart_scales_and_stops(ray_head, quickstart_model, tmp_p
     )
     status = after.stdout
     assert f"{job_id}  SUCCEEDED  run=quickstart" in status
-    assert f"run quickstart  stopped  step {reached}/30  held-out accuracy " in status, status
+    assert (
+        f"run quickstart  stopped  step {reached}/{SUBMITTED_STEPS}  held-out accuracy " in status
+    )
     assert f"model: {run / 'model'}" in status
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["stopped"], summary["step_reached"]) == (True, reached)
     assert summary["stopped_by"] == "groupflow stop"
     assert (run / "model" / "config.json").is_file() and (run / "reward.png").is_file()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, reached + 1)) and reached < 30
+    assert [r["step"] for r in records] == list(range(1, reached + 1)) and reached < SUBMITTED_STEPS
     workers = [r["num_reward_workers"] for r in records]
     assert workers[0] == 2 and workers[-1] == 3 and sorted(workers) == workers, workers
     assert workers.index(3) <= scaled_at + 1, (workers, scaled_at)

@@ -1,12 +1,15 @@
 """The code task: extraction, test specs, comparison, and sandboxed runs of solutions."""
 
+import dis
 import itertools
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from groupflow.core.records import Prompt
+from groupflow.reward_workers.tasks import code_tests
 from groupflow.reward_workers.tasks.code_problems import CodeTask
 from groupflow.reward_workers.tasks.code_tests import extract_code, parse_spec, same_value
 
@@ -165,6 +168,70 @@ def test_broken_and_hostile_solutions_score_zero(task, code, reason):
     verdict = _verify(task, code)
     assert verdict.reward == 0.0
     assert reason in verdict.reason
+
+
+# Issue 39: a correct program that first tries to break out (rewriting every frame's globals,
+# as a sandbox bypass does) scored 0, the harness failing with "'frozenset' object has no
+# attribute 'clear'". The harness shares the interpreter; none of this may reach its objects.
+HARNESS_ATTACKS = {
+    "every-frames-globals": (
+        "def rewrite(frame):\n"
+        "    while frame is not None:\n"
+        "        for key in list(frame.f_globals):\n"
+        "            if not key.startswith('__'):\n"
+        "                frame.f_globals[key] = frozenset()\n"
+        "        frame = frame.f_back\n"
+        "import sys\n"
+        "rewrite(sys._getframe())\n"
+    ),
+    "patched-modules": (
+        "import json, os, signal, builtins\n"
+        "json.dumps = lambda *a, **k: frozenset().clear()\n"
+        "json.encoder.c_make_encoder = None\n"
+        "os.write = os.dup2 = lambda *a: None\n"
+        "signal.setitimer = signal.signal = lambda *a: None\n"
+        "builtins.enumerate = builtins.callable = builtins.str = lambda *a: frozenset()\n"
+    ),
+    "alarm-to-itself": "import os, signal\nos.kill(os.getpid(), signal.SIGALRM)\n",
+}
+
+
+@pytest.mark.parametrize("attack", list(HARNESS_ATTACKS))
+def test_a_correct_solution_that_attacks_the_harness_first_still_passes(task, attack):
+    code = f"try:\n    exec({HARNESS_ATTACKS[attack]!r})\nexcept BaseException:\n    pass\n"
+    verdict = _verify(task, code + GCD)
+    assert (verdict.reward, verdict.reason) == (1.0, "passed 4/4 tests")
+
+
+def test_the_harness_reads_no_global_or_builtin_name_once_the_solution_runs():
+    """What runs after the solution loads takes everything from its arguments, as the audit
+    hook's functions do (reward_workers/tasks/code_harness_child.py)."""
+    source = (Path(code_tests.__file__).parent / "code_harness_child.py").read_text()
+    module = compile(source, "code_harness_child.py", "exec")
+    names = {"_on_alarm", "_unserializable", "_to_json", "_describe", "_report", "_run"}
+    codes = [c for c in module.co_consts if getattr(c, "co_name", None) in names]
+    assert {c.co_name for c in codes} == names
+    for code in codes:
+        assert code.co_freevars == () and code.co_cellvars == (), code.co_name
+        loads = {i.opname for i in dis.get_instructions(code)}
+        assert not loads & {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "STORE_GLOBAL"}, code.co_name
+
+
+def test_an_exception_whose_str_raises_fails_its_case_only(task):
+    code = (
+        "class Sly(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise Sly()\n"
+        "def gcd(a, b):\n"
+        "    if a == 12:\n"
+        "        raise Sly()\n"
+        "    while b:\n"
+        "        a, b = b, a % b\n"
+        "    return a\n"
+    )
+    verdict = _verify(task, code)
+    assert verdict.reward == 0.75
+    assert "gcd(12, 18) raised Sly" in verdict.reason
 
 
 def test_an_endless_case_costs_only_itself(task):

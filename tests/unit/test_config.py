@@ -240,6 +240,21 @@ def test_no_number_setting_takes_a_boolean(key, path, value):
             "rollout.resources.custom={gpu_slot: -1}",
             "rollout.resources.custom.gpu_slot: Input should be greater",
         ),
+        # the settings of the last round (issue 39's hostile pass over them)
+        ("learner.memory_gib=1e-300", "learner.memory_gib: Input should be greater than or"),
+        ("learner.memory_gib=.inf", "learner.memory_gib: Input should be less than or equal"),
+        ("learner.micro_batch_tokens=Auto", "learner.micro_batch_tokens.int: Input should be"),
+        ("learner.micro_batch_tokens=0", "learner.micro_batch_tokens: must be auto or at least"),
+        ("learner.sequence_parallel_size=3", "learner: sequence_parallel_size=3 does not divide"),
+        ("learner.sequence_parallel_size=0", "learner.sequence_parallel_size: Input should be"),
+        ("reward.max_infra_failure_share=1.5", "reward.max_infra_failure_share: Input should"),
+        ("reward.max_infra_failure_share=.nan", "reward.max_infra_failure_share: Input should"),
+        ("learner.moe.leaf_modules=2", "learner.moe.leaf_modules: Input should be a valid bool"),
+        ("learner.moe=null", "learner.moe: Input should be a valid dictionary"),
+        ("learner.moe.experts=4", "learner.moe.experts: unknown key"),
+        # numpy, inside every engine's start, refuses a seed outside [0, 2**32)
+        ("trainer.seed=-1", "trainer.seed: Input should be greater than or equal to 0"),
+        ("trainer.seed=4294967296", "trainer.seed: Input should be less than or equal to"),
     ],
 )
 def test_ranges_are_strict_and_refused_in_one_line(override, problem):

@@ -1,5 +1,6 @@
 """Math: answer extraction, math-verify equivalence (from any thread), guards, datasets."""
 
+import collections
 import itertools
 import json
 import threading
@@ -9,13 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from groupflow.core.records import Prompt
+from groupflow.reward_workers.tasks import math_answer
 from groupflow.reward_workers.tasks.math_answer import (
     REL_TOL,
+    AnswerTooCostly,
     equivalent,
     extract_answer,
     last_boxed,
 )
 from groupflow.reward_workers.tasks.math_problems import MathTask
+from groupflow.reward_workers.tasks.time_budget import BudgetSpent
 
 
 @pytest.mark.parametrize(
@@ -393,6 +397,42 @@ def test_a_long_gold_answer_is_judged_quickly(gold):
         verdict = task.verify(_gold(gold), response)
         assert verdict.reward == reward, verdict.reason
         assert time.perf_counter() - start < 1.0
+
+
+# Under 200 characters, so parsed; compared with a wrong answer sympy ran for seconds (issue
+# 39: past the scorer's deadline, a timeout and a process restart instead of a verdict).
+COSTLY_GOLD = "+".join(f"\\sin({i}x)\\cos({i + 1}x)" for i in range(1, 10))
+
+
+def test_a_comparison_past_its_budget_is_a_refusal_in_time():
+    task = MathTask(timeout_s=0.5)
+    for response in ("\\boxed{5}", "\\boxed{x+1}", "\\boxed{\\sqrt{2}}"):
+        start = time.perf_counter()
+        verdict = task.verify(_gold(COSTLY_GOLD), response)
+        assert (verdict.reward, verdict.error) == (0.0, None)
+        assert verdict.reason.startswith("refused (boxed): "), verdict.reason
+        assert time.perf_counter() - start < 0.5 + 1.0  # not the seconds sympy took
+    assert task.verify(_gold(COSTLY_GOLD), f"\\boxed{{{COSTLY_GOLD}}}").reward == 1.0
+
+
+def test_a_gold_too_costly_to_parse_is_given_up_after_its_tries(monkeypatch):
+    gold = "\\frac{1}{7} + x"  # parsed afresh: an entry of its own in the parse cache
+    monkeypatch.setattr(math_answer, "_GOLDS_PAST_BUDGET", collections.Counter())
+    real_parse = math_answer._parse
+    parses = []
+
+    def parse_past_the_budget(text):
+        if text == gold:
+            parses.append(text)
+            raise BudgetSpent
+        return real_parse(text)
+
+    monkeypatch.setattr(math_answer, "_parse", parse_past_the_budget)
+    for _ in range(math_answer.GOLD_PARSE_TRIES + 2):
+        with pytest.raises(AnswerTooCostly, match="the gold answer takes too long to parse"):
+            equivalent(gold, "x", budget_s=1.0)
+    assert len(parses) == math_answer.GOLD_PARSE_TRIES
+    assert equivalent(gold, " \\frac{1}{7}+x ")  # its own text still matches
 
 
 @pytest.mark.parametrize("answer", ["7", "-3.25", "1e400"])

@@ -206,6 +206,9 @@ LONG_GOLDS = [
     ", ".join(str(i) for i in range(1, 300)),
     "+".join(f"{i}x^{{{i}}}" for i in range(1, 60)),
     "+".join(f"\\sqrt{{{i}}}" for i in range(2, 60)),
+    # Under 200 characters, so parsed: compared with a wrong answer, sympy took 2-5 s (issue
+    # 39: a scorer restart, not a verdict); the comparison's budget ends it as a refusal.
+    "+".join(f"\\sin({i}x)\\cos({i + 1}x)" for i in range(1, 10)),
 ]
 
 
@@ -223,6 +226,7 @@ def test_a_long_gold_answer_is_judged_not_timed_out(nothing_left_behind):
         scorer.close()
     assert [v.error for v in verdicts] == [None] * len(work)
     assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0] * len(LONG_GOLDS)
+    assert scorer.pool.restarts == 0
 
 
 # --- extraction cost -----------------------------------------------------------------------
