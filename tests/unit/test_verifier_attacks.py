@@ -388,10 +388,14 @@ def test_sandboxes_die_with_the_scorer_that_started_them(tmp_path, nothing_left_
     )
     scorer = subprocess.Popen([sys.executable, str(runner)], stdout=subprocess.PIPE, text=True)
     assert scorer.stdout.readline() == "started\n"
-    time.sleep(2.0)  # the sandbox is up and sleeping
+    # wait for the sandbox to be up and sleeping (a busy machine takes its time: poll, never a
+    # fixed pause), and kill the scorer whatever happens, so that a failure leaves nothing behind
+    up_by = time.monotonic() + 60.0
+    while not _sandbox_uid_processes() and time.monotonic() < up_by and scorer.poll() is None:
+        time.sleep(0.05)
     sleepers = _sandbox_uid_processes()
-    assert sleepers, "the sandbox did not start"
     scorer.send_signal(signal.SIGKILL)
+    assert sleepers, "the sandbox did not start"
     scorer.wait()
     scorer.stdout.close()
     deadline = time.monotonic() + 5.0
