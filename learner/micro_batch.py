@@ -22,7 +22,7 @@ from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
-from groupflow.learner.moe_aux import MoeRouting, RoutedTokens, trained_index
+from groupflow.learner.moe_aux import MoeRouting, RoutedTokens, response_index
 from groupflow.learner.sequence_parallel import SequenceParallel, assemble_stats, shard_inputs
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
@@ -170,8 +170,9 @@ def forward_micro_batch(
     with routing.recording() as logits:
         stats = _stats_of_inputs(model, x, temperature, entropy_grad)
     masks = loss_masks(seqs, [s.logp for s in stats])
-    index = trained_index(x.positions, masks, x.input_ids.shape[1])
-    return MicroBatchForward(stats, masks=masks, routed=routing.at_positions(logits, index))
+    index = response_index(x.positions, x.input_ids.shape[1])
+    routed = routing.at_positions(logits, index, torch.cat(masks))
+    return MicroBatchForward(stats, masks=masks, routed=routed)
 
 
 def check_packing(

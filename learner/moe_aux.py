@@ -50,23 +50,30 @@ def check_aux_loss(model_path: str, moe: MoeConfig) -> None:
 
 @dataclass
 class RoutedTokens:
-    """A micro-batch's routing at its trained positions."""
+    """A micro-batch's routing at its response positions, each weighted 1 where it is trained
+    and 0 at an observation token (weights, not a selection: selecting by value would make
+    the host wait for the device in every micro-batch)."""
 
     # per layer (N, E): the router's probabilities, with their graph when the loss is on
     probs: list[Tensor]
-    counts: Tensor  # (layers, E) float64: top-k assignments to each expert, no gradient
+    weights: Tensor  # (N,) 1.0 trained, 0.0 not
+    counts: Tensor  # (layers, E) float64: top-k assignments of trained tokens, no gradient
 
     @property
-    def tokens(self) -> int:
-        return self.probs[0].shape[0]
+    def tokens(self) -> Tensor:
+        """The trained tokens (a device tensor)."""
+        return self.weights.sum()
 
 
 def aux_loss_sum(routed: RoutedTokens) -> Tensor:
     """The sum over the trained tokens of E * sum_e f_le p_lte, averaged over the layers: N
     times the micro-batch's auxiliary loss (0 for no token)."""
     num_experts = routed.counts.shape[1]
-    share = routed.counts / max(routed.tokens, 1)  # f_le
-    terms = [(p * f.to(p.dtype)).sum() for p, f in zip(routed.probs, share, strict=True)]
+    share = routed.counts / routed.tokens.to(routed.counts.dtype).clamp(min=1)  # f_le
+    terms = [
+        (p * routed.weights[:, None].to(p.dtype) * f.to(p.dtype)).sum()
+        for p, f in zip(routed.probs, share, strict=True)
+    ]
     return num_experts * torch.stack(terms).mean()
 
 
@@ -110,27 +117,26 @@ class MoeRouting:
         finally:
             self._recorded = None
 
-    def at_positions(self, logits: list[Tensor], index: Tensor) -> RoutedTokens:
-        """The routing of the flat positions `index` (row * width + column) of a forward."""
+    def at_positions(self, logits: list[Tensor], index: Tensor, weights: Tensor) -> RoutedTokens:
+        """The routing of the flat positions `index` (row * width + column) of a forward,
+        weighted by `weights` (1.0 trained, 0.0 not)."""
         probs, counts = [], []
         for layer in logits:
             z = layer.reshape(-1, layer.shape[-1])[index]
             if not self.aux_loss_coef:
                 z = z.detach()  # a figure only: no graph kept
             p = torch.softmax(z.to(torch.promote_types(z.dtype, torch.float32)), dim=-1)
-            chosen = p.detach().topk(self.top_k, dim=-1).indices.reshape(-1)
-            counts.append(torch.bincount(chosen, minlength=p.shape[-1]).to(torch.float64))
+            chosen = torch.zeros_like(p, dtype=torch.float64)
+            chosen.scatter_(1, p.detach().topk(self.top_k, dim=-1).indices, 1.0)
+            counts.append((chosen * weights[:, None].to(torch.float64)).sum(0))
             probs.append(p)
-        return RoutedTokens(probs, torch.stack(counts))
+        return RoutedTokens(probs, weights, torch.stack(counts))
 
 
-def trained_index(positions: ResponsePositions, masks: list[Tensor], width: int) -> Tensor:
-    """The flat positions (row * width + column) whose outputs are trained: those predicting a
-    model token (observations, masked by `masks`, and padding are left out)."""
-    flat = positions.rows * width + positions.cols
-    if not masks:
-        return flat
-    return flat[torch.cat(masks).to(flat.device) > 0]
+def response_index(positions: ResponsePositions, width: int) -> Tensor:
+    """The flat positions (row * width + column) that predict a response token: no prompt
+    position and no padding."""
+    return positions.rows * width + positions.cols
 
 
 @dataclass
@@ -173,7 +179,7 @@ class MiniBatchRouting:
         self.denominator = denominator
         self.counts: Tensor | None = None
         self.aux_loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.tokens = 0
+        self.tokens = torch.zeros((), dtype=torch.float64, device=device)
 
     @classmethod
     def start(
@@ -204,7 +210,7 @@ class MiniBatchRouting:
         if counted:
             self.counts = routed.counts if self.counts is None else self.counts + routed.counts
             self.aux_loss += total.detach().to(torch.float64)
-            self.tokens += routed.tokens
+            self.tokens += routed.tokens.to(torch.float64)
         if not self.coef or not self.denominator:
             return 0.0
         return total * (self.coef / self.denominator)
@@ -213,4 +219,8 @@ class MiniBatchRouting:
         """The sums, read from the device once."""
         if self.counts is None:
             return MoeFigures()
-        return MoeFigures(self.counts.tolist(), self.aux_loss.item(), self.tokens)
+        layers, experts = self.counts.shape
+        sums = torch.stack([self.aux_loss, self.tokens])
+        host = torch.cat([self.counts.reshape(-1), sums]).tolist()  # one read
+        counts = [host[i * experts : (i + 1) * experts] for i in range(layers)]
+        return MoeFigures(counts, host[-2], round(host[-1]))

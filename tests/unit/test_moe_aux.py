@@ -25,7 +25,7 @@ from groupflow.learner.moe_aux import (
     MoeRouting,
     aux_loss_sum,
     check_aux_loss,
-    trained_index,
+    response_index,
 )
 from groupflow.learner.step import StepSettings, train_mini_batch, train_step
 from groupflow.learner.token_head import install_token_head
@@ -65,7 +65,7 @@ def test_the_loss_is_switch_transformers_per_layer_averaged_over_the_layers():
     tokens, layers = 37, 3
     logits = [torch.randn(tokens, EXPERTS, generator=gen, dtype=F64) * 2 for _ in range(layers)]
     routing = MoeRouting([], index=0, top_k=TOP_K, coef=0.1)
-    routed = routing.at_positions(logits, torch.arange(tokens))
+    routed = routing.at_positions(logits, torch.arange(tokens), torch.ones(tokens))
     per_layer = []
     for z in logits:
         per_layer.append(switch_loss(z))
@@ -75,9 +75,17 @@ def test_the_loss_is_switch_transformers_per_layer_averaged_over_the_layers():
     expected = torch.stack(per_layer).mean()
     torch.testing.assert_close(aux_loss_sum(routed) / tokens, expected, rtol=1e-12, atol=0)
     assert routed.counts.sum().item() == layers * tokens * TOP_K
-    # balanced routing: every expert gets k / E of the tokens and p = 1 / E: the loss is k
+    # a token of weight 0 (an observation) counts nowhere: the loss of the others alone
+    weights = (torch.rand(tokens, generator=gen) < 0.6).to(F64)
+    some = routing.at_positions(logits, torch.arange(tokens), weights)
+    kept = weights > 0
+    expected = torch.stack([switch_loss(z[kept]) for z in logits]).mean()
+    torch.testing.assert_close(aux_loss_sum(some) / kept.sum(), expected, rtol=1e-12, atol=0)
+    # balanced routing (top-k = E: every token takes every expert, p = 1 / E): the loss is k
     flat = [torch.zeros(EXPERTS * 5, EXPERTS, dtype=F64)]
-    flat_routed = MoeRouting([], 0, EXPERTS, 0.1).at_positions(flat, torch.arange(EXPERTS * 5))
+    flat_routed = MoeRouting([], 0, EXPERTS, 0.1).at_positions(
+        flat, torch.arange(EXPERTS * 5), torch.ones(EXPERTS * 5)
+    )
     assert aux_loss_sum(flat_routed).item() / (EXPERTS * 5) == pytest.approx(EXPERTS)
 
 
@@ -104,12 +112,13 @@ def test_only_trained_positions_reach_the_loss(packed):
     forward = forward_micro_batch(
         model, seqs, 1.0, torch.device("cpu"), False, packed, None, routing
     )
-    assert forward.routed.tokens == 6 + 2 + 1
+    assert forward.routed.tokens.item() == 6 + 2 + 1
     aux_loss_sum(forward.routed).backward()
     x = model_inputs(seqs, torch.device("cpu"), packed)
     width = x.input_ids.shape[1]
-    trained = set(trained_index(x.positions, forward.masks, width).tolist())
-    assert len(trained) == forward.routed.tokens
+    flat = response_index(x.positions, width)
+    trained = set(flat[torch.cat(forward.masks) > 0].tolist())
+    assert len(trained) == 6 + 2 + 1
     assert len(captured) == TINY_MOE["num_hidden_layers"]
     padding = set(torch.nonzero(x.input_ids.reshape(-1) == 0).reshape(-1).tolist())
     assert padding  # (no token id of these sequences is 0)
