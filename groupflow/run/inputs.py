@@ -58,8 +58,9 @@ class CheckedInputs:
 
 
 def check_inputs(cfg: Config) -> CheckedInputs:
-    """The model, LoRA's target modules, the load-balancing loss's model, the trackers, the tokenizer and chat template on every
-    prompt, the datasets and the task options; the first failure raises its one-line error."""
+    """The model, LoRA's target modules, the load-balancing loss's model, the trackers, the
+    tokenizer and chat template on every prompt, the datasets and the task options; the first
+    failure raises its one-line error."""
     check_resolved(cfg)
     model_path = resolve_model_path(cfg)
     check_tensor_parallel(
