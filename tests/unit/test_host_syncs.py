@@ -127,7 +127,7 @@ def test_a_mixture_of_experts_loop_reads_nothing_on_the_host(gen, monkeypatch, p
     """The routing's figures and the load-balancing loss (learner/moe_aux.py) stay on the
     device too: observation tokens weigh 0 instead of being selected out."""
     algo = algorithm(preset)
-    model = random_causal_lm(VOCAB, architecture="qwen3_moe", seed=0, **TINY_MOE)
+    model = random_causal_lm(VOCAB, architecture="qwen3_moe", seed=0, use_cache=False, **TINY_MOE)
     model = model.to(torch.float64).train()
     model.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
     install_token_head(model)

@@ -38,7 +38,10 @@ EXPERTS, TOP_K = TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"]
 
 
 def tiny_moe(seed: int = 0) -> torch.nn.Module:
-    model = random_causal_lm(VOCAB, architecture="qwen3_moe", seed=seed, **TINY_MOE)
+    # no KV cache, as learner/model_setup.py sets: a cache would turn packing's masks off
+    model = random_causal_lm(
+        VOCAB, architecture="qwen3_moe", seed=seed, use_cache=False, **TINY_MOE
+    )
     model = model.to(F64).train()
     model.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
     # spread the routers, so that the top-k and the probabilities vary from token to token
@@ -128,6 +131,26 @@ def test_only_trained_positions_reach_the_loss(packed):
     assert reached[-1] == trained
     assert all(trained <= r and not r & padding for r in reached)
     assert all(r.weight.grad.abs().sum() > 0 for r in routing_routers(model))
+
+
+def test_the_loss_backpropagates_through_checkpointed_layers():
+    """Under activation checkpointing (the learner's default) a layer's forward runs again in
+    the backward, its router's hook with it: the gradient is the one without."""
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_moe(seed=5)
+        if checkpointing:  # as learner/model_setup.py enables it
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        routing = MoeRouting.of(model, 0.1)
+        seqs = [seq([1, 2, 3, 4, 5, 6, 7, 8, 9], 3), seq([9, 8, 7, 6, 5], 2), seq([3, 4, 5], 1)]
+        cpu = torch.device("cpu")
+        forward = forward_micro_batch(model, seqs, 1.0, cpu, False, True, None, routing)
+        aux_loss_sum(forward.routed).backward()
+        grads.append(torch.cat([r.weight.grad.reshape(-1) for r in routing_routers(model)]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-14)
 
 
 def routing_routers(model):
