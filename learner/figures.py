@@ -18,6 +18,7 @@ from groupflow.core.device import to_device
 from groupflow.core.records import TrainSequence
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
+from groupflow.learner.moe_aux import MoeFigures
 from groupflow.learner.off_policy import OffPolicyFigures
 from groupflow.learner.token_stats import TokenStats, loss_masks
 
@@ -126,6 +127,7 @@ class RankFigures:
     )  # nodes shared by >= 2
     residual_whole_group: CancellationResidual = field(default_factory=CancellationResidual)
     off_policy: OffPolicyFigures = field(default_factory=OffPolicyFigures)
+    moe: MoeFigures = field(default_factory=MoeFigures)  # a mixture of experts' routing
     # Global over ranks, so every rank holds the same values: one per mini-batch, one per update.
     credit: list[CreditStats] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -171,6 +173,7 @@ class RankFigures:
             "residual": self.residual.merge(other.residual),
             "residual_whole_group": self.residual_whole_group.merge(other.residual_whole_group),
             "off_policy": self.off_policy.merge(other.off_policy),
+            "moe": self.moe.merge(other.moe),
         }
 
 
@@ -220,6 +223,7 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "actor_memory_bytes": {"learner": total.peak_memory_bytes},
         "actor_memory_limit_bytes": {"learner": total.memory_limit_bytes},
     }
+    record.update(total.moe.record())  # a mixture of experts' routing (none for a dense model)
     # The credit figures over the step's mini-batches: token counts add up, shares and
     # thresholds are averaged. The step's sequence count is the rollout's (num_sequences,
     # groupflow/observe/rollout_figures.py), one key from one place.

@@ -18,7 +18,7 @@ import torch
 from groupflow.config.base import ConfigError
 from groupflow.config.learner import LoraConfig
 from groupflow.core.adapters import meta_model, wire_name
-from groupflow.learner.moe_blocks import moe_blocks
+from groupflow.learner.moe_blocks import config_has_experts, moe_blocks
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -121,7 +121,7 @@ def check_target_modules(model_path: str, lora: LoraConfig) -> None:
     in a mixture of experts anything inside its expert blocks (the router, the experts, shared
     experts: LoRA on a mixture of experts adapts attention and dense layers only, docs/moe.md).
     Builds the model on the meta device: no weights are read."""
-    if lora.target_modules == "all-linear" and not _may_be_moe(model_path):
+    if lora.target_modules == "all-linear" and not config_has_experts(model_path):
         return
     model = meta_model(model_path)
     outside = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
@@ -158,18 +158,6 @@ def check_target_modules(model_path: str, lora: LoraConfig) -> None:
                 f"{where} matches a {type(unfit).__name__}: vLLM serves adapters on the "
                 f"transformer blocks' linear layers only ({', '.join(linear)})"
             )
-
-
-def _may_be_moe(model_path: str) -> bool:
-    """Whether the config at `model_path` counts experts (every MoE config of transformers
-    names them: num_experts, num_local_experts, n_routed_experts)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
-    return any(
-        getattr(config, key, None)
-        for key in ("num_experts", "num_local_experts", "n_routed_experts")
-    )
 
 
 def _adaptable(module: torch.nn.Module, outside: set[int]) -> bool:

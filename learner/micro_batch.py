@@ -22,6 +22,7 @@ from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
+from groupflow.learner.moe_aux import MoeRouting, RoutedTokens, response_index
 from groupflow.learner.sequence_parallel import SequenceParallel, assemble_stats, shard_inputs
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
@@ -37,6 +38,8 @@ class MicroBatchForward:
     empty_loss: Tensor | None = None
     # One per sequence, like stats: 1.0 on model tokens, 0.0 on observations (loss_masks)
     masks: list[Tensor] = field(default_factory=list)
+    # A mixture of experts' routing at the trained positions, when the forward recorded it
+    routed: RoutedTokens | None = None
 
 
 @dataclass
@@ -118,7 +121,12 @@ def response_token_stats(
             shard.position_ids,
         )
         return assemble_stats(local, shard, sp)
-    x = model_inputs(seqs, device, packed)
+    return _stats_of_inputs(model, model_inputs(seqs, device, packed), temperature, entropy_grad)
+
+
+def _stats_of_inputs(
+    model, x: ModelInputs, temperature: float, entropy_grad: bool
+) -> list[TokenStats]:
     stats = head_token_stats(
         model, x.input_ids, x.attention_mask, x.positions, temperature, entropy_grad, x.position_ids
     )
@@ -149,11 +157,22 @@ def forward_micro_batch(
     entropy_grad: bool,
     packed: bool = True,
     sp: SequenceParallel | None = None,
+    routing: MoeRouting | None = None,
 ) -> MicroBatchForward:
+    """With `routing` (a mixture of experts' routers; not with `sp`, whose ranks each see a
+    shard of the positions), the routing of the trained positions comes along."""
     if not seqs:
         return MicroBatchForward([], empty_loss=empty_micro_batch(model, device, sp))
-    stats = response_token_stats(model, seqs, temperature, device, entropy_grad, packed, sp)
-    return MicroBatchForward(stats, masks=loss_masks(seqs, [s.logp for s in stats]))
+    if routing is None or sp is not None:
+        stats = response_token_stats(model, seqs, temperature, device, entropy_grad, packed, sp)
+        return MicroBatchForward(stats, masks=loss_masks(seqs, [s.logp for s in stats]))
+    x = model_inputs(seqs, device, packed)
+    with routing.recording() as logits:
+        stats = _stats_of_inputs(model, x, temperature, entropy_grad)
+    masks = loss_masks(seqs, [s.logp for s in stats])
+    index = response_index(x.positions, x.input_ids.shape[1])
+    routed = routing.at_positions(logits, index, torch.cat(masks))
+    return MicroBatchForward(stats, masks=masks, routed=routed)
 
 
 def check_packing(

@@ -28,3 +28,15 @@ def make_leaf_modules(model: torch.nn.Module) -> int:
 
         set_z3_leaf_modules(model, sorted({type(b) for b in blocks}, key=lambda t: t.__name__))
     return len(blocks)
+
+
+def config_has_experts(model_path: str) -> bool:
+    """Whether the config at `model_path` counts experts (every MoE config of transformers
+    names them: num_experts, num_local_experts, n_routed_experts)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    return any(
+        getattr(config, key, None)
+        for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    )

@@ -35,6 +35,7 @@ from groupflow.learner.memory_budget import (
     rank_memory_bytes,
 )
 from groupflow.learner.micro_batch import check_packing
+from groupflow.learner.moe_aux import MoeRouting
 from groupflow.learner.probe import probe_logprobs
 from groupflow.learner.sequence_parallel import install_ulysses, parallel_groups
 from groupflow.learner.step import MicroBatches, StepSettings
@@ -70,6 +71,7 @@ class LearnerRank:
             packed=cfg.learner.pack_sequences,
             sequence_parallel=groups.sequence,
         )
+        self.settings.moe = MoeRouting.of(self._module, cfg.learner.moe.aux_loss_coef)
         if cfg.learner.pack_sequences:
             vocab_size = self._module.config.vocab_size
             check_packing(policy.model, vocab_size, policy.device, groups.sequence)

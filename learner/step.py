@@ -44,6 +44,7 @@ from groupflow.learner.micro_batch import (
     forward_micro_batch,
     micro_batch_loss,
 )
+from groupflow.learner.moe_aux import MiniBatchRouting, MoeRouting
 from groupflow.learner.sequence_parallel import SequenceParallel
 from groupflow.learner.token_stats import TokenStats, loss_masks
 
@@ -77,6 +78,8 @@ class StepSettings:
     # This rank's sequence-parallel group (learner.sequence_parallel_size > 1), else None; the
     # reducer then spans the ranks of the same shard (learner/sequence_parallel.py)
     sequence_parallel: SequenceParallel | None = None
+    # A mixture of experts' routers (learner/moe_aux.py), set by the rank; None: a dense model
+    moe: MoeRouting | None = None
 
     @classmethod
     def of(
@@ -188,13 +191,15 @@ def plan_each_micro_batch(
     refs = ref_logp if ref_logp is not None else [None] * len(micro_batches)
     olds, currents, grads = [], [], []
     update = UpdateFigures.zero_sums(policy.device)
+    moe = MiniBatchRouting.start(settings.moe, micro_batches, settings.reducer, policy.device)
     for k, (mb, mb_ref) in enumerate(zip(micro_batches, refs, strict=True)):
         forward = _forward(policy, mb, settings)
         current = _detached(forward.stats)
         old = current if proximal is None else proximal[k]
         rows = micro_batch_rows(mini_batch_tokens(mb, old, current, policy.device), algo, scale)
         out = micro_batch_loss(forward, old, mb_ref, rows, 0, algo, algo.cancellation_diagnostic)
-        policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
+        loss = out.loss if moe is None else out.loss + moe.loss(forward.routed, counted=True)
+        policy.backward(loss, last_micro_batch=k == len(micro_batches) - 1)
         update += out.figure_sums
         olds += old
         currents += current
@@ -214,6 +219,7 @@ def plan_each_micro_batch(
         plan,
         grad_norms,
         grads if algo.cancellation_diagnostic else None,
+        moe,
     )
 
 
@@ -265,19 +271,25 @@ def plan_whole_mini_batch(
         for mb in micro_batches
     ]
     update, grad_norms = UpdateFigures.zero_sums(policy.device), []
+    moe = MiniBatchRouting.start(settings.moe, micro_batches, settings.reducer, policy.device)
     for pass_index in range(len(plan.passes)):
         for k, parts in enumerate(zip(micro_batches, rows, old, refs, grads, strict=True)):
             mb, mb_rows, mb_old, mb_ref, mb_grads = parts
             forward = first if first is not None else _forward(policy, mb, settings)
             first = None  # later passes run after an update: they need a fresh forward
             out = micro_batch_loss(forward, mb_old, mb_ref, mb_rows, pass_index, algo, diagnostic)
-            policy.backward(out.loss, last_micro_batch=k == len(micro_batches) - 1)
+            loss = out.loss
+            if moe is not None:  # each micro-batch's routing counts once, in the first pass
+                loss = loss + moe.loss(forward.routed, counted=pass_index == 0)
+            policy.backward(loss, last_micro_batch=k == len(micro_batches) - 1)
             update += out.figure_sums
             for acc, g in zip(mb_grads, out.token_grads, strict=True):
                 acc += g
         grad_norms.append(policy.step())
     flat_grads = [g for mb in grads for g in mb] if diagnostic else None
-    return _figures(seqs, flat_old, UpdateFigures.of_sums(update), plan, grad_norms, flat_grads)
+    return _figures(
+        seqs, flat_old, UpdateFigures.of_sums(update), plan, grad_norms, flat_grads, moe
+    )
 
 
 def _figures(
@@ -287,9 +299,11 @@ def _figures(
     plan: CreditPlan,
     grad_norms: list[float],
     token_grads: list[Tensor] | None,
+    moe: MiniBatchRouting | None,
 ) -> RankFigures:
     """A mini-batch's figures; the cancellation residual from dLoss/dlogp per sequence
-    (summed over the passes) when the diagnostic collected them."""
+    (summed over the passes) when the diagnostic collected them; a mixture of experts'
+    routing."""
     figures = RankFigures(
         proximal=ProximalFigures.of(seqs, old),
         update=update,
@@ -297,6 +311,8 @@ def _figures(
         grad_norms=grad_norms,
         off_policy=plan.off_policy,
     )
+    if moe is not None:
+        figures.moe = moe.figures()
     if token_grads is not None:
         # One copy to the host for all sequences (they lie on the device)
         sizes = [g.numel() for g in token_grads]
@@ -319,6 +335,7 @@ def _forward(
         entropy_grad,
         settings.packed,
         settings.sequence_parallel,
+        settings.moe,
     )
 
 

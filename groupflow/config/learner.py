@@ -120,6 +120,16 @@ class MoeConfig(Section):
         "are gathered at once when the block runs, instead of by a hook on each of its "
         "children, whose order changes with the routing",
     )
+    aux_loss_coef: FloatSetting = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="weight of the load-balancing auxiliary loss (Switch Transformer's, per "
+        "layer: experts x sum over experts of the share of top-k assignments times the mean "
+        "router probability, averaged over the layers) on the trained tokens, summed over "
+        "them and divided by the policy loss's global token count; 0 (the default) is off. "
+        "Qwen3-MoE's configs use 0.001 (router_aux_loss_coef). A dense model is refused",
+    )
 
 
 class LearnerConfig(Section):
@@ -219,5 +229,10 @@ class LearnerConfig(Section):
             raise ValueError(
                 f"sequence_parallel_size={self.sequence_parallel_size} does not divide "
                 f"num_ranks={self.num_ranks}"
+            )
+        if self.moe.aux_loss_coef > 0 and self.sequence_parallel_size > 1:
+            raise ValueError(
+                "moe.aux_loss_coef > 0 with sequence_parallel_size > 1: the load-balancing "
+                "loss needs each sequence's routing on one rank; set one of them off"
             )
         return self

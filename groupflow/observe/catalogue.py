@@ -67,6 +67,7 @@ _TOKENS = "Spurious and low-probability tokens"
 _CLIP = "Clip fractions"
 _GRAD = "Gradient norm and log-prob mismatch"
 _OFF_POLICY = "Off-policy correction"
+_MOE = "Expert load balance"
 _SPEED = "Tokens per second by stage"
 _TIMES = "Mean stage latency and step time"
 _ERRORS = "Reward errors and timeouts"
@@ -567,6 +568,23 @@ METRICS: tuple[Metric, ...] = (
         "nats",
         _GRAD,
         _gauge("groupflow_sync_probe_diff_max"),
+    ),
+    # a mixture of experts' routing on the learner (learner/moe_aux.py); absent for a dense model
+    Metric(
+        "expert_load_max_over_mean",
+        "per mixture-of-experts layer, the most of the step's trained tokens an expert got over "
+        "the mean per expert (1: balanced; the number of experts: all to one)",
+        "",
+        _MOE,
+        Series("groupflow_expert_load_max_over_mean", "gauge", label="layer"),
+    ),
+    Metric(
+        "moe_aux_loss",
+        "the load-balancing auxiliary loss per trained token (learner.moe.aux_loss_coef weighs "
+        "it into the loss; reported at any weight)",
+        "",
+        _MOE,
+        _gauge("groupflow_moe_aux_loss"),
     ),
     # the off-policy correction (groupflow.learner.off_policy), over tokens with vLLM's log-probs
     Metric(

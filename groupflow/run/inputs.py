@@ -19,6 +19,7 @@ from groupflow.core.model_dir import (
     read_model_config,
 )
 from groupflow.learner.lora import check_target_modules
+from groupflow.learner.moe_aux import check_aux_loss
 from groupflow.learner.sequence_parallel import check_heads
 from groupflow.observe.trackers import check_trackers
 from groupflow.run.job_config import check_resolved
@@ -57,8 +58,9 @@ class CheckedInputs:
 
 
 def check_inputs(cfg: Config) -> CheckedInputs:
-    """The model, LoRA's target modules, the trackers, the tokenizer and chat template on every
-    prompt, the datasets and the task options; the first failure raises its one-line error."""
+    """The model, LoRA's target modules, the load-balancing loss's model, the trackers, the
+    tokenizer and chat template on every prompt, the datasets and the task options; the first
+    failure raises its one-line error."""
     check_resolved(cfg)
     model_path = resolve_model_path(cfg)
     check_tensor_parallel(
@@ -66,6 +68,7 @@ def check_inputs(cfg: Config) -> CheckedInputs:
     )
     if cfg.learner.lora is not None:
         check_target_modules(model_path, cfg.learner.lora)
+    check_aux_loss(model_path, cfg.learner.moe)
     check_sequence_parallel(cfg, model_path)
     check_trackers(cfg)
     return CheckedInputs(model_path, vet_prompts(cfg, model_path))

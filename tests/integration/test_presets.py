@@ -67,6 +67,7 @@ RIDERS = {
         "rollout.sampling.top_k=20",
         "rollout.sampling.min_p=0.01",
         "rollout.sampling.seed=3",
+        "learner.moe.aux_loss_coef=0.01",  # the load-balancing loss, in the real backward
         # and its long-tail run's trainer.max_staleness=2: the first two steps' prompts are
         # drawn at once, the second step's stale
     ],
@@ -116,6 +117,15 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
     ]
     if preset == "gspo":
         assert [r["staleness_max"] for r in records[:2]] == [0, 1]
+        # the small MoE's routing (2 layers, 8 experts, top-2), under the load-balancing loss:
+        # an expert gets each token once at most, so its load is at most E / k = 4 times the
+        # mean; the loss is k = 2 when balanced, at most E = 8; and the log-prob mismatch is
+        # reported for the mixture of experts as for a dense model
+        for r in records:
+            balance = r["expert_load_max_over_mean"]
+            assert sorted(balance) == ["0", "1"] and all(1.0 <= b <= 4.0 for b in balance.values())
+            assert 1.0 < r["moe_aux_loss"] <= 8.0, r["moe_aux_loss"]
+            assert 0.0 <= r["logp_mismatch_mean"] < 0.1, r["logp_mismatch_mean"]
         assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
         assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -37,6 +37,7 @@ PANEL_ROWS = {
     "Tool use and observation share": "Agents",
     "Tool calls, errors and timeouts": "Agents",
     "Trajectory end reasons": "Agents",
+    "Expert load balance": "Mixture of experts",
 }
 
 # Panels that stay empty unless the job (or the scrape config) has a feature: each says which
@@ -54,6 +55,7 @@ FEATURE_PANELS = {
     "Actors by node": RAY_SCRAPE,
     "Object store traffic by node": RAY_SCRAPE,
     "Object store memory by node": RAY_SCRAPE,
+    "Expert load balance": "mixture-of-experts models only",
 }
 
 

@@ -18,9 +18,13 @@ import functools
 import pytest
 import torch
 
+from groupflow.core.random_model import random_causal_lm
 from groupflow.learner import step
+from groupflow.learner.moe_aux import MiniBatchRouting, MoeRouting
 from groupflow.learner.step import train_step
+from groupflow.learner.token_head import install_token_head
 from tests.unit.test_learner_step import (
+    VOCAB,
     TorchRank,
     algorithm,
     layout,
@@ -28,6 +32,7 @@ from tests.unit.test_learner_step import (
     settings,
     tiny_model,
 )
+from tests.unit.test_moe_blocks import TINY_MOE
 
 READS = ["item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"]
 SIZED_BY_VALUES = ["nonzero", "unique", "masked_select", "argwhere"]
@@ -115,6 +120,30 @@ def test_the_micro_batch_loop_reads_nothing_on_the_host(gen, monkeypatch, preset
     assert guard.calls.count("micro_batch_loss") >= micro_batches
     assert guard.calls.count("backward") == guard.calls.count("micro_batch_loss")
     assert figures.update.tokens > 0  # the figures the loop left on the device were read
+
+
+@pytest.mark.parametrize("preset", ["grpo", "stapo"])
+def test_a_mixture_of_experts_loop_reads_nothing_on_the_host(gen, monkeypatch, preset):
+    """The routing's figures and the load-balancing loss (learner/moe_aux.py) stay on the
+    device too: observation tokens weigh 0 instead of being selected out."""
+    algo = algorithm(preset)
+    model = random_causal_lm(VOCAB, architecture="qwen3_moe", seed=0, use_cache=False, **TINY_MOE)
+    model = model.to(torch.float64).train()
+    model.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
+    install_token_head(model)
+    cut = layout(sample_step(model, gen, algo, num_groups=4), gen, 1, many_micro_batches=True)[0]
+    guard = HostSyncGuard(monkeypatch)
+    for name in ("forward_micro_batch", "micro_batch_loss", "micro_batch_rows"):
+        monkeypatch.setattr(step, name, guard.guarded(getattr(step, name)))
+    monkeypatch.setattr(MiniBatchRouting, "loss", guard.guarded(MiniBatchRouting.loss))
+    monkeypatch.setattr(type(model.model), "forward", _unguarded(guard, type(model.model).forward))
+    moe_settings = settings(algo)
+    moe_settings.moe = MoeRouting.of(model, aux_loss_coef=0.01)
+
+    figures = train_step(GuardedRank(model, guard), None, cut, moe_settings)
+
+    assert guard.calls.count("loss") == guard.calls.count("micro_batch_loss") > 1
+    assert figures.moe.tokens == figures.update.tokens > 0
 
 
 def _unguarded(guard: HostSyncGuard, fn):

@@ -1,0 +1,156 @@
+"""The small mixture of experts (groupflow/run/small_moe.py) on the learner and in an engine
+(issue 40): what making each MoE block a ZeRO-3 leaf module, the load-balancing loss, and
+vLLM's routed-expert capture cost.
+
+    .venv/bin/python bench/moe.py [--part learner engine] [--steps 3] [--groups 8]
+                                  [--tokens 64] [--batch 64]
+
+learner: starts `learner.num_ranks` = 2 DeepSpeed ZeRO-3 ranks on a local Ray cluster of its
+own, once per setting (learner.moe.leaf_modules off, on, and on with
+learner.moe.aux_loss_coef=0.001), trains `--steps` steps (after one untimed) of `--groups`
+groups of 2 random responses of `--tokens` tokens, and prints the median step time.
+
+engine: a vLLM engine on the small MoE in a process of its own, once without and once with
+`enable_return_routed_experts` (vLLM returns each token's experts per layer, what routing
+replay needs), decodes `--batch` sequences of exactly `--tokens` tokens after one untimed
+run, and prints tokens per second. Figures only; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from groupflow.core.records import TrainSequence
+from groupflow.run.small_moe import small_moe_path
+
+LEARNER_SETTINGS = {
+    "no leaf modules": ["learner.moe.leaf_modules=false"],
+    "leaf modules": ["learner.moe.leaf_modules=true"],
+    "leaf + aux loss": ["learner.moe.leaf_modules=true", "learner.moe.aux_loss_coef=0.001"],
+}
+
+
+def sequences(groups: int, tokens: int, vocab: int, seed: int) -> list[TrainSequence]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(groups):
+        prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
+        for sign in (1.0, -1.0):
+            response = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+            out.append(TrainSequence(prompt + response, len(prompt), sign, g, 0, []))
+    return out
+
+
+def learner_step_time(model_dir: str, overrides: list[str], args, vocab: int) -> float:
+    import ray
+
+    from groupflow.actors.learner import LearnerGroup
+    from groupflow.run.job_config import build_config
+
+    cfg = build_config({}, ["learner.num_ranks=2", "learner.optimizer.lr=1e-5", *overrides])
+    learner = LearnerGroup(cfg, model_dir)
+    try:
+        seconds = []
+        for step in range(args.steps + 1):  # the first one warms up
+            seqs = sequences(args.groups, args.tokens, vocab, step)
+            start = time.perf_counter()
+            ray.get(learner.async_train_step(seqs))
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
+    finally:
+        learner.shutdown()
+
+
+def learner_part(model_dir: str, args) -> None:
+    import ray
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
+    try:
+        print(f"learner: 2 ZeRO-3 ranks, {args.groups} groups x 2 x {args.tokens} tokens")
+        print(f"{'setting':18s} {'step time':>10s}", flush=True)
+        for label, overrides in LEARNER_SETTINGS.items():
+            seconds = learner_step_time(model_dir, overrides, args, vocab)
+            print(f"{label:18s} {seconds:8.2f} s", flush=True)
+    finally:
+        ray.shutdown()
+
+
+def engine_tokens_per_second(model_dir: str, routed: bool, batch: int, tokens: int) -> float:
+    """One engine in this process: tokens per second of `batch` sequences of `tokens`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, as groupflow's engines
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        enable_chunked_prefill=False,
+        enable_return_routed_experts=routed,
+    )
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode("12+34=")}
+    llm.generate([prompt] * batch, params, use_tqdm=False)  # untimed
+    start = time.perf_counter()
+    outputs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    if routed:  # what capture returns: [tokens, layers, top-k] expert ids per sequence
+        experts = outputs[0].outputs[0].routed_experts
+        print(f"  routed experts of a sequence: {None if experts is None else experts.shape}")
+    return batch * tokens / seconds
+
+
+def engine_part(model_dir: str, args) -> None:
+    print(f"engine: {args.batch} sequences x {args.tokens} tokens, float32, one engine")
+    print(f"{'routed-expert capture':22s} {'tokens/s':>9s}", flush=True)
+    for routed in (False, True):
+        # a process each: a second engine in a process that ran one inherits its state
+        run = subprocess.run(
+            [sys.executable, __file__, "--engine-once", "on" if routed else "off", model_dir]
+            + ["--batch", str(args.batch), "--tokens", str(args.tokens)],
+            capture_output=True,
+            text=True,
+        )
+        lines = [line for line in run.stdout.splitlines() if line.strip()]
+        if run.returncode != 0 or not lines:
+            error = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"{'on' if routed else 'off':22s} failed: {error}", flush=True)
+            continue
+        for line in lines[:-1]:
+            print(line)
+        print(f"{'on' if routed else 'off':22s} {float(lines[-1]):9.0f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", nargs="+", default=["learner", "engine"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--engine-once", nargs=2, metavar=("ROUTED", "MODEL"), help="internal")
+    args = parser.parse_args()
+    if args.engine_once:
+        routed, model_dir = args.engine_once
+        print(engine_tokens_per_second(model_dir, routed == "on", args.batch, args.tokens))
+        return
+    model_dir = str(small_moe_path(progress=False))
+    print(f"the small MoE: {model_dir}", flush=True)
+    if "learner" in args.part:
+        learner_part(model_dir, args)
+    if "engine" in args.part:
+        engine_part(model_dir, args)
+
+
+if __name__ == "__main__":
+    main()
