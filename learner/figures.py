@@ -19,6 +19,7 @@ from groupflow.core.records import TrainSequence
 from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.off_policy import OffPolicyFigures
+from groupflow.learner.routing_replay import RoutingCounts
 from groupflow.learner.token_stats import TokenStats, loss_masks
 
 
@@ -132,6 +133,9 @@ class RankFigures:
     # The rank's peak memory over the step (resident on a CPU, allocated on a GPU), in bytes
     peak_memory_bytes: int = 0
     memory_limit_bytes: int = 0  # the memory the rank may use (learner.memory_gib)
+    # (token, layer) pairs whose experts the engine and the learner chose differently, and
+    # all those compared (learner/routing_replay.py); (0, 0) without the engine's routing
+    routing: RoutingCounts = field(default_factory=RoutingCounts)
 
     @property
     def optimizer_updates(self) -> int:
@@ -171,6 +175,7 @@ class RankFigures:
             "residual": self.residual.merge(other.residual),
             "residual_whole_group": self.residual_whole_group.merge(other.residual_whole_group),
             "off_policy": self.off_policy.merge(other.off_policy),
+            "routing": _add_fields(self.routing, other.routing),
         }
 
 
@@ -220,6 +225,8 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "actor_memory_bytes": {"learner": total.peak_memory_bytes},
         "actor_memory_limit_bytes": {"learner": total.memory_limit_bytes},
     }
+    if total.routing.pairs:  # a mixture of experts with the engine's routing
+        record["routing_disagreement"] = total.routing.differing / total.routing.pairs
     # The credit figures over the step's mini-batches: token counts add up, shares and
     # thresholds are averaged. The step's sequence count is the rollout's (num_sequences,
     # groupflow/observe/rollout_figures.py), one key from one place.

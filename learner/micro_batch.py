@@ -22,6 +22,7 @@ from groupflow.learner.batching import pack_rows
 from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
+from groupflow.learner.routing_replay import RoutingGrid, routing_grid, routing_state
 from groupflow.learner.sequence_parallel import SequenceParallel, assemble_stats, shard_inputs
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
@@ -53,6 +54,7 @@ class ModelInputs:
     position_ids: Tensor | None  # (R, W) packed; None padded
     positions: ResponsePositions  # where the response tokens are predicted
     all_position_ids: Tensor  # (R, W) packed or not: what a sequence-parallel forward takes
+    routing: RoutingGrid | None = None  # the engine's experts per token (learner/routing_replay.py)
 
 
 def model_inputs(
@@ -84,9 +86,12 @@ def model_inputs(
         position_ids[row, end:] = torch.arange(width - end)
     ids, position_ids = to_device(ids, device), to_device(position_ids, device)
     positions = response_positions(ids, lengths, [s.prompt_len for s in seqs], rows, starts)
+    routing = routing_grid([s.routed_experts for s in seqs], rows, starts, width, num_rows)
+    if routing is not None:
+        routing = RoutingGrid(to_device(routing.experts, device), to_device(routing.known, device))
     if packed:
-        return ModelInputs(ids, None, position_ids, positions, position_ids)
-    return ModelInputs(ids, to_device(attention, device), None, positions, position_ids)
+        return ModelInputs(ids, None, position_ids, positions, position_ids, routing)
+    return ModelInputs(ids, to_device(attention, device), None, positions, position_ids, routing)
 
 
 def response_token_stats(
@@ -105,9 +110,16 @@ def response_token_stats(
     take position ids, not a mask (a right-padded row's padding never precedes a real token).
 
     Gradient mode is the caller's; the entropy keeps its gradient only with `entropy_grad`."""
+    routers = routing_state(model)
     if sp is not None:
         x = model_inputs(seqs, device, packed, width_multiple=sp.size)
         shard = shard_inputs(x.input_ids, x.all_position_ids, x.positions, sp)
+        if routers is not None:
+            routers.set(
+                None
+                if x.routing is None
+                else x.routing.columns(shard.first, shard.input_ids.shape[1])
+            )
         local = head_token_stats(
             model,
             shard.input_ids,
@@ -119,6 +131,8 @@ def response_token_stats(
         )
         return assemble_stats(local, shard, sp)
     x = model_inputs(seqs, device, packed)
+    if routers is not None:
+        routers.set(x.routing)
     stats = head_token_stats(
         model, x.input_ids, x.attention_mask, x.positions, temperature, entropy_grad, x.position_ids
     )
@@ -133,6 +147,9 @@ def empty_micro_batch(model, device: torch.device, sp: SequenceParallel | None =
     with less work than the others still runs each micro-batch and backpropagates this; the
     token head gives every parameter, its own included, a zero gradient for no positions."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    routers = routing_state(model)
+    if routers is not None:
+        routers.set(None)
     no_positions = response_positions(ids, [], [])
     if sp is None:
         stats = head_token_stats(model, ids, torch.ones_like(ids), no_positions, 1.0)

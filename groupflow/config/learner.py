@@ -117,6 +117,13 @@ class MoeConfig(Section):
         "are gathered at once when the block runs, instead of by a hook on each of its "
         "children, whose order changes with the routing",
     )
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off",
+        description="rollout routing replay (R3): 'rollout' routes each token through the "
+        "experts the engine chose for it, in the policy, proximal and reference forwards, "
+        "with gate weights from the learner's own router logits (a Qwen3-MoE-style top-k "
+        "router only; refused for a dense model); 'off': the learner's own routing",
+    )
 
 
 class LearnerConfig(Section):
