@@ -137,6 +137,24 @@ def install_routing_replay(model: torch.nn.Module, replay: bool, counting: bool)
     return True
 
 
+def check_replay_model(model_path: str) -> None:
+    """Before a job starts: routing replay needs a mixture of experts whose router is a top-k
+    router of the Qwen-MoE kind (its config counts experts per token and says whether their
+    weights are renormalised); ConfigError in one line otherwise."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    if not all(
+        getattr(config, key, None) is not None
+        for key in ("num_experts", "num_experts_per_tok", "norm_topk_prob")
+    ):
+        raise ConfigError(
+            f"learner.moe.routing_replay: 'rollout' needs a mixture of experts with a top-k "
+            f"router of the Qwen-MoE kind; {model_path} ({config.model_type}) has none "
+            "(set it to 'off')"
+        )
+
+
 def _hook(state: RoutingReplay, layer: int, norm: bool):
     def hook(module, args, output):
         return state.route(layer, *output, norm)

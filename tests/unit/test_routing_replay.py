@@ -19,6 +19,7 @@ from groupflow.learner.micro_batch import response_token_stats
 from groupflow.learner.model_setup import prepare_model
 from groupflow.learner.routing_replay import (
     RoutingCounts,
+    check_replay_model,
     check_routing,
     routing_grid,
     routing_state,
@@ -185,3 +186,16 @@ def test_the_grid_lays_each_sequences_routing_where_its_ids_are():
     shard = grid.columns(3, 3)
     assert shard.known.tolist() == [[0, 0, 0], [0, 0, 0]]
     assert routing_grid([None], [0], [0], 4, 1) is None
+
+
+def test_a_job_with_replay_on_a_dense_model_stops_before_it_starts(tmp_path):
+    random_causal_lm(VOCAB, seed=0, hidden_size=16, intermediate_size=32).save_pretrained(
+        tmp_path / "dense"
+    )
+    random_causal_lm(VOCAB, architecture="qwen3_moe", seed=0, **TINY_MOE).save_pretrained(
+        tmp_path / "moe"
+    )
+    check_replay_model(str(tmp_path / "moe"))
+    with pytest.raises(ConfigError) as err:
+        check_replay_model(str(tmp_path / "dense"))
+    assert str(err.value).startswith("learner.moe.routing_replay: ") and "\n" not in str(err.value)
