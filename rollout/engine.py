@@ -351,7 +351,10 @@ class RolloutEngine:
         )
         routing = (await self._call(take))[0]
         for completion in out.outputs:
-            completion.routed_experts = routing[completion.index]
+            # none past the tokens kept: a token a stop string cut off may have run already
+            ran = len(out.prompt_token_ids) + len(completion.token_ids) - 1
+            routed = routing[completion.index]
+            completion.routed_experts = None if routed is None else routed[:ran]
 
     async def _call(self, fn: Callable, *args):
         """`fn(*args)` in the one thread that calls into vLLM, after the calls before it."""
