@@ -193,12 +193,20 @@ def routing_grid(
 
 def check_routing(seqs: list[TrainSequence]) -> None:
     """Raise, in one line, unless every sequence carries the engine's routing of each token
-    its trained tokens follow (all but the last): what replay needs."""
+    its trained tokens follow (a trajectory's trailing observation, which nothing trained
+    follows and no request ran, may lack it): what replay needs."""
     for seq in seqs:
         have = 0 if seq.routed_experts is None else len(seq.routed_experts)
-        if have < len(seq.input_ids) - 1:
+        if have < _routing_needed(seq):
             raise RunError(
                 f"learner.moe.routing_replay: a sequence of group {seq.group_id} came without "
-                f"the engine's routing of its tokens ({have} of {len(seq.input_ids) - 1} routed): "
-                "the engines did not return it"
+                f"the engine's routing of its tokens ({have} of {_routing_needed(seq)} "
+                "routed): the engines did not return it"
             )
+
+
+def _routing_needed(seq: TrainSequence) -> int:
+    """The positions before the sequence's last trained token."""
+    mask = seq.loss_mask or [1] * seq.num_response_tokens
+    last = max((i for i, m in enumerate(mask) if m), default=0)
+    return seq.prompt_len + last

@@ -176,6 +176,13 @@ def test_a_batch_without_the_engines_routing_is_refused_in_one_line():
     assert "routing_replay" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(RunError):
         check_routing(_seqs([r[:-1] for r in routing]))  # one trained token short
+    # a trajectory that ends in an observation: no request ran it, nothing trained follows it
+    ids = list(range(10))
+    trailing = TrainSequence(ids, 2, 1.0, 0, 0, [], [1, 1, 1, 0, 0, 0, 0, 0], routing[0][:4])
+    check_routing([trailing])
+    with pytest.raises(RunError):
+        trailing.routed_experts = routing[0][:3]
+        check_routing([trailing])
 
 
 def test_the_grid_lays_each_sequences_routing_where_its_ids_are():
