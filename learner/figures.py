@@ -20,6 +20,7 @@ from groupflow.learner.credit import CreditStats
 from groupflow.learner.diagnostics import CancellationResidual
 from groupflow.learner.moe_aux import MoeFigures
 from groupflow.learner.off_policy import OffPolicyFigures
+from groupflow.learner.routing_replay import RoutingCounts
 from groupflow.learner.token_stats import TokenStats, loss_masks
 
 
@@ -134,6 +135,9 @@ class RankFigures:
     # The rank's peak memory over the step (resident on a CPU, allocated on a GPU), in bytes
     peak_memory_bytes: int = 0
     memory_limit_bytes: int = 0  # the memory the rank may use (learner.memory_gib)
+    # (token, layer) pairs whose experts the engine and the learner chose differently, and
+    # all those compared (learner/routing_replay.py); (0, 0) without the engine's routing
+    routing: RoutingCounts = field(default_factory=RoutingCounts)
 
     @property
     def optimizer_updates(self) -> int:
@@ -174,6 +178,7 @@ class RankFigures:
             "residual_whole_group": self.residual_whole_group.merge(other.residual_whole_group),
             "off_policy": self.off_policy.merge(other.off_policy),
             "moe": self.moe.merge(other.moe),
+            "routing": _add_fields(self.routing, other.routing),
         }
 
 
@@ -224,6 +229,8 @@ def learner_record(results: list[RankFigures]) -> dict[str, float]:
         "actor_memory_limit_bytes": {"learner": total.memory_limit_bytes},
     }
     record.update(total.moe.record())  # a mixture of experts' routing (none for a dense model)
+    if total.routing.pairs:  # a mixture of experts with the engine's routing
+        record["routing_disagreement"] = total.routing.differing / total.routing.pairs
     # The credit figures over the step's mini-batches: token counts add up, shares and
     # thresholds are averaged. The step's sequence count is the rollout's (num_sequences,
     # groupflow/observe/rollout_figures.py), one key from one place.

@@ -23,6 +23,7 @@ from groupflow.learner.credit import CreditRows
 from groupflow.learner.figures import UpdateFigures
 from groupflow.learner.losses import kl_k2, token_loss
 from groupflow.learner.moe_aux import MoeRouting, RoutedTokens, response_index
+from groupflow.learner.routing_replay import RoutingGrid, routing_grid, routing_state
 from groupflow.learner.sequence_parallel import SequenceParallel, assemble_stats, shard_inputs
 from groupflow.learner.token_head import ResponsePositions, response_positions
 from groupflow.learner.token_head import response_token_stats as head_token_stats
@@ -56,6 +57,7 @@ class ModelInputs:
     position_ids: Tensor | None  # (R, W) packed; None padded
     positions: ResponsePositions  # where the response tokens are predicted
     all_position_ids: Tensor  # (R, W) packed or not: what a sequence-parallel forward takes
+    routing: RoutingGrid | None = None  # the engine's experts per token (learner/routing_replay.py)
 
 
 def model_inputs(
@@ -87,9 +89,12 @@ def model_inputs(
         position_ids[row, end:] = torch.arange(width - end)
     ids, position_ids = to_device(ids, device), to_device(position_ids, device)
     positions = response_positions(ids, lengths, [s.prompt_len for s in seqs], rows, starts)
+    routing = routing_grid([s.routed_experts for s in seqs], rows, starts, width, num_rows)
+    if routing is not None:
+        routing = RoutingGrid(to_device(routing.experts, device), to_device(routing.known, device))
     if packed:
-        return ModelInputs(ids, None, position_ids, positions, position_ids)
-    return ModelInputs(ids, to_device(attention, device), None, positions, position_ids)
+        return ModelInputs(ids, None, position_ids, positions, position_ids, routing)
+    return ModelInputs(ids, to_device(attention, device), None, positions, position_ids, routing)
 
 
 def response_token_stats(
@@ -111,6 +116,12 @@ def response_token_stats(
     if sp is not None:
         x = model_inputs(seqs, device, packed, width_multiple=sp.size)
         shard = shard_inputs(x.input_ids, x.all_position_ids, x.positions, sp)
+        if (routers := routing_state(model)) is not None:
+            routers.set(
+                None
+                if x.routing is None
+                else x.routing.columns(shard.first, shard.input_ids.shape[1])
+            )
         local = head_token_stats(
             model,
             shard.input_ids,
@@ -127,6 +138,9 @@ def response_token_stats(
 def _stats_of_inputs(
     model, x: ModelInputs, temperature: float, entropy_grad: bool
 ) -> list[TokenStats]:
+    routers = routing_state(model)
+    if routers is not None:
+        routers.set(x.routing)
     stats = head_token_stats(
         model, x.input_ids, x.attention_mask, x.positions, temperature, entropy_grad, x.position_ids
     )
@@ -141,6 +155,9 @@ def empty_micro_batch(model, device: torch.device, sp: SequenceParallel | None =
     with less work than the others still runs each micro-batch and backpropagates this; the
     token head gives every parameter, its own included, a zero gradient for no positions."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    routers = routing_state(model)
+    if routers is not None:
+        routers.set(None)
     no_positions = response_positions(ids, [], [])
     if sp is None:
         stats = head_token_stats(model, ids, torch.ones_like(ids), no_positions, 1.0)

@@ -37,6 +37,7 @@ from groupflow.learner.memory_budget import (
 from groupflow.learner.micro_batch import check_packing
 from groupflow.learner.moe_aux import MoeRouting
 from groupflow.learner.probe import probe_logprobs
+from groupflow.learner.routing_replay import check_routing, routing_state
 from groupflow.learner.sequence_parallel import install_ulysses, parallel_groups
 from groupflow.learner.step import MicroBatches, StepSettings
 from groupflow.learner.step import train_step as train_rank_step
@@ -134,9 +135,14 @@ class LearnerRank:
             torch.cuda.reset_peak_memory_stats()
         else:
             reset_peak()
+        routers = routing_state(self.models.policy.model)
+        if routers is not None and routers.replay:
+            check_routing([s for m in minibatches for mb in m for s in mb])
         figures = train_rank_step(
             self.models.policy, self.models.reference, minibatches, self.settings
         )
+        if routers is not None:
+            figures.routing = routers.take_counts()
         peak = torch.cuda.max_memory_allocated() if cuda else peak_resident_bytes()
         release_freed_memory()
         figures.peak_memory_bytes, figures.memory_limit_bytes = peak, self.memory

@@ -199,6 +199,7 @@ class Shard:
     positions: ResponsePositions  # this shard's response positions, columns within the shard
     shard_of: Tensor  # (N,) the shard of each response position of the micro-batch
     sizes: list[int]  # response tokens of each sequence (the whole micro-batch's)
+    first: int = 0  # the shard's first column
 
 
 def shard_inputs(
@@ -218,6 +219,7 @@ def shard_inputs(
         local,
         shard_of,
         positions.sizes,
+        first,
     )
 
 

@@ -64,6 +64,8 @@ class EngineSettings:
     # the job's seed, from which the engine draws the sync probe it scores after each load
     # (groupflow/core/sync_probe.py); None: no probe
     sync_probe_seed: int | None = None
+    # return each token's experts per layer with the response (learner.moe.routing_replay)
+    routed_experts: bool = False
 
 
 @dataclass
@@ -84,6 +86,7 @@ def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
 def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
     """The engine part of a job config (groupflow.config.Config)."""
     lora = cfg.learner.lora
+    replay = cfg.learner.moe.routing_replay == "rollout"
     return EngineSettings(
         model_path=model_path,
         dtype=cfg.model.dtype,
@@ -92,9 +95,9 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=seed,
         chat=ChatSettings(cfg.task.chat_template, cfg.task.system_prompt),
-        enforce_eager=resolved_enforce_eager(
-            cfg.rollout.enforce_eager, cfg.rollout.resources.num_gpus
-        ),
+        # the routing capture's callbacks run in Python, which a CUDA graph's replay skips
+        enforce_eager=replay
+        or resolved_enforce_eager(cfg.rollout.enforce_eager, cfg.rollout.resources.num_gpus),
         max_num_seqs=cfg.rollout.max_num_seqs,
         enable_prefix_caching=cfg.rollout.enable_prefix_caching,
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
@@ -102,6 +105,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         lora=None if lora is None else EngineLora(engine_max_rank(lora.rank), serving_config(lora)),
         agent=AgentSettings.of(cfg) if cfg.multi_turn else None,
         sync_probe_seed=cfg.trainer.seed,
+        routed_experts=replay,
     )
 
 
@@ -159,7 +163,11 @@ class RolloutEngine:
             distributed_executor_backend="mp" if tp > 1 else None,
             # None: vLLM's own default for the device.
             max_num_seqs=settings.max_num_seqs,
-            enable_prefix_caching=settings.enable_prefix_caching,
+            # A cached prefix is not run through the model, so its tokens' routing would not
+            # be captured: none is cached where the routing returns.
+            enable_prefix_caching=False
+            if settings.routed_experts
+            else settings.enable_prefix_caching,
             # vLLM's CPU sampler cannot rewind a seeded request's random stream, which a
             # prefill split over steps needs: requests that arrive while others run would
             # split theirs. GPUs keep chunked prefill.
@@ -174,6 +182,9 @@ class RolloutEngine:
                 else dict(enable_lora=True, max_loras=1, max_lora_rank=settings.lora.max_rank)
             ),
         )
+        self.routed_experts = settings.routed_experts
+        if settings.routed_experts:
+            self.llm.collective_rpc("start_routing_capture")
         self.lora = settings.lora
         # The adapter requests carry once one is loaded; before that the engine serves the
         # base model, which is the policy's first version (an adapter starts at B = 0).
@@ -333,12 +344,27 @@ class RolloutEngine:
                 for out in await self._call(self.llm.llm_engine.step):
                     final = self._open.pop(out.request_id, None) if out.finished else None
                     if final is not None:
+                        if self.routed_experts:
+                            await self._attach_routing(out)
                         final.set_result(out)
         except BaseException as err:  # the engine failed: so did every open request
             open_requests, self._open = self._open, {}
             for final in open_requests.values():
                 final.set_exception(err)
             raise
+
+    async def _attach_routing(self, out) -> None:
+        """Each sample's routing (rollout/routing_capture.py) on its completion, as vLLM's
+        own `routed_experts` would be; the first tensor-parallel worker's (all route alike)."""
+        take = partial(
+            self.llm.collective_rpc, "take_routing", args=(out.request_id, len(out.outputs))
+        )
+        routing = (await self._call(take))[0]
+        for completion in out.outputs:
+            # none past the tokens kept: a token a stop string cut off may have run already
+            ran = len(out.prompt_token_ids) + len(completion.token_ids) - 1
+            routed = routing[completion.index]
+            completion.routed_experts = None if routed is None else routed[:ran]
 
     async def _call(self, fn: Callable, *args):
         """`fn(*args)` in the one thread that calls into vLLM, after the calls before it."""
@@ -487,6 +513,7 @@ def _response(completion, submitted_at: int) -> Response:
         logprobs=_sampled_logprobs(completion),
         finish_reason=completion.finish_reason,
         versions=versions or [(submitted_at, 0)],
+        routed_experts=completion.routed_experts,
     )
 
 

@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from groupflow.core.records import Prompt, Response, ToolUse
 from groupflow.core.user_code import raised_text
 from groupflow.rollout.environment_reply import (
@@ -195,6 +197,11 @@ class _Trajectory:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[tuple[int, int]] = []
+        # the engine's routing of prompt + trajectory so far, each token's from the first
+        # request that ran it: a turn's request routes the earlier turns' last token and the
+        # observations as its prompt, and its own tokens as it samples them
+        self.routing: list[np.ndarray] = []
+        self.routed = 0
         self.texts: list[str] = []
         self.turns = 0
         self.final_turn = ""
@@ -209,6 +216,9 @@ class _Trajectory:
         for version, start in sampled.versions:
             if not self.versions or self.versions[-1][0] != version:
                 self.versions.append((version, self.length + start))
+        if sampled.routed_experts is not None:
+            self.routing.append(sampled.routed_experts[self.routed :])
+            self.routed = max(self.routed, len(sampled.routed_experts))
         self.ids += sampled.token_ids
         self.mask += [1] * len(sampled.token_ids)
         self.logprobs += sampled.logprobs
@@ -244,4 +254,5 @@ class _Trajectory:
             infra_failure=infra_failure,
             final_turn=self.final_turn,
             loop_blocks=self.loop_blocks.n,
+            routed_experts=np.concatenate(self.routing) if self.routing else None,
         )

@@ -9,6 +9,7 @@ import torch
 from groupflow.core.adapters import ADAPTER_ID
 from groupflow.core.weight_format import Checksums, WorkerLoad, layer_of
 from groupflow.rollout.expert_reload import expert_kernels_processed
+from groupflow.rollout.routing_capture import capture_routing
 from groupflow.rollout.shard_stream import ResidentPeak, ShardStream
 
 # With tied embeddings vLLM's output projection shares the input embedding's weight.
@@ -17,6 +18,14 @@ TIED_HEAD = {"model.embed_tokens": "lm_head"}
 
 class WeightReceiver:
     """Mixed into vLLM's worker class; reached with `llm.collective_rpc(name, args=...)`."""
+
+    def start_routing_capture(self) -> None:
+        """Capture the experts each token is routed to (rollout/routing_capture.py)."""
+        self.routing_capture = capture_routing(self.model_runner)
+
+    def take_routing(self, request_id: str, n: int):
+        """The captured routing of a finished request's n samples."""
+        return self.routing_capture.take(request_id, n)
 
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load (name, tensor) pairs in place, in one pass over `named_tensors`, which may be an

@@ -9,7 +9,10 @@ Plain dataclasses of lists, so they pickle cheaply through Ray's object store.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -76,6 +79,11 @@ class Response:
     # Runs of the trajectory's async users' code that held the engine's event loop
     # (rollout/loop_watch.py); 0 for a single completion.
     loop_blocks: int = 0
+    # A mixture of experts' routing, from an engine that returns it: the experts each token of
+    # prompt + response went through, (tokens, layers, top-k) small integers, for the first
+    # tokens (the last token, which the engine never ran through the model, has none). None:
+    # not returned (a dense model, or routing not asked for).
+    routed_experts: np.ndarray | None = None
 
     @property
     def answer_text(self) -> str:
@@ -130,6 +138,9 @@ class TrainSequence:
     # turns (a tool's result): in the forward as context, out of the loss and of every token
     # statistic (docs/algorithms.md, 'Observation tokens'). None: every one is the model's.
     loss_mask: list[int] | None = None
+    # The engine's experts of the first tokens of input_ids (Response.routed_experts), which
+    # routing replay uses and the routing disagreement compares with (learner/routing_replay.py)
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         where = f"sequence of group {self.group_id}"
@@ -141,6 +152,11 @@ class TrainSequence:
                 )
             if any(m not in (0, 1) for m in self.loss_mask):
                 raise ValueError(f"{where}: a loss mask holds 0 and 1 only")
+        if self.routed_experts is not None and len(self.routed_experts) > len(self.input_ids):
+            raise ValueError(
+                f"{where}: routing of {len(self.routed_experts)} tokens for "
+                f"{len(self.input_ids)} token ids"
+            )
         if self.vllm_logprobs and len(self.vllm_logprobs) != self.num_model_tokens:
             raise ValueError(
                 f"{where}: {len(self.vllm_logprobs)} vLLM log-probs for "

@@ -69,6 +69,7 @@ def train_sequences(
                     policy_version=sg.group.policy_version,
                     vllm_logprobs=resp.logprobs,
                     loss_mask=resp.loss_mask,
+                    routed_experts=resp.routed_experts,
                 )
             )
     return seqs

@@ -551,6 +551,15 @@ METRICS: tuple[Metric, ...] = (
         _gauge("groupflow_logp_mismatch_mean"),
     ),
     Metric("logp_mismatch_max", "largest |vLLM logprob - learner logprob|", "nats"),
+    # a mixture of experts' routers (learner/routing_replay.py), where the engines return routing
+    Metric(
+        "routing_disagreement",
+        "share of (token, layer) pairs whose top-k experts the engine and the learner's own "
+        "router chose differently (before routing replay's override; absent: no routing)",
+        "fraction",
+        _CLIP,
+        _gauge("groupflow_routing_disagreement"),
+    ),
     # the sync probe (groupflow/core/sync_probe.py): a load whose probe is past its dtype's
     # tolerance ends the job instead
     Metric(

@@ -20,6 +20,7 @@ from groupflow.core.model_dir import (
 )
 from groupflow.learner.lora import check_target_modules
 from groupflow.learner.moe_aux import check_aux_loss
+from groupflow.learner.routing_replay import check_replay_model
 from groupflow.learner.sequence_parallel import check_heads
 from groupflow.observe.trackers import check_trackers
 from groupflow.run.job_config import check_resolved
@@ -69,6 +70,8 @@ def check_inputs(cfg: Config) -> CheckedInputs:
     if cfg.learner.lora is not None:
         check_target_modules(model_path, cfg.learner.lora)
     check_aux_loss(model_path, cfg.learner.moe)
+    if cfg.learner.moe.routing_replay != "off":
+        check_replay_model(model_path)
     check_sequence_parallel(cfg, model_path)
     check_trackers(cfg)
     return CheckedInputs(model_path, vet_prompts(cfg, model_path))

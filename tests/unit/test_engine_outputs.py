@@ -23,6 +23,9 @@ class Completion:  # the fields of vLLM's CompletionOutput an engine reads
     logprobs: list[dict] | None
     finish_reason: str
     weight_versions: list[Span] | None
+    routed_experts: object = (
+        None  # set where the engine returns routing (rollout/routing_capture.py)
+    )
 
 
 class Logprob:

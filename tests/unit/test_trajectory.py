@@ -9,6 +9,7 @@ import random
 import time
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import ray
 
@@ -673,3 +674,31 @@ def test_a_tool_task_brings_its_tools_and_settings_can_change_them():
     assert not build_config(
         {"task": {"name": "tool_arithmetic"}, "agent": {"tools": []}}
     ).multi_turn
+
+
+class RoutingEngine(ScriptedEngine):
+    """A ScriptedEngine that returns routing as the engine does (rollout/routing_capture.py):
+    a row per position it ran, all but the last sampled token's; each row names its request
+    and position."""
+
+    async def __call__(self, ids: list[int], max_tokens: int, turn: int) -> Response:
+        response = await super().__call__(ids, max_tokens, turn)
+        ran = len(ids) + len(response.token_ids) - 1
+        rows = [[[len(self.requests) - 1, p % 256]] for p in range(ran)]
+        response.routed_experts = np.array(rows, dtype=np.uint8)
+        return response
+
+
+def test_a_trajectorys_routing_is_each_tokens_from_the_first_request_that_ran_it():
+    """The second turn's request runs the first turn's last token and the observation as its
+    prompt: their routing is that request's; every earlier token's is the first request's."""
+    renderer = renderer_for(CHAT_TEMPLATE)
+    prompt = next(TASK.train_prompts(seed=random.randrange(10**6)))
+    engine = RoutingEngine(renderer.tokenizer, [tool_call_text(prompt.uid), str(prompt.answer)])
+    _, prompt_ids, response = run(renderer, engine, prompt=prompt)
+    assert response.turns == 2
+    routing = response.routed_experts
+    assert len(routing) == len(prompt_ids) + len(response.token_ids) - 1
+    first_ran = len(prompt_ids) + len(engine.generated[0]) - 1
+    assert (routing[:first_ran, 0, 0] == 0).all() and (routing[first_ran:, 0, 0] == 1).all()
+    assert (routing[:, 0, 1] == np.arange(len(routing)) % 256).all()
