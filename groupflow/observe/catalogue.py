@@ -68,6 +68,7 @@ _CLIP = "Clip fractions"
 _GRAD = "Gradient norm and log-prob mismatch"
 _OFF_POLICY = "Off-policy correction"
 _MOE = "Expert load balance"
+_ROUTING = "Routing disagreement"
 _SPEED = "Tokens per second by stage"
 _TIMES = "Mean stage latency and step time"
 _ERRORS = "Reward errors and timeouts"
@@ -557,7 +558,7 @@ METRICS: tuple[Metric, ...] = (
         "share of (token, layer) pairs whose top-k experts the engine and the learner's own "
         "router chose differently (before routing replay's override; absent: no routing)",
         "fraction",
-        _CLIP,
+        _ROUTING,
         _gauge("groupflow_routing_disagreement"),
     ),
     # the sync probe (groupflow/core/sync_probe.py): a load whose probe is past its dtype's

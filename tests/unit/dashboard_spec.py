@@ -38,6 +38,7 @@ PANEL_ROWS = {
     "Tool calls, errors and timeouts": "Agents",
     "Trajectory end reasons": "Agents",
     "Expert load balance": "Mixture of experts",
+    "Routing disagreement": "Mixture of experts",
 }
 
 # Panels that stay empty unless the job (or the scrape config) has a feature: each says which
@@ -56,6 +57,7 @@ FEATURE_PANELS = {
     "Object store traffic by node": RAY_SCRAPE,
     "Object store memory by node": RAY_SCRAPE,
     "Expert load balance": "mixture-of-experts models only",
+    "Routing disagreement": "mixture-of-experts jobs with routing replay only",
 }
 
 
