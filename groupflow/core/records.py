@@ -76,6 +76,13 @@ class Response:
     # Runs of the trajectory's async users' code that held the engine's event loop
     # (rollout/loop_watch.py); 0 for a single completion.
     loop_blocks: int = 0
+    # A harness trajectory's (agent.harness, rollout/harness_record.py): the ids its first call
+    # was given, which are the harness's own rendering, not its group's prompt; None: the
+    # group's `prompt_ids`.
+    prompt_ids: list[int] | None = None
+    # A harness trajectory's earlier sequences, split off where the harness rewrote its history:
+    # each trained with this response's reward (loop/sequences.py).
+    earlier: list[Response] = field(default_factory=list)
 
     @property
     def answer_text(self) -> str:
