@@ -10,7 +10,7 @@ the model's earlier ids are reused, never re-tokenised. Any other call (history 
 reasoning dropped, a summary, an edit; a second choice of an n > 1 call; a branch from an
 older call) starts a sequence of its own, on exactly the ids the engine was given. A
 trajectory's sequences share its reward; how many it split into is counted
-(`HarnessRecord.splits`).
+(`trajectory_splits` in the step record).
 
 No Ray, no vLLM, no HTTP in here: the endpoint hands in ids and sampled responses.
 """
@@ -126,11 +126,6 @@ class HarnessRecord:
         # a served conversation (ending in the assistant's reply as served) -> where it is
         self._conversations: dict[ConversationKey, tuple[int, int]] = {}
         self._latest = -1  # the segment of the latest call
-
-    @property
-    def splits(self) -> int:
-        """Sequences beyond the first: history rewritten, branches, extra choices."""
-        return max(len(self.segments) - 1, 0)
 
     def chat_continuation(self, messages: list[dict], tools: str) -> Continuation | None:
         """The longest served conversation `messages` starts with, followed by messages none

@@ -15,6 +15,7 @@ import pytest
 from groupflow.core.records import Prompt, Response, ScoredGroup, Verdict
 from groupflow.loop.infra_failures import failure_reason
 from groupflow.loop.sequences import train_sequences
+from groupflow.observe.rollout_figures import agent_figures
 from groupflow.reward_workers.tasks.tool_arithmetic import ToolArithmeticTask, tool_call_text
 from groupflow.rollout.endpoint import Endpoint, EndpointLimits
 from groupflow.rollout.harness import run_harness
@@ -143,6 +144,7 @@ def test_history_rewritten_splits_into_exact_sequences_sharing_the_reward():
     response, serve, _ = harness_run(forgetful, turns)
     parts = [*response.earlier, response]
     assert len(parts) == 3 and response.turns == 3
+    assert agent_figures([response])["trajectory_splits"] == 2  # counted in the step record
     calls = set(serve.calls)
     assert sum(exact(p, p.prompt_ids, calls) for p in parts) == 3
     groups, advantages = scored([response])
@@ -158,9 +160,9 @@ def test_an_extended_call_after_a_branch_keeps_each_sequence_exact():
     record.add_call([1, 2], None, [first])
     assert record.ids_continuation([1, 2, 5, 6, 9]).length == 4
     record.add_call([1, 2, 5, 6, 9], record.ids_continuation([1, 2, 5, 6, 9]), [first])
-    assert record.splits == 0 and record.segments[0].mask == [1, 1, 0, 1, 1]
+    assert len(record.segments) == 1 and record.segments[0].mask == [1, 1, 0, 1, 1]
     record.add_call([1, 7], record.ids_continuation([1, 7]), [first])  # rewritten
-    assert record.splits == 1 and record.segments[1].prompt_ids == [1, 7]
+    assert len(record.segments) == 2 and record.segments[1].prompt_ids == [1, 7]
 
 
 def scored(responses):
