@@ -44,7 +44,8 @@ ServeCall = Callable[[list[int], "SamplingParams"], Awaitable[list[Response]]]
 # Prompts are rendered here, off the engine's event loop (one thread: the tokenizer is entered
 # by one rendering at a time).
 _RENDERING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-render")
-_RENDERERS_KEPT = 16  # renderers of distinct tool declarations kept per endpoint
+_RENDERERS_KEPT = 16
+_BACKLOG = 4096  # connections waiting to be accepted  # renderers of distinct tool declarations kept per endpoint
 
 
 class Refused(Exception):
@@ -103,6 +104,8 @@ class Endpoint:
         await asyncio.to_thread(_first_imports)  # in a thread: not on the loop's first calls
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
+        # a harness may open many connections at once (a flood): queued, not refused
+        sock.listen(_BACKLOG)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
@@ -190,13 +193,18 @@ class Endpoint:
         return body, parsed
 
     def _admit(self, session: Session) -> None:
+        """Take one of the trajectory's calls; Refused (429) past them. Checked once before
+        the body is read (a flood's calls cost no parsing) and once when the call is sent."""
+        self._check_calls(session)
+        session.taken += 1
+
+    def _check_calls(self, session: Session) -> None:
         if session.taken >= session.limits.max_calls:
             raise Refused(
                 429,
                 "over_calls",
                 f"this trajectory has made its {session.limits.max_calls} calls (agent.max_turns)",
             )
-        session.taken += 1
 
     def _params(self, body: dict, parsed, prompt: list[int], session: Session, logprobs):
         limits = session.limits
@@ -238,6 +246,7 @@ class Endpoint:
         )
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
+        self._check_calls(session)
         body, parsed = await self._body(request, ChatCompletionRequest)
         if parsed.tool_choice not in (None, "auto", "none"):
             raise Refused(400, "unsupported", "tool_choice: 'auto' and 'none' are served")
@@ -314,6 +323,7 @@ class Endpoint:
         )
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
+        self._check_calls(session)
         body, parsed = await self._body(request, CompletionRequest)
         given = body.get("prompt")
         if isinstance(given, list) and len(given) == 1 and not isinstance(given[0], int):
