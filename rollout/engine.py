@@ -177,6 +177,7 @@ class RolloutEngine:
         self._chat = chat
         self._model_name = os.path.basename(os.path.normpath(settings.model_path))
         self._endpoint: Endpoint | None = None  # a harness job's, started with its first trajectory
+        self._endpoint_started: asyncio.Future | None = None
         if self.agent is not None:
             self.agent.start(self.renderer)
         self.max_model_len = settings.max_model_len
@@ -291,12 +292,12 @@ class RolloutEngine:
     ) -> SampledGroup:
         """n trajectories of the job's harness on `prompt`, each calling the engine through its
         own session of the engine's endpoint (rollout/harness.py)."""
-        if self._endpoint is None:
-            endpoint = Endpoint(
+        if self._endpoint is None:  # one endpoint, however many chunks arrive at once
+            self._endpoint = Endpoint(
                 self._serve_call, self._harness_renderer, self.agent.parser, self._model_name
             )
-            await endpoint.start()
-            self._endpoint = endpoint
+            self._endpoint_started = asyncio.ensure_future(self._endpoint.start())
+        await asyncio.shield(self._endpoint_started)
         job = params(1, prompt.uid, max_tokens)  # the job's sampling, where a call sets none
         defaults = {k: getattr(job, k) for k in ("temperature", "top_p", "top_k", "min_p")}
         limits = EndpointLimits(
