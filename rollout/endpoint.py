@@ -20,6 +20,7 @@ unauthorized (a wrong key) and unsupported (a setting the endpoint does not serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import socket
@@ -108,7 +109,13 @@ class Endpoint:
         sock.listen(_BACKLOG)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield  # the engine's process keeps its own handlers (Ray's, the job's stop)
+
+        self._server = Server(config)
         self._serving = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._serving.done():
