@@ -300,3 +300,12 @@ def test_another_trajectorys_id_a_flood_and_malformed_messages_never_reach_the_e
     parts = [*response.earlier, response]
     assert len(parts) == LIMITS.max_calls and response.infra_failure is None
     assert all(exact(p, p.prompt_ids, set(serve.calls)) == 1 for p in parts)
+
+
+def test_a_harness_makes_a_job_multi_turn_and_excludes_an_environment():
+    from groupflow.config.base import ConfigError
+
+    assert build_config({"agent": {"harness": "my_agent.py:harness"}}).multi_turn
+    both = {"agent": {"harness": "my_agent.py:harness", "environment": "env.py:Env"}}
+    with pytest.raises(ConfigError, match="agent.harness: a harness drives its own"):
+        build_config(both)
