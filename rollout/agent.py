@@ -33,6 +33,7 @@ class AgentSettings:
     deadline_s: float
     tool_timeout_s: float
     tool_output_chars: int
+    harness: str | None = None  # 'module:name' (rollout/harness.py)
 
     @classmethod
     def of(cls, cfg) -> AgentSettings:
@@ -47,6 +48,7 @@ class AgentSettings:
             deadline_s=agent.deadline_s,
             tool_timeout_s=agent.tool_timeout_s,
             tool_output_chars=agent.tool_output_chars,
+            harness=agent.harness,
         )
 
 
@@ -59,6 +61,7 @@ class Agent:
         self.environment: EnvironmentFactory = self._tool_environment
         if settings.environment is not None:
             self.environment = user_environment(settings.environment, self.tools)
+        self.harness = None if settings.harness is None else user_harness(settings.harness)
         self.parser: ToolCallParser | None = None
         self.observations: ObservationRenderer | None = None
 
@@ -110,3 +113,11 @@ def user_environment(spec: str, tools: ToolBox) -> EnvironmentFactory:
     if not callable(factory):
         raise UserCodeError(f"agent.environment {spec!r}: is not callable")
     return lambda prompt: factory(prompt, tools)
+
+
+def user_harness(spec: str):
+    """`agent.harness`: called as harness(row, endpoint) for each trajectory."""
+    harness = load_user_object(spec, "agent.harness")
+    if not callable(harness):
+        raise UserCodeError(f"agent.harness {spec!r}: is not callable")
+    return harness

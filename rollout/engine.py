@@ -13,7 +13,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,8 @@ from groupflow.core.weight_format import (
     checksums,
 )
 from groupflow.rollout.agent import Agent, AgentSettings
+from groupflow.rollout.endpoint import Endpoint, EndpointLimits
+from groupflow.rollout.harness import run_harness
 from groupflow.rollout.prompt_render import ChatSettings, PromptRenderer, check_prompt_lengths
 from groupflow.rollout.python_tool import RunCode
 from groupflow.rollout.shard_stream import ShardSender
@@ -193,6 +195,10 @@ class RolloutEngine:
         self.agent = None if settings.agent is None else Agent(settings.agent, run_code)
         chat = settings.chat if self.agent is None else self.agent.chat(settings.chat)
         self.renderer = PromptRenderer(self.tokenizer, chat)
+        self._chat = chat
+        self._model_name = os.path.basename(os.path.normpath(settings.model_path))
+        self._endpoint: Endpoint | None = None  # a harness job's, started with its first trajectory
+        self._endpoint_started: asyncio.Future | None = None
         if self.agent is not None:
             self.agent.start(self.renderer)
         self.max_model_len = settings.max_model_len
@@ -280,6 +286,8 @@ class RolloutEngine:
     async def _trajectories(self, prompt: Prompt, n: int, params, max_tokens: int):
         """n trajectories from `prompt`, each turn a request of its own (rollout/agent.py)."""
         ids = self._prompt_ids(prompt, max_tokens)
+        if self.agent.harness is not None:
+            return await self._harness_trajectories(prompt, ids, n, params, max_tokens)
 
         def turn_of(j: int):
             async def generate(ids_so_far: list[int], turn_tokens: int, turn: int) -> Response:
@@ -288,9 +296,7 @@ class RolloutEngine:
                 # some models' call markers are special tokens: decoded as the parser asks
                 turn_params.skip_special_tokens = self.agent.parser.skip_special_tokens
                 out, submitted_at = await self._request(ids_so_far, turn_params)
-                response = _response(out.outputs[0], submitted_at)
-                response.text = self._without_end_of_text(out.outputs[0])
-                return response
+                return self._turn(out.outputs[0], submitted_at)
 
             return generate
 
@@ -301,6 +307,52 @@ class RolloutEngine:
             )
         )
         return _group(prompt, ids, list(responses))
+
+    async def _harness_trajectories(
+        self, prompt: Prompt, ids: list[int], n: int, params, max_tokens: int
+    ) -> SampledGroup:
+        """n trajectories of the job's harness on `prompt`, each calling the engine through its
+        own session of the engine's endpoint (rollout/harness.py)."""
+        if self._endpoint is None:  # one endpoint, however many chunks arrive at once
+            self._endpoint = Endpoint(
+                self._serve_call, self._harness_renderer, self.agent.parser, self._model_name
+            )
+            self._endpoint_started = asyncio.ensure_future(self._endpoint.start())
+        await asyncio.shield(self._endpoint_started)
+        job = params(1, prompt.uid, max_tokens)  # the job's sampling, where a call sets none
+        defaults = {k: getattr(job, k) for k in ("temperature", "top_p", "top_k", "min_p")}
+        limits = EndpointLimits(
+            self.agent.settings.max_turns, max_tokens, self.max_model_len, defaults
+        )
+        responses = await asyncio.gather(
+            *(
+                run_harness(
+                    self.agent.harness,
+                    prompt,
+                    self._endpoint,
+                    limits,
+                    self.agent.settings.deadline_s,
+                    self.policy_version,
+                )
+                for _ in range(n)
+            )
+        )
+        return _group(prompt, ids, list(responses))
+
+    def _harness_renderer(self, tools: list[dict] | None) -> PromptRenderer:
+        """The job's chat template declaring a harness call's tools; the harness writes its own
+        system prompt."""
+        return PromptRenderer(self.tokenizer, replace(self._chat, system_prompt=None, tools=tools))
+
+    async def _serve_call(self, ids: list[int], params) -> list[Response]:
+        """One endpoint call (rollout/endpoint.py): a request on exactly `ids`."""
+        out, submitted_at = await self._request(ids, params)
+        return [self._turn(c, submitted_at) for c in out.outputs]
+
+    def _turn(self, completion, submitted_at: int) -> Response:
+        response = _response(completion, submitted_at)
+        response.text = self._without_end_of_text(completion)
+        return response
 
     def _without_end_of_text(self, completion) -> str:
         """A turn's text less the end-of-text token that ended it, which vLLM keeps in the text
@@ -487,7 +539,9 @@ class RolloutEngine:
 
 def _group(prompt: Prompt, ids: list[int], responses: list[Response]) -> SampledGroup:
     """The group of `responses`, labelled with the version of its oldest token."""
-    return SampledGroup(prompt, ids, responses, min(r.versions[0][0] for r in responses))
+    # a harness trajectory's earlier sequences (split off) are older than its last
+    parts = [part for r in responses for part in (*r.earlier, r)]
+    return SampledGroup(prompt, ids, responses, min(p.versions[0][0] for p in parts))
 
 
 def _policy_adapter():

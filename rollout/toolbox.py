@@ -98,6 +98,7 @@ class ToolCallParser:
         # Many parsers look for their model's call markers in the tokenizer as they are built,
         # and raise where it lacks them (deepseek_v3, jamba, lfm2, mistral...): said here, in
         # one line naming the setting, where the driver vets the job before anything starts.
+        self.tokenizer = tokenizer
         try:
             self._parser = parser_class(tokenizer)
             self.skip_special_tokens = self._parser.adjust_request(probe).skip_special_tokens
@@ -114,9 +115,13 @@ class ToolCallParser:
         # and each one is counted and told to the model instead.
         logging.getLogger(parser_class.__module__).setLevel(logging.CRITICAL)
 
+    def extract(self, text: str):
+        """vLLM's reading of a turn (its content and tool calls, as vLLM's server answers)."""
+        return self._parser.extract_tool_calls(text, self._request)
+
     def parse(self, text: str) -> ParsedTurn:
         try:
-            found = self._parser.extract_tool_calls(text, self._request)
+            found = self.extract(text)
         except Exception as err:  # a parser fails on text it did not expect
             return ParsedTurn([], f"the tool call cannot be read ({type(err).__name__})")
         if not found.tools_called:

@@ -5,7 +5,7 @@ also writes the task's own tools here when `tools` is unset."""
 
 from __future__ import annotations
 
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, model_validator
 
 from groupflow.config.base import FloatSetting, Section
 
@@ -28,13 +28,22 @@ class AgentConfig(Section):
         "step(turn_text) returns the messages to insert or None to end; unset = run the tool "
         "calls (rollout/trajectory.py ToolEnvironment)",
     )
+    harness: str | None = Field(
+        None,
+        description="'module:name' of an async function harness(row, endpoint) run per "
+        "trajectory against its own OpenAI-compatible endpoint (endpoint.client, base_url, "
+        "api_key), returning the text the verifier scores (docs/agents.md); exclusive with "
+        "environment",
+    )
     tool_parser: str = Field(
         "hermes",
         min_length=1,
         description="vLLM's tool parser that reads calls from a turn: 'hermes' for the "
         "Hermes/Qwen <tool_call> JSON format, or any other vLLM registers",
     )
-    max_turns: StrictInt = Field(4, ge=1, le=64, description="model turns per trajectory")
+    max_turns: StrictInt = Field(
+        4, ge=1, le=64, description="model turns per trajectory (a harness's calls)"
+    )
     max_total_tokens: StrictInt | None = Field(
         None,
         ge=2,
@@ -57,3 +66,11 @@ class AgentConfig(Section):
         description="run the python tool where the sandbox lacks its kernel layers "
         "(docs/sandbox.md); refused otherwise",
     )
+
+    @model_validator(mode="after")
+    def _one_driver(self) -> AgentConfig:
+        if self.harness is not None and self.environment is not None:
+            raise ValueError(
+                "agent.harness: a harness drives its own trajectories; unset agent.environment"
+            )
+        return self

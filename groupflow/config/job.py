@@ -60,7 +60,10 @@ class Config(Section):
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.agent_tools()) or self.agent.environment is not None
+        agent = self.agent
+        return (
+            bool(self.agent_tools()) or agent.environment is not None or agent.harness is not None
+        )
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -84,6 +84,13 @@ class Response:
     # tokens (the last token, which the engine never ran through the model, has none). None:
     # not returned (a dense model, or routing not asked for).
     routed_experts: np.ndarray | None = None
+    # A harness trajectory's (agent.harness, rollout/harness_record.py): the ids its first call
+    # was given, which are the harness's own rendering, not its group's prompt; None: the
+    # group's `prompt_ids`.
+    prompt_ids: list[int] | None = None
+    # A harness trajectory's earlier sequences, split off where the harness rewrote its history:
+    # each trained with this response's reward (loop/sequences.py).
+    earlier: list[Response] = field(default_factory=list)
 
     @property
     def answer_text(self) -> str:

@@ -52,24 +52,28 @@ def group_advantages(scored: list[ScoredGroup], cfg: Config) -> list[list[float]
 def train_sequences(
     scored: list[ScoredGroup], advantages: list[list[float]], algo: AlgorithmConfig
 ) -> list[TrainSequence]:
-    """One sequence per response; `group_id` is the group's index within the step. With
+    """One sequence per response, and one per earlier sequence a harness trajectory split
+    into (`Response.earlier`, rollout/harness_record.py), each with the response's advantage
+    and on its own prompt ids; `group_id` is the group's index within the step. With
     `algorithm.mask_truncated`, responses cut at the length limit are left out (they took part
     in their group's baseline, but nothing is trained on them)."""
     seqs = []
     for gid, (sg, group_adv) in enumerate(zip(scored, advantages, strict=True)):
         for resp, advantage in zip(sg.group.responses, group_adv, strict=True):
-            if algo.mask_truncated and resp.finish_reason == "length":
-                continue
-            seqs.append(
-                TrainSequence(
-                    input_ids=sg.group.prompt_ids + resp.token_ids,
-                    prompt_len=len(sg.group.prompt_ids),
-                    advantage=advantage,
-                    group_id=gid,
-                    policy_version=sg.group.policy_version,
-                    vllm_logprobs=resp.logprobs,
-                    loss_mask=resp.loss_mask,
-                    routed_experts=resp.routed_experts,
+            for part in (*resp.earlier, resp):
+                if algo.mask_truncated and part.finish_reason == "length":
+                    continue
+                prompt_ids = sg.group.prompt_ids if part.prompt_ids is None else part.prompt_ids
+                seqs.append(
+                    TrainSequence(
+                        input_ids=prompt_ids + part.token_ids,
+                        prompt_len=len(prompt_ids),
+                        advantage=advantage,
+                        group_id=gid,
+                        policy_version=sg.group.policy_version,
+                        vllm_logprobs=part.logprobs,
+                        loss_mask=part.loss_mask,
+                        routed_experts=part.routed_experts,
+                    )
                 )
-            )
     return seqs

@@ -189,6 +189,13 @@ METRICS: tuple[Metric, ...] = (
         Series("groupflow_trajectory_end_reasons", "counter", label="reason"),
     ),
     Metric(
+        "trajectory_splits",
+        "sequences beyond the first that the step's harness trajectories split into where "
+        "the harness rewrote its history (agent.harness; each trained with its trajectory's "
+        "reward)",
+        "sequences",
+    ),
+    Metric(
         "event_loop_blocks",
         "runs of async users' code (tools, environments) per step that held an engine's event "
         "loop 0.5 s or longer (each also a warning naming the code)",

@@ -87,6 +87,7 @@ def agent_figures(responses: list[Response]) -> dict:
         "tool_latency_s": latencies,
         "end_reasons": dict(Counter(r.end_reason or "answer" for r in responses)),
         "event_loop_blocks": sum(r.loop_blocks for r in responses),
+        "trajectory_splits": sum(len(r.earlier) for r in responses),
     }
 
 

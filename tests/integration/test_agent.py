@@ -29,6 +29,7 @@ pytestmark = pytest.mark.integration
 
 PLUGINS = Path(__file__).parent / "plugins" / "environments.py"
 REWARD_PLUGINS = Path(__file__).parent / "plugins" / "rewards.py"
+HARNESSES = Path(__file__).parent / "plugins" / "harnesses.py"
 GROUP = 3
 
 
@@ -105,6 +106,53 @@ def test_trained_ids_are_what_the_engine_generated_and_was_given(engine, templat
                 assert (given, tuple(response.token_ids[start:end])) in recorded
                 checked += 1
     assert checked == sum(turns) and turns.count(3) >= len(turns) // 2
+
+
+def _use_harness(generator, spec: str | None) -> None:
+    """Inside the actor: the engine's trajectories run by a harness through its endpoint."""
+    from groupflow.rollout.agent import user_harness
+
+    generator.engine.agent.harness = None if spec is None else user_harness(spec)
+    generator.engine.recorded.clear()
+
+
+def _endpoint_refusals(generator) -> dict:
+    return dict(generator.engine._endpoint.refused)
+
+
+@pytest.mark.parametrize("harness", ["three_tool_calls", "rewrites_earlier_turns"])
+def test_a_harness_trains_on_exactly_what_the_engine_sampled_through_the_endpoint(engine, harness):
+    """A harness of the real openai SDK, through the engine's endpoint (rides on the engine
+    above): three calls, each trained sequence's model tokens sampled on exactly the ids
+    before them; a harness that rewrites its history splits into such sequences."""
+    ray.get(engine.__ray_call__.remote(_use_harness, f"{HARNESSES}:{harness}"))
+    try:
+        prompts = make_task("tool_arithmetic").eval_prompts(2)
+        sampling = SamplingConfig(max_tokens=16, seed=5)
+        groups = ray.get(engine.sample.remote(prompts, GROUP, sampling))
+        recorded = ray.get(engine.__ray_call__.remote(_recorded))
+        refused = ray.get(engine.__ray_call__.remote(_endpoint_refusals))
+    finally:
+        ray.get(engine.__ray_call__.remote(_use_harness, None))
+    assert refused == {}
+    splits = {"three_tool_calls": 0, "rewrites_earlier_turns": 2}[harness]
+    for group in groups:
+        for response in group.responses:
+            assert (response.end_reason, response.infra_failure) == ("answer", None)
+            assert response.turns == 3 and len(response.earlier) == splits
+            runs = 0
+            for part in (*response.earlier, response):
+                assert part.prompt_ids and len(part.logprobs) == sum(part.loss_mask)
+                mask, ids = part.loss_mask, part.token_ids
+                for start in range(len(mask)):
+                    if mask[start] and (start == 0 or not mask[start - 1]):
+                        end = start
+                        while end < len(mask) and mask[end]:
+                            end += 1
+                        given = tuple(part.prompt_ids + ids[:start])
+                        assert (given, tuple(ids[start:end])) in recorded
+                        runs += 1
+            assert runs == 3  # every call, trained once, exactly
 
 
 def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tmp_path):
