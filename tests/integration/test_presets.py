@@ -68,6 +68,9 @@ RIDERS = {
         "rollout.sampling.min_p=0.01",
         "rollout.sampling.seed=3",
         "learner.moe.aux_loss_coef=0.01",  # the load-balancing loss, in the real backward
+        # rollout routing replay: the engines return each token's experts and the learner's
+        # forwards route through them (docs/moe.md)
+        "learner.moe.routing_replay=rollout",
         # and its long-tail run's trainer.max_staleness=2: the first two steps' prompts are
         # drawn at once, the second step's stale
     ],
@@ -117,6 +120,10 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
     ]
     if preset == "gspo":
         assert [r["staleness_max"] for r in records[:2]] == [0, 1]
+        # routing replay: every trained sequence came with the engine's routing of each token
+        # its trained tokens follow (the learner stops the job otherwise), and the learner's
+        # own routers were compared with it on every one of them
+        assert all(0.0 <= r["routing_disagreement"] <= 1.0 for r in records)
         # the small MoE's routing (2 layers, 8 experts, top-2), under the load-balancing loss:
         # an expert gets each token once at most, so its load is at most E / k = 4 times the
         # mean; the loss is k = 2 when balanced, at most E = 8; and the log-prob mismatch is
