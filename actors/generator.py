@@ -328,9 +328,12 @@ def start_generator_pool(
         restarts = RestartBudget(cfg.trainer.max_restarts)
     res = cfg.rollout.resources
     device = device_for(res.num_gpus)
-    # A GPU engine's hot loop gains nothing from torch's intra-op threads, which spin between
-    # its small CPU ops (vLLM sets them to 1 there): its CPUs go to the tokenizer.
-    intra_op = 1 if res.num_gpus and res.torch_threads is None else None
+    # An engine's OpenMP pool stays at 1 unless torch_threads says otherwise: on a GPU its hot
+    # loop gains nothing from intra-op threads, which spin between its small CPU ops (vLLM sets
+    # them to 1 there); on a CPU node vLLM sizes its own attention threads by the cores it binds,
+    # and stops the engine when OpenMP's pool is larger (num_cpus is logical and may count more
+    # than the node's cores: "thread_num == thread_num (3 vs. 2)"). Its CPUs go to the tokenizer.
+    intra_op = 1 if res.torch_threads is None else None
     actor = ray.remote(Generator).options(
         num_cpus=res.num_cpus,
         num_gpus=res.num_gpus,

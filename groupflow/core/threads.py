@@ -26,8 +26,10 @@ def actor_threads(num_cpus: float, cpu_cores: list[int], torch_threads: int | No
 
 def thread_env(threads: int, intra_op: int | None = None) -> dict[str, str]:
     """The environment that holds every pool of a process to `threads`; `intra_op`, where
-    given, sizes OpenMP's pool (torch's intra-op threads) apart from the others."""
+    given, sizes torch's intra-op threads apart from the others: OpenMP's and MKL's pools
+    together, since torch sets each new thread's OpenMP pool from MKL's count (and vLLM's CPU
+    attention stops an engine whose threads disagree on it: "thread_num (1 vs. 2)")."""
     env = dict.fromkeys(_POOLS, str(threads))
     if intra_op is not None:
-        env["OMP_NUM_THREADS"] = str(intra_op)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(intra_op)
     return env
