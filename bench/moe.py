@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from groupflow.core.records import TrainSequence
+from lora_learner import sequences  # the same random groups the LoRA bench trains on
+
 from groupflow.run.small_moe import small_moe_path
 
 LEARNER_SETTINGS = {
@@ -33,19 +34,6 @@ LEARNER_SETTINGS = {
     "leaf modules": ["learner.moe.leaf_modules=true"],
     "leaf + aux loss": ["learner.moe.leaf_modules=true", "learner.moe.aux_loss_coef=0.001"],
 }
-
-
-def sequences(groups: int, tokens: int, vocab: int, seed: int) -> list[TrainSequence]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for g in range(groups):
-        prompt = torch.randint(0, vocab, (16,), generator=gen).tolist()
-        for sign in (1.0, -1.0):
-            response = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
-            out.append(TrainSequence(prompt + response, len(prompt), sign, g, 0, []))
-    return out
 
 
 def learner_step_time(model_dir: str, overrides: list[str], args, vocab: int) -> float:
