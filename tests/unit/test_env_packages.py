@@ -216,7 +216,8 @@ def test_the_reward_workers_scorer_processes_score_both_packages(taskset, tmp_pa
     """Through a scorer process (reward_workers/verifier_child.py), as a reward worker scores:
     the process builds the job's task by name and scores what the driver's stream drew."""
     name = taskset(TASKSET, '["SumsTaskset"]')
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    inherited = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), inherited])))
     entries = [
         {"name": "reasoning_gym:chain_sum", "options": {**CHAIN_SUM, "answer_format": "plain"}},
         {"name": f"verifiers:{name}", "label": "sums"},
