@@ -39,9 +39,11 @@ run: $(STAMP)
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -q && apt-get install -y -q prometheus; }
 
+# The unit and integration tests run side by side, in two pytest processes (tests/suite.py);
+# `pytest` alone runs them one after the other.
 test: $(STAMP) prometheus
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q --durations=15
+	$(PY) tests/suite.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
