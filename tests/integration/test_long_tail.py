@@ -8,12 +8,14 @@ would need a driver process of its own and new worker processes for every actor)
 
 Each run also trains an algorithm preset with its riders (tests/integration/test_presets.py
 says which and checks them): a run of their own each would cost a job start for what the
-long tail's checks do not depend on."""
+long tail's checks do not depend on. So does the metrics test: a real Prometheus server scrapes
+the staleness-1 run (tests/integration/scraped_run.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import ray
 import groupflow.run.job_actors
 from groupflow.run.driver import run
 from groupflow.run.job_config import small_model_config
+from tests.integration.scraped_run import ScrapedRun
 from tests.integration.test_presets import (
     ON_LONG_TAIL,
     ON_THE_MIXTURE_OF_EXPERTS,
@@ -36,6 +39,7 @@ MAX_TOKENS = 6  # the short responses; the long one has FACTOR times as many
 GROUP_SIZE = 4
 PROMPTS_PER_STEP = 8
 STEPS = 3
+SCRAPED = 1  # the staleness bound of the run that Prometheus scrapes
 
 
 def _long_tail():
@@ -69,7 +73,7 @@ def long_tail_engines(monkeypatch):
 
 
 def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
-    ray_cluster, quickstart_model, long_tail_engines, tmp_path, request
+    ray_cluster, quickstart_model, chat_model, long_tail_engines, tmp_path, request
 ):
     staleness = [0, 1, 2]
     for k in staleness:
@@ -89,7 +93,15 @@ def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
             *preset_settings(ON_LONG_TAIL[k]),  # one learner rank, two mini-batches a step
             *model,
         ]
-        run(small_model_config({}, overrides))
+        if k == SCRAPED:
+            scraped = ScrapedRun(tmp_path, chat_model)
+            try:
+                scraped.run(partial(run, small_model_config({}, overrides + scraped.settings)))
+                scraped.check(tmp_path / f"k{k}")
+            finally:
+                scraped.stop()
+        else:
+            run(small_model_config({}, overrides))
     # every group: G - 1 short responses and one FACTOR times as long, each exactly its length
     group_tokens = (GROUP_SIZE - 1 + FACTOR) * MAX_TOKENS
     for k in staleness:
