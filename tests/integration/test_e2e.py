@@ -93,6 +93,11 @@ def test_three_steps_with_overlap_write_the_run_directory(
             # tests/unit/test_sequence_parallel.py
             "--set",
             "learner.sequence_parallel_size=2",
+            # half the quickstart's prompts a step: the two ranks are one sequence-parallel
+            # group, so each learns every sequence (half of each), and the quickstart's short
+            # sequences make that step four times as long as a data-parallel one
+            "--set",
+            "rollout.prompts_per_step=16",
             "--set",
             "model.path=groupflow/quickstart",
         ]
