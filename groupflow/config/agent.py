@@ -67,6 +67,11 @@ class AgentConfig(Section):
         "(docs/sandbox.md); refused otherwise",
     )
 
+    @property
+    def trajectory_setting(self) -> str:
+        """The setting whose code a trajectory that ended `environment_error` failed in."""
+        return "agent.harness" if self.harness is not None else "agent.environment"
+
     @model_validator(mode="after")
     def _one_driver(self) -> AgentConfig:
         if self.harness is not None and self.environment is not None:

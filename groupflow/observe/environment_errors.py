@@ -46,9 +46,11 @@ class _Streak:
 
 class TroubleWatch:
     """A step sink: warns of a step's trajectories that ended `environment_error` and of its
-    tool calls that timed out, naming the setting to look at."""
+    tool calls that timed out, naming the setting to look at: `setting` is the one whose code
+    runs the trajectories (agent.environment or agent.harness)."""
 
-    def __init__(self):
+    def __init__(self, setting: str):
+        self._setting = setting
         self._environment = _Streak()
         self._timeouts: dict[str, _Streak] = {}
 
@@ -58,13 +60,14 @@ class TroubleWatch:
         failed = reasons.get(ENVIRONMENT_ERROR, 0)
         if failed and self._environment.due():
             log.warning(
-                "step %s: %d of %d trajectories ended %s (the environment raised; they scored "
-                "0), in %d steps so far: check agent.environment (%s)",
+                "step %s: %d of %d trajectories ended %s (masked: not trained on), in %d "
+                "steps so far: check %s (%s)",
                 step,
                 failed,
                 sum(reasons.values()),
                 ENVIRONMENT_ERROR,
                 self._environment.steps,
+                self._setting,
                 _WHERE,
             )
         calls = record.get("tool_calls") or {}
@@ -82,9 +85,10 @@ class TroubleWatch:
                 )
 
 
-def environment_verdict(groups: Sequence[SampledGroup]) -> dict:
+def environment_verdict(groups: Sequence[SampledGroup], setting: str) -> dict:
     """{'environment_errors': count} of answers that ended `environment_error` (empty when
-    none did, with a warning when some did); RunError naming the first error when most did."""
+    none did, with a warning when some did); RunError naming the first error when most did.
+    `setting` is the one whose code runs the trajectories (agent.environment or agent.harness)."""
     responses = [r for g in groups for r in g.responses]
     failed = [r for r in responses if r.end_reason == ENVIRONMENT_ERROR]
     if not failed:
@@ -95,9 +99,6 @@ def environment_verdict(groups: Sequence[SampledGroup]) -> dict:
         f"(first: {first or 'no message'})"
     )
     if 2 * len(failed) > len(responses):
-        raise RunError(
-            f"{said}: the scores would measure the environment, not the model; fix "
-            "agent.environment"
-        )
-    log.warning("%s: they scored 0; check agent.environment", said)
+        raise RunError(f"{said}: the scores would measure {setting}, not the model; fix {setting}")
+    log.warning("%s: they scored 0; check %s", said, setting)
     return {"environment_errors": len(failed)}

@@ -235,7 +235,7 @@ def train(run: OpenRun, job: TrainingJob) -> None:
     metrics = run.run_dir / "metrics.jsonl"
     store = run.store
     trackers = open_trackers(run.cfg, run.run_dir)
-    watches = [SpreadWatch(), TroubleWatch()]
+    watches = [SpreadWatch(), TroubleWatch(run.cfg.agent.trajectory_setting)]
     while True:
         try:
             with MetricsWriter(metrics) as writer, ProgressReporter(run.cfg) as progress:

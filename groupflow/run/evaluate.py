@@ -74,7 +74,9 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
             scorer.pool.close()
             loop.close()
     about = {"model": model_path, "task": cfg.task.name, "prompts": len(prompts)}
-    verdict = environment_verdict(answered)  # most answers failed by it: no scores
+    verdict = environment_verdict(
+        answered, cfg.agent.trajectory_setting
+    )  # most answers failed by it: no scores
     return about | eval_keys(scores, n, trainer.eval_pass_k or n) | verdict
 
 
