@@ -59,8 +59,10 @@ def input_paths(cfg: Config) -> list[InputPath]:
         found += _spec_path("reward.verifier", cfg.reward.verifier, cfg.reward, "verifier")
     for i, tool in enumerate(cfg.agent.tools or ()):
         found += _spec_path(f"agent.tools[{i}]", tool, cfg.agent.tools, i)
-    if cfg.agent.environment is not None:
-        found += _spec_path("agent.environment", cfg.agent.environment, cfg.agent, "environment")
+    for slot in ("environment", "harness"):
+        spec = getattr(cfg.agent, slot)
+        if spec is not None:
+            found += _spec_path(f"agent.{slot}", spec, cfg.agent, slot)
     resume = cfg.trainer.resume
     if resume is not None and resume not in RESUME_WORDS:
         found.append(

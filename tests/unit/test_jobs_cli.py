@@ -207,7 +207,8 @@ def test_submit_sends_relative_input_paths_that_exist_here_as_absolute_ones(
     monkeypatch.chdir(tmp_path)
     for name in ("model", "data", "plugins"):
         (tmp_path / name).mkdir()
-    for file in ("data/train.jsonl", "data/held.jsonl", "plugins/reward.py", "chat.jinja"):
+    files = ("data/train.jsonl", "data/held.jsonl", "plugins/reward.py", "plugins/agent.py")
+    for file in (*files, "chat.jinja"):
         (tmp_path / file).write_text("")
     job = tmp_path / "job.yaml"
     job.write_text(
@@ -216,6 +217,7 @@ def test_submit_sends_relative_input_paths_that_exist_here_as_absolute_ones(
         "  - {name: math, options: {dataset: data/train.jsonl, eval_dataset: ./data/held.jsonl}}\n"
         "  - {name: arithmetic}\n"
         "reward: {verifier: 'plugins/reward.py:score'}\n"
+        "agent: {harness: 'plugins/agent.py:run'}\n"
         "trainer: {output_dir: /shared/runs}\n"
     )
     assert main(["submit", str(job), "--set", "task.chat_template=chat.jinja", "--no-follow"]) == 0
@@ -226,6 +228,7 @@ def test_submit_sends_relative_input_paths_that_exist_here_as_absolute_ones(
     assert options["eval_dataset"] == str(tmp_path / "data/held.jsonl")
     assert sent["task"]["chat_template"] == str(tmp_path / "chat.jinja")
     assert sent["reward"]["verifier"] == f"{tmp_path / 'plugins/reward.py'}:score"
+    assert sent["agent"]["harness"] == f"{tmp_path / 'plugins/agent.py'}:run"
     (note,) = capsys.readouterr().err.splitlines()
     assert note.startswith("groupflow: note: relative paths sent as absolute ones")
     assert f"task[0].options.dataset={tmp_path / 'data/train.jsonl'}" in note
@@ -238,6 +241,7 @@ def test_submit_sends_relative_input_paths_that_exist_here_as_absolute_ones(
         ("model.path=./models/mine", "model.path: ./models/mine"),
         ("task.chat_template=chat.jinja", "task.chat_template: chat.jinja"),
         ("agent.environment=envs/env.py:make", "agent.environment: envs/env.py"),
+        ("agent.harness=agents/mine.py:run", "agent.harness: agents/mine.py"),
         ("trainer.resume=runs/x/checkpoints/step_4", "trainer.resume: runs/x/checkpoints/step_4"),
     ],
 )
