@@ -137,10 +137,11 @@ def install_routing_replay(model: torch.nn.Module, replay: bool, counting: bool)
     return True
 
 
-def check_replay_model(model_path: str) -> None:
-    """Before a job starts: routing replay needs a mixture of experts whose router is a top-k
-    router of the Qwen-MoE kind (its config counts experts per token and says whether their
-    weights are renormalised); ConfigError in one line otherwise."""
+def check_replay_model(model_path: str, mode: str) -> None:
+    """Before a job starts: routing replay, and the comparison of routings (`mode` 'rollout'
+    or 'observe'), need a mixture of experts whose router is a top-k router of the Qwen-MoE
+    kind (its config counts experts per token and says whether their weights are
+    renormalised); ConfigError in one line otherwise."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
@@ -149,7 +150,7 @@ def check_replay_model(model_path: str) -> None:
         for key in ("num_experts", "num_experts_per_tok", "norm_topk_prob")
     ):
         raise ConfigError(
-            f"learner.moe.routing_replay: 'rollout' needs a mixture of experts with a top-k "
+            f"learner.moe.routing_replay: {mode!r} needs a mixture of experts with a top-k "
             f"router of the Qwen-MoE kind; {model_path} ({config.model_type}) has none "
             "(set it to 'off')"
         )

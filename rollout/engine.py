@@ -88,7 +88,7 @@ def resolved_enforce_eager(enforce_eager: bool | None, num_gpus: float) -> bool:
 def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
     """The engine part of a job config (groupflow.config.Config)."""
     lora = cfg.learner.lora
-    replay = cfg.learner.moe.routing_replay == "rollout"
+    capture = cfg.learner.moe.routing_replay != "off"  # 'rollout' replays it, 'observe' compares
     return EngineSettings(
         model_path=model_path,
         dtype=cfg.model.dtype,
@@ -98,7 +98,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         seed=seed,
         chat=ChatSettings(cfg.task.chat_template, cfg.task.system_prompt),
         # the routing capture's callbacks run in Python, which a CUDA graph's replay skips
-        enforce_eager=replay
+        enforce_eager=capture
         or resolved_enforce_eager(cfg.rollout.enforce_eager, cfg.rollout.resources.num_gpus),
         max_num_seqs=cfg.rollout.max_num_seqs,
         enable_prefix_caching=cfg.rollout.enable_prefix_caching,
@@ -107,7 +107,7 @@ def engine_settings(cfg, model_path: str, seed: int) -> EngineSettings:
         lora=None if lora is None else EngineLora(engine_max_rank(lora.rank), serving_config(lora)),
         agent=AgentSettings.of(cfg) if cfg.multi_turn else None,
         sync_probe_seed=cfg.trainer.seed,
-        routed_experts=replay,
+        routed_experts=capture,
     )
 
 

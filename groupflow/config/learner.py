@@ -130,12 +130,14 @@ class MoeConfig(Section):
         "them and divided by the policy loss's global token count; 0 (the default) is off. "
         "Qwen3-MoE's configs use 0.001 (router_aux_loss_coef). A dense model is refused",
     )
-    routing_replay: Literal["off", "rollout"] = Field(
+    routing_replay: Literal["off", "rollout", "observe"] = Field(
         "off",
         description="rollout routing replay (R3): 'rollout' routes each token through the "
         "experts the engine chose for it, in the policy, proximal and reference forwards, "
         "with gate weights from the learner's own router logits (a Qwen3-MoE-style top-k "
-        "router only; refused for a dense model); 'off': the learner's own routing",
+        "router only; refused for a dense model); 'observe': the learner's own routing, "
+        "compared with the engine's (routing_disagreement; the engines return routing as "
+        "with 'rollout'); 'off': the learner's own routing, the engines return none",
     )
 
 

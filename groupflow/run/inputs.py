@@ -71,7 +71,7 @@ def check_inputs(cfg: Config) -> CheckedInputs:
         check_target_modules(model_path, cfg.learner.lora)
     check_aux_loss(model_path, cfg.learner.moe)
     if cfg.learner.moe.routing_replay != "off":
-        check_replay_model(model_path)
+        check_replay_model(model_path, cfg.learner.moe.routing_replay)
     check_sequence_parallel(cfg, model_path)
     check_trackers(cfg)
     return CheckedInputs(model_path, vet_prompts(cfg, model_path))

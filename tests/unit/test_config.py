@@ -466,6 +466,17 @@ def test_engine_settings_reach_the_engine_eager_by_default_only_on_cpu(gpus, eag
     assert settings.tensor_parallel_size == 1 and settings.seed == 3
 
 
+@pytest.mark.parametrize("mode, captured", [("off", False), ("rollout", True), ("observe", True)])
+def test_the_engines_return_routing_where_the_learner_replays_or_compares_it(mode, captured):
+    """The routing capture's callbacks run in Python, which a CUDA graph's replay would skip:
+    an engine that returns routing runs eager, on GPUs too."""
+    from groupflow.rollout.engine import engine_settings
+
+    overrides = [f"learner.moe.routing_replay={mode}", "rollout.resources.num_gpus=1"]
+    settings = engine_settings(build_config({}, overrides), "/model", seed=0)
+    assert settings.routed_experts is captured and settings.enforce_eager is captured
+
+
 def test_unset_engine_settings_leave_vllms_defaults():
     from groupflow.rollout.engine import engine_settings
 

@@ -123,8 +123,11 @@ def test_the_experts_are_the_engines_and_the_disagreement_counts_the_differing_s
     )
 
 
-def test_without_replay_the_disagreement_is_counted_and_the_routing_is_the_learners():
-    model = _moe("off")
+@pytest.mark.parametrize("mode", ["off", "observe"])
+def test_without_replay_the_disagreement_is_counted_and_the_routing_is_the_learners(mode):
+    """'observe' is 'off' in the learner (the engines return routing in both 'observe' and
+    'rollout': tests/unit/test_config.py)."""
+    model = _moe(mode)
     routing = _own_routing(model, True)
     other = _other_routing(routing)
     with torch.no_grad():
@@ -202,7 +205,10 @@ def test_a_job_with_replay_on_a_dense_model_stops_before_it_starts(tmp_path):
     random_causal_lm(VOCAB, architecture="qwen3_moe", seed=0, **TINY_MOE).save_pretrained(
         tmp_path / "moe"
     )
-    check_replay_model(str(tmp_path / "moe"))
-    with pytest.raises(ConfigError) as err:
-        check_replay_model(str(tmp_path / "dense"))
-    assert str(err.value).startswith("learner.moe.routing_replay: ") and "\n" not in str(err.value)
+    for mode in ("rollout", "observe"):
+        check_replay_model(str(tmp_path / "moe"), mode)
+        with pytest.raises(ConfigError) as err:
+            check_replay_model(str(tmp_path / "dense"), mode)
+        said = str(err.value)
+        assert said.startswith(f"learner.moe.routing_replay: {mode!r} needs a mixture of experts")
+        assert "\n" not in said
