@@ -78,7 +78,7 @@ def test_long_tail_groups_train_every_step_once_within_the_staleness_bound(
     staleness = [0, 1, 2]
     for k in staleness:
         model = []
-        if ON_LONG_TAIL[k] == ON_THE_MIXTURE_OF_EXPERTS:
+        if ON_LONG_TAIL[k] in ON_THE_MIXTURE_OF_EXPERTS:
             model = [f"model.path={request.getfixturevalue('small_moe_model')}"]
         overrides = [
             f"trainer.output_dir={tmp_path}",

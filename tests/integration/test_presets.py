@@ -40,10 +40,11 @@ END_TO_END = ["dapo", "dfpo", "gspo", "lopti", "stapo"]
 # The long-tail runs' presets, by their staleness bound: DFPO's exact cancellation needs
 # on-policy samples, and GSPO's riders a stale step.
 ON_LONG_TAIL = {0: "dfpo", 1: "lopti", 2: "gspo"}
-# The preset whose run trains the small Qwen3-MoE (groupflow/run/small_moe.py) instead of the
-# quickstart model: its partial rollouts straddle weight loads at staleness 2, and after every
-# load the engines' sync probe must agree with the learner's to float noise (docs/moe.md).
-ON_THE_MIXTURE_OF_EXPERTS = "gspo"
+# The presets whose runs train the small Qwen3-MoE (groupflow/run/small_moe.py) instead of the
+# quickstart model, after every load the engines' sync probe agreeing with the learner's to
+# float noise (docs/moe.md): GSPO's, whose partial rollouts straddle weight loads at staleness
+# 2, with routing replay; DFPO's, on-policy, with the routings compared but not replayed.
+ON_THE_MIXTURE_OF_EXPERTS = ["dfpo", "gspo"]
 ON_SUBMITTED_JOB = "stapo"  # a job of two learner ranks, between which STAPO all-reduces
 ON_LOST_NODE_JOB = "dapo"
 
@@ -63,6 +64,10 @@ RIDERS = {
         # several micro-batches a mini-batch in the real DeepSpeed backward, each planned from
         # its own forward (learner/step.py)
         "learner.micro_batch_tokens=96",
+    ],
+    "dfpo": [  # on the small mixture of experts (ON_THE_MIXTURE_OF_EXPERTS)
+        # the engines return their routing and the learner compares its own with it
+        "learner.moe.routing_replay=observe",
     ],
     "gspo": [  # on the small mixture of experts (ON_THE_MIXTURE_OF_EXPERTS)
         "rollout.sampling.top_k=20",
@@ -133,9 +138,10 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
             balance = r["expert_load_max_over_mean"]
             assert sorted(balance) == ["0", "1"] and all(1.0 <= b <= 4.0 for b in balance.values())
             assert 1.0 < r["moe_aux_loss"] <= 8.0, r["moe_aux_loss"]
-            # (not small here: this run samples with top_k and min_p, and the engines return
-            # the log-probs of the distribution they sampled from, processed_logprobs; the same
-            # run without replay gives the same figure, 1.10 at step 1)
+            # (not small here: the long-tail workload forces each response's length with
+            # min_tokens, which masks EOS, and the engines return the log-probs of the
+            # distribution they sampled from, processed_logprobs: every long-tail run, dense
+            # or not, replayed or not, shows 0.4-1.2 nats)
             assert math.isfinite(r["logp_mismatch_mean"]) and r["logp_mismatch_mean"] >= 0.0
         assert all(r["groups_dropped_stale"] == 0 for r in records)
     if preset == "stapo":
@@ -144,6 +150,9 @@ def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
         assert all(0.0 < r["stapo_tau_p"] < 1.0 for r in records)
         assert any(r["spurious_frac"] > 0 and r["stapo_silenced_frac"] > 0 for r in records)
     if preset == "dfpo":
+        # routing observed: the engines' routing came with the trained sequences and the
+        # learner compared its own routers' choice with it, without replaying it
+        assert all(0.0 <= r["routing_disagreement"] <= 1.0 for r in records)
         # linear loss, group-orthogonalised weights, token_mean: prefixes shared by the whole
         # group get exactly cancelling gradients in the real DeepSpeed backward
         assert all(r["cancellation_residual_whole_group"] < 1e-6 for r in records)
