@@ -45,8 +45,8 @@ ServeCall = Callable[[list[int], "SamplingParams"], Awaitable[list[Response]]]
 # Prompts are rendered here, off the engine's event loop (one thread: the tokenizer is entered
 # by one rendering at a time).
 _RENDERING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-render")
-_RENDERERS_KEPT = 16  # renderers of distinct tool declarations kept per endpoint
-_BACKLOG = 4096  # connections waiting to be accepted
+_RENDERERS_KEPT = 16
+_BACKLOG = 4096  # connections waiting to be accepted  # renderers of distinct tool declarations kept per endpoint
 
 
 class Refused(Exception):
@@ -97,14 +97,12 @@ class Endpoint:
         self._server = None
         self._serving: asyncio.Task | None = None
         self.port = 0
-        self.http_client = None  # the connection pool of every trajectory's client (start)
 
     async def start(self) -> None:
         """Serve on 127.0.0.1, a port of the system's choice, from the running event loop."""
         import uvicorn
 
         await asyncio.to_thread(_first_imports)  # in a thread: not on the loop's first calls
-        self.http_client = await asyncio.to_thread(_shared_http_client)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         # a harness may open many connections at once (a flood): queued, not refused
@@ -128,8 +126,6 @@ class Endpoint:
         if self._server is not None:
             self._server.should_exit = True
             await self._serving
-        if self.http_client is not None:
-            await self.http_client.close_shared()
 
     def open(self, limits: EndpointLimits) -> Session:
         session = Session(secrets.token_urlsafe(24), limits=limits)
@@ -378,28 +374,6 @@ class Endpoint:
             usage=_usage(UsageInfo, prompt, sampled),
         )
         return answer.model_dump(exclude_none=True)
-
-
-def _shared_http_client():
-    """One HTTP client under every trajectory's openai client. An httpx client loads the
-    system's CA certificates as it is built, about 30 ms of CPU: one a trajectory, on the
-    engine's loop, halved the endpoint's throughput at 64 concurrent trajectories
-    (bench/endpoint.py). Its connections to this endpoint stay open between calls, as many
-    as the trajectories' calls in flight, and no proxy from the environment is used for them.
-    A harness that closes its client (`async with endpoint.client:`) leaves it open for the
-    others: the endpoint closes it when it stops."""
-    import httpx
-    from openai import DefaultAsyncHttpxClient
-
-    class SharedHttpClient(DefaultAsyncHttpxClient):
-        async def aclose(self) -> None:
-            pass  # a trajectory's client closing
-
-        async def close_shared(self) -> None:
-            await super().aclose()
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=_BACKLOG)
-    return SharedHttpClient(limits=limits, trust_env=False)
 
 
 def _first_imports() -> None:

@@ -51,13 +51,7 @@ async def run_harness(
 
     session = endpoint.open(limits)
     base_url = endpoint.base_url(session)
-    client = AsyncOpenAI(
-        base_url=base_url,
-        api_key=endpoint.key,
-        max_retries=0,
-        timeout=deadline_s,
-        http_client=endpoint.http_client,
-    )
+    client = AsyncOpenAI(base_url=base_url, api_key=endpoint.key, max_retries=0, timeout=deadline_s)
     given = HarnessEndpoint(base_url, endpoint.key, endpoint.model, client)
     error = infra = None
     answer = ""
@@ -75,7 +69,8 @@ async def run_harness(
     except UserCodeFailed as err:
         error, infra = f"agent.harness raised {err}", "harness_error"
     finally:
-        endpoint.close(session)  # the client's connections are the endpoint's to close
+        endpoint.close(session)
+        await client.close()
     record = session.record
     if infra is None and not record.segments:
         error, infra = "agent.harness made no model call", "harness_error"

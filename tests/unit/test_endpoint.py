@@ -224,39 +224,6 @@ def test_a_harness_past_its_deadline_is_cancelled_and_its_session_closed():
     assert len(serve.calls) == 1
 
 
-def test_trajectories_share_one_connection_pool_that_a_closing_harness_leaves_open():
-    """Every trajectory's client sends through the endpoint's one HTTP client (an httpx
-    client per trajectory cost ~30 ms of the engine loop's CPU each: its CA certificates); a
-    harness that closes its client, as `async with` does, closes nobody else's."""
-    pools = []
-
-    async def closes_its_client(row, endpoint):
-        pools.append(endpoint.client._client)
-        async with endpoint.client as client:
-            answer = await client.completions.create(model=endpoint.model, prompt=row.text)
-        return answer.choices[0].text
-
-    endpoint, serve = endpoint_for(["2"])
-
-    async def main():
-        await endpoint.start()
-        try:
-            return [
-                await run_harness(
-                    closes_its_client, Prompt(f"p{i}", "1+1=", "2"), endpoint, LIMITS, 30.0, 0
-                )
-                for i in range(3)
-            ]
-        finally:
-            await endpoint.stop()
-
-    responses = asyncio.run(main())
-    assert [r.end_reason for r in responses] == ["answer"] * 3, [r.error for r in responses]
-    assert len(serve.calls) == 3
-    assert len({id(pool) for pool in pools}) == 1 and pools[0] is endpoint.http_client
-    assert endpoint.http_client.is_closed  # by the endpoint's stop
-
-
 def test_another_trajectorys_id_a_flood_and_malformed_messages_never_reach_the_engine():
     import openai
 
