@@ -45,8 +45,8 @@ ServeCall = Callable[[list[int], "SamplingParams"], Awaitable[list[Response]]]
 # Prompts are rendered here, off the engine's event loop (one thread: the tokenizer is entered
 # by one rendering at a time).
 _RENDERING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-render")
-_RENDERERS_KEPT = 16
-_BACKLOG = 4096  # connections waiting to be accepted  # renderers of distinct tool declarations kept per endpoint
+_RENDERERS_KEPT = 16  # renderers of distinct tool declarations kept per endpoint
+_BACKLOG = 4096  # connections waiting to be accepted
 
 
 class Refused(Exception):
