@@ -155,6 +155,18 @@ def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> Non
     model.eval()
 
 
+def _publish(partial: Path, target: Path) -> None:
+    """Rename a finished build onto its target. Two processes may build the same model at once
+    (two first runs side by side): the one that renames second finds the target already there,
+    as finished as its own (only a rename makes a target), so it uses that one and drops its own."""
+    try:
+        partial.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def quickstart_model_path(
     task_name: str,
     task_options: dict,
@@ -212,7 +224,7 @@ def quickstart_model_path(
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / "groupflow_spec.json").write_text(json.dumps(spec, indent=1))
-        partial.rename(target)
+        _publish(partial, target)
     except OSError as err:  # the disk filled up, or the cache changed under the build
         raise UserError(f"{_CACHE_SETTING} ({target.parent}): {_why(err)}") from None
     log.info("quickstart model ready")

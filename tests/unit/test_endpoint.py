@@ -38,6 +38,9 @@ TOOLS = [
     }
 ]
 LIMITS = EndpointLimits(max_calls=4, turn_tokens=64, max_model_len=512)
+# Concurrent calls of one trajectory, 50 times what it may make: every one past its calls is
+# refused as the first ones are (each costs the suite ~40 ms: 1000 took 39 s)
+FLOOD = 200
 
 
 class ScriptedServe:
@@ -261,12 +264,12 @@ def test_another_trajectorys_id_a_flood_and_malformed_messages_never_reach_the_e
                 # the flood as raw HTTP, the cheapest a harness can send it
                 body = {"model": "m", "prompt": "1+1="}
                 headers = {"Authorization": f"Bearer {given.api_key}"}
-                limits = httpx.Limits(max_connections=1000)
+                limits = httpx.Limits(max_connections=FLOOD)
                 async with httpx.AsyncClient(limits=limits, timeout=300) as http:
                     floods = await asyncio.gather(
                         *(
                             http.post(f"{given.base_url}/completions", json=body, headers=headers)
-                            for _ in range(1000)
+                            for _ in range(FLOOD)
                         ),
                         return_exceptions=True,
                     )
@@ -285,7 +288,7 @@ def test_another_trajectorys_id_a_flood_and_malformed_messages_never_reach_the_e
         "other_id_wrong_key": 401,
         "guessed_id": 404,
         "malformed": 400,
-        "flood": {429: 1000 - LIMITS.max_calls, 200: LIMITS.max_calls},
+        "flood": {429: FLOOD - LIMITS.max_calls, 200: LIMITS.max_calls},
     }
     assert len(serve.calls) == LIMITS.max_calls  # the flood's first calls only
     assert other.record.calls == 0  # the other trajectory saw none of it
@@ -293,7 +296,7 @@ def test_another_trajectorys_id_a_flood_and_malformed_messages_never_reach_the_e
         "unauthorized": 1,
         "unknown": 1,
         "malformed": 1,
-        "over_calls": 1000 - LIMITS.max_calls,
+        "over_calls": FLOOD - LIMITS.max_calls,
     }
     # what it sampled, it trains on: the flood's calls, each from the same prompt, are
     # sequences of their own (branches), each exact

@@ -105,18 +105,33 @@ print(held, kept, resident_bytes())
 """
 
 
+def both(script: str, *modes: str) -> dict[str, str]:
+    """`script`'s output in each mode, the processes side by side (each spends its seconds
+    importing torch)."""
+    running = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", script, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode in modes
+    }
+    outs = {}
+    for mode, process in running.items():
+        out, err = process.communicate()
+        assert process.returncode == 0, err[-2000:]
+        outs[mode] = out
+    return outs
+
+
 def test_a_micro_batchs_freed_pages_go_back_to_the_system():
     """256 MiB freed inside the heap stay resident (glibc keeps them for later blocks) until
     release_freed_memory hands them back, as a rank does after each micro-batch."""
-    runs = {}
-    for mode in ("keep", "release"):
-        out = subprocess.run(
-            [sys.executable, "-c", FRAGMENTED_HEAP, mode],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        runs[mode] = [int(v) for v in out.stdout.split()]
+    runs = {
+        mode: [int(v) for v in out.split()]
+        for mode, out in both(FRAGMENTED_HEAP, "keep", "release").items()
+    }
     held, kept, after = runs["keep"]
     assert kept > held - (64 << 20) and after == kept  # freed, yet resident
     held, kept, after = runs["release"]
@@ -143,11 +158,8 @@ def test_a_micro_batchs_large_blocks_are_unmapped_when_freed():
     """With large blocks mapped apart (as a CPU rank runs), what a micro-batch freed leaves
     the process at once; in glibc's heap, at its risen threshold, it stays resident."""
     grown = {}
-    for mode in ("heap", "mapped"):
-        out = subprocess.run(
-            [sys.executable, "-c", ACTIVATIONS, mode], capture_output=True, text=True, check=True
-        )
-        before, after = (int(v) for v in out.stdout.split())
+    for mode, out in both(ACTIVATIONS, "heap", "mapped").items():
+        before, after = (int(v) for v in out.split())
         grown[mode] = after - before
     assert grown["heap"] > 150 << 20  # of the 240 MiB freed, most stays
     assert grown["mapped"] < 16 << 20

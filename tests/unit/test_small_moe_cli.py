@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from groupflow.core.errors import UserError
+from groupflow.run import quickstart
 from groupflow.run.quickstart import quickstart_model_path
 from groupflow.run.small_moe import main
 
@@ -37,3 +38,22 @@ def test_a_model_cache_that_cannot_hold_a_model_is_one_line_before_the_build(
     monkeypatch.setenv("GROUPFLOW_CACHE", str(tmp_path / where))
     with pytest.raises(UserError, match=r"^the model cache \(GROUPFLOW_CACHE, else ~/\.cache/gr"):
         quickstart_model_path("arithmetic", {}, 1)
+
+
+def test_a_build_that_another_process_finished_first_uses_that_model(tmp_path, monkeypatch):
+    """Two processes build the same model at once: the second to finish takes the first's
+    model (its rename onto the finished target fails) and leaves no partial build behind."""
+    monkeypatch.setenv("GROUPFLOW_CACHE", str(tmp_path))
+    monkeypatch.setattr(quickstart, "warm_start", lambda *args: None)
+    publish = quickstart._publish
+
+    def the_other_process_finishes_first(partial, target):
+        target.mkdir()
+        (target / "config.json").write_text("{}")  # theirs
+        publish(partial, target)
+
+    monkeypatch.setattr(quickstart, "_publish", the_other_process_finishes_first)
+    small = dict(quickstart.ARCHITECTURE, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    path = quickstart_model_path("arithmetic", {}, 1, progress=False, shape=small)
+    assert (path / "config.json").read_text() == "{}"
+    assert list(tmp_path.iterdir()) == [path]  # our partial build removed
