@@ -1,8 +1,8 @@
 """The algorithm presets end to end, one per path, each with its riders on a job that another
 test starts anyway (a job's start costs far more than a few steps of any preset): DFPO, Lopti
-and GSPO on the long-tail runs (tests/integration/test_long_tail.py), STAPO on the submitted
-quickstart and DAPO on the job that loses a node (tests/integration/test_jobs.py). Here: what
-each preset's run is given (`preset_settings`) and what it must show (`check_preset_run`)."""
+and GSPO on the long-tail runs (tests/integration/test_long_tail.py), STAPO and DAPO together on
+the submitted quickstart that loses its engines' node (tests/integration/test_jobs.py). Here:
+what each preset's run is given (`preset_settings`) and what it must show (`check_preset_run`)."""
 
 from __future__ import annotations
 
@@ -45,13 +45,16 @@ ON_LONG_TAIL = {0: "dfpo", 1: "lopti", 2: "gspo"}
 # float noise (docs/moe.md): GSPO's, whose partial rollouts straddle weight loads at staleness
 # 2, with routing replay; DFPO's, on-policy, with the routings compared but not replayed.
 ON_THE_MIXTURE_OF_EXPERTS = ["dfpo", "gspo"]
-ON_SUBMITTED_JOB = "stapo"  # a job of two learner ranks, between which STAPO all-reduces
-ON_LOST_NODE_JOB = "dapo"
+# The submitted job, which loses its engines' node: STAPO's preset with DAPO's laid over it.
+# They agree on what both set (clipping; the loss's token mean) and each adds its own path,
+# STAPO's silencing (all-reduced over the job's two learner ranks) and DAPO's dynamic
+# sampling (through the lost node too), so the run is each preset whole.
+ON_SUBMITTED_JOB = ("stapo", "dapo")
 
 
 def test_every_end_to_end_preset_has_a_run():
     assert set(END_TO_END) <= PRESETS.keys()
-    runs = [*ON_LONG_TAIL.values(), ON_SUBMITTED_JOB, ON_LOST_NODE_JOB]
+    runs = [*ON_LONG_TAIL.values(), *ON_SUBMITTED_JOB]
     assert sorted(runs) == END_TO_END
 
 
@@ -96,17 +99,40 @@ RIDERS = {
 }
 
 
-def preset_settings(preset: str) -> list[str]:
+def preset_settings(preset: str, *also: str) -> list[str]:
     """The --set overrides of a preset's run: the preset, two mini-batches a step, its riders,
     and one learner rank unless a rider asks for more (a rank's start costs about as much CPU
     as the engine's; the presets' steps are checked against threaded ranks in the unit tests,
-    and the quickstart's two DeepSpeed ranks train in test_e2e.py and test_recovery.py)."""
+    and the quickstart's two DeepSpeed ranks train in test_e2e.py and test_recovery.py). The
+    presets `also` are laid over it key by key, each with its riders; one that contradicts it
+    is refused (the run would be neither)."""
+    own = _settings_of(PRESETS[preset])
+    laid = {}
+    for other in also:
+        for key, value in _settings_of(PRESETS[other]).items():
+            assert own.get(key, value) == value, f"{other} contradicts {preset} on {key}"
+            laid[key] = value
     return [
         f"algorithm.preset={preset}",
         "learner.mini_batches_per_step=2",
         "learner.num_ranks=1",
-        *RIDERS.get(preset, []),
+        *(
+            f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in laid.items()
+        ),
+        *(rider for p in (preset, *also) for rider in RIDERS.get(p, [])),
     ]
+
+
+def _settings_of(section: dict, prefix: str = "algorithm.") -> dict[str, object]:
+    """A preset's partial `algorithm` section as dotted keys."""
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(_settings_of(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def check_preset_run(preset: str, records: list[dict], run_dir: Path) -> None:
