@@ -49,7 +49,7 @@ def task_of(row: Prompt) -> Any:
     return task_cls(task_cls.data_type().model_validate(row.answer["data"]), taskset.config.task)
 
 
-async def play(row: Prompt, endpoint: Any) -> str:
+async def play_verifiers_task(row: Prompt, endpoint: Any) -> str:
     """One rollout of the row's task by its taskset's program; verifiers' trace as JSON."""
     import verifiers.v1 as vf
 

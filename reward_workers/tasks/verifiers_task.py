@@ -45,7 +45,7 @@ ENDPOINT_NOTE = (
     "judges (docs/environments.md)"
 )
 # The harness that plays a multi-turn taskset's trajectories (the job's agent.harness).
-HARNESS = "groupflow.rollout.verifiers_harness:play"
+HARNESS = "groupflow.rollout.verifiers_harness:play_verifiers_task"
 
 
 def _vf():

@@ -15,7 +15,7 @@ from groupflow.config import ConfigError
 from groupflow.core.records import Verdict
 from groupflow.loop.infra_failures import failure_reason
 from groupflow.reward_workers.tasks import make_task
-from groupflow.rollout.verifiers_harness import play
+from groupflow.rollout.verifiers_harness import play_verifiers_task
 from groupflow.run.job_config import build_config
 from tests.unit.test_endpoint import exact, harness_run
 
@@ -88,12 +88,15 @@ def taskset(tmp_path, monkeypatch):
 def test_a_multi_turn_taskset_trains_the_engines_ids_and_scores_its_own_trace(taskset):
     name = taskset()
     cfg = build_config({"task": {"name": f"verifiers:{name}", "options": {"count": 10}}})
-    assert cfg.agent.harness == "groupflow.rollout.verifiers_harness:play" and cfg.multi_turn
+    assert (
+        cfg.agent.harness == "groupflow.rollout.verifiers_harness:play_verifiers_task"
+        and cfg.multi_turn
+    )
     task = make_task(f"verifiers:{name}", {"count": 10})
     row = next(p for p in task.train_prompts(0) if p.answer["data"]["answer"] != "0")
     gold = row.answer["data"]["answer"]
     for replies, reward in (([gold, gold], 1.0), (["0", "1"], 0.25)):
-        response, serve, _ = harness_run(play, replies, prompt=row)
+        response, serve, _ = harness_run(play_verifiers_task, replies, prompt=row)
         assert (response.end_reason, response.infra_failure, response.turns) == ("answer", None, 2)
         # one sequence, each of its two model runs sampled on exactly the ids before it
         assert (
@@ -108,7 +111,9 @@ def test_a_multi_turn_taskset_trains_the_engines_ids_and_scores_its_own_trace(ta
 def test_a_failing_program_is_an_infrastructure_failure_masked(taskset):
     name = taskset(TWO_TURNS.replace("return vf.ProgramResult(0,", "return vf.ProgramResult(3,"))
     task = make_task(f"verifiers:{name}", {})
-    response, _, _ = harness_run(play, ["1", "2"], prompt=next(task.train_prompts(0)))
+    response, _, _ = harness_run(
+        play_verifiers_task, ["1", "2"], prompt=next(task.train_prompts(0))
+    )
     assert (response.end_reason, response.infra_failure) == ("environment_error", "harness_error")
     assert "verifiers' rollout failed: HarnessError" in response.error
     assert failure_reason(response, Verdict(0.0, "", "environment")) == "harness_error"
