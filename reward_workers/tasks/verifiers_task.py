@@ -103,14 +103,18 @@ def multi_turn_reason(taskset: Any) -> str | None:
         return "its tasks set up a runtime"
     if taskset.config.task.judges:
         return "its judges call a model"
+    if _rewards_read_runtime(taskset):
+        return "its rewards read a runtime"
+    return None
+
+
+def _rewards_read_runtime(taskset: Any) -> bool:
     first = next(iter(taskset.take(1)), None)
-    if first is not None and any(
+    return first is not None and any(
         "runtime" in inspect.signature(fn).parameters
         and inspect.signature(fn).parameters["runtime"].default is inspect.Parameter.empty
         for fn in first.hooks("reward")
-    ):
-        return "its rewards read a runtime"
-    return None
+    )
 
 
 def unplayable_reason(taskset: Any) -> str | None:
@@ -129,8 +133,8 @@ def unplayable_reason(taskset: Any) -> str | None:
         return "it has tools, served by verifiers' tool servers"
     if taskset.config.task.judges:
         return "its judges call a model"
-    if (why := multi_turn_reason(taskset)) == "its rewards read a runtime":
-        return why  # gone when the reward workers score the trace
+    if _rewards_read_runtime(taskset):
+        return "its rewards read a runtime"  # gone when the reward workers score the trace
     harness_id = default_harness_id(taskset_id)
     harness = harness_class(harness_id)
     if harness.NEEDS_CONTAINER:

@@ -124,6 +124,7 @@ def test_a_failing_program_is_an_infrastructure_failure_masked(taskset):
     [
         (("NEEDS_CONTAINER = False", "NEEDS_CONTAINER = True"), "its harness ({name}) needs a container"),
         (("EXECUTES_CODE = False", "EXECUTES_CODE = True"), "its harness ({name}) runs the model's commands on the host"),
+        (("checked_twice(self, trace)", "checked_twice(self, trace, runtime)"), "its rewards read a runtime"),
         (("class AskTwiceConfig", "class Duo(vf.Env[vf.EnvConfig]):\n    async def run(self, task, agents):\n        await agents.agent.run(task)\n\n\nclass AskTwiceConfig"), "it ships an Env of its own"),
     ],
 )  # fmt: skip
