@@ -38,6 +38,7 @@ DERIVED = {
     "rollout.partial_rollout": "on when trainer.max_staleness > 0",
     "algorithm.off_policy.mode": "tis when trainer.max_staleness > 0, else none",
     "agent.tools": "the task's own tools, where it has any",
+    "agent.harness": "a multi-turn verifiers taskset's own program, for task.name: verifiers:...",
 }
 
 

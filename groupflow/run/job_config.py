@@ -28,7 +28,7 @@ from groupflow.config.load import (
     validate_config,
 )
 from groupflow.core.errors import first_line
-from groupflow.reward_workers.tasks import TASKS, check_options, is_task, task_class
+from groupflow.reward_workers.tasks import TASKS, check_options, is_task, own_harness, task_class
 from groupflow.reward_workers.tasks.mixture import mixture_entries
 from groupflow.rollout.tools import BUILTIN_TOOLS
 
@@ -95,6 +95,7 @@ def resolve(cfg: Config) -> Config:
             except ValueError as err:
                 raise ConfigError(f"config: {err}") from None
     _check_task_options(cfg.task)
+    _set_task_harness(cfg, entries)
 
     stale = cfg.trainer.max_staleness > 0
     if "partial_rollout" not in cfg.rollout.model_fields_set or cfg.rollout.partial_rollout is None:
@@ -119,6 +120,31 @@ def check_resolved(cfg: Config) -> None:
         raise RuntimeError(
             f"the config was not resolved: groupflow.run.job_config.resolve would set {', '.join(changed)}"
         )
+
+
+def _set_task_harness(cfg: Config, entries: list) -> None:
+    """A task that plays its trajectories with its own program (a multi-turn verifiers
+    taskset) names it in agent.harness where that is unset; it trains alone, since a job's
+    trajectories all run one harness."""
+    try:
+        for i, entry in enumerate(entries):
+            if own_harness(entry.name, entry.options) is not None:
+                raise ValueError(
+                    f"task[{i}]: {entry.name} is played by its own program, which runs all of "
+                    "a job's trajectories: it trains alone (task.name), not in a mixture"
+                )
+        harness = None if entries else own_harness(cfg.task.name, cfg.task.options)
+    except ValueError as err:
+        raise ConfigError(first_line(err)) from None
+    if harness is None or cfg.agent.harness == harness:
+        return
+    driver = "environment" if cfg.agent.environment is not None else "harness"
+    if driver == "environment" or cfg.agent.harness is not None:
+        raise ConfigError(
+            f"agent.{driver}: task {cfg.task.name} is played by its own program ({harness}); "
+            f"unset agent.{driver}"
+        )
+    cfg.agent.harness = harness
 
 
 def _mixture_entries(task: TaskConfig) -> list:

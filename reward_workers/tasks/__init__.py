@@ -68,6 +68,17 @@ def task_class(name: str) -> type:
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
+def own_harness(name: str, options: dict[str, Any]) -> str | None:
+    """'module:name' of the harness that plays task `name`'s trajectories where the task
+    brings its own program (a multi-turn verifiers taskset's), else None; ValueError for a
+    task whose program groupflow cannot play."""
+    package = package_task(name)
+    if package is None:
+        return None
+    own = getattr(importlib.import_module(task_class(name).__module__), "own_harness", None)
+    return None if own is None else own(package[1], options)
+
+
 @functools.cache
 def task_options(name: str) -> dict[str, inspect.Parameter]:
     """The options a task takes, by name: its constructor's parameters, with their types and

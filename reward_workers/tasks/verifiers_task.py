@@ -7,8 +7,13 @@ OpenAI-compatible endpoint. A single-turn taskset (no tools, no harness or Env o
 container, rewards that need no runtime) is what its built-in chat program plays in one call:
 groupflow samples that call itself, from the task's own system prompt and messages (few-shot
 turns included), and scores the completion with the task's rewards on a trace holding that
-one turn. A multi-turn taskset needs the endpoint, which groupflow does not serve yet: it is
-refused in one line.
+one turn. A multi-turn taskset (one with a harness of its own) is played by that program, per
+trajectory, against the trajectory's rollout endpoint (rollout/verifiers_harness.py, which the
+job's `agent.harness` names): its row's answer carries the taskset's config and the task's
+data for the program, and the response to score is the trace verifiers recorded, on which
+the task's rewards run here. A multi-turn taskset needing what groupflow cannot give (a
+container, the model's commands run on the host, tool servers, several agents, judges, a
+runtime at scoring) is refused in one line saying which.
 
 Rows: the taskset's config fields are the task's options (checked by the taskset's own
 config model); `eval_taskset` holds the fields that differ for the held-out set (e.g. `{split:
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import math
 import random
 from collections.abc import Iterator
@@ -34,9 +40,12 @@ PACKAGE = "verifiers"
 # The held-out search of an endless taskset reads at most this many tasks per prompt asked for.
 HELD_OUT_DRAWS = 50
 ENDPOINT_NOTE = (
-    "groupflow runs verifiers' multi-turn protocol only through the OpenAI-compatible rollout "
-    "endpoint, which it does not serve yet; single-turn tasksets train (docs/environments.md)"
+    "groupflow plays a multi-turn taskset's own program, one agent per trajectory, through its "
+    "OpenAI-compatible rollout endpoint, without containers, host commands, tool servers or "
+    "judges (docs/environments.md)"
 )
+# The harness that plays a multi-turn taskset's trajectories (the job's agent.harness).
+HARNESS = "groupflow.rollout.verifiers_harness:play_verifiers_task"
 
 
 def _vf():
@@ -94,14 +103,58 @@ def multi_turn_reason(taskset: Any) -> str | None:
         return "its tasks set up a runtime"
     if taskset.config.task.judges:
         return "its judges call a model"
+    if _rewards_read_runtime(taskset):
+        return "its rewards read a runtime"
+    return None
+
+
+def _rewards_read_runtime(taskset: Any) -> bool:
     first = next(iter(taskset.take(1)), None)
-    if first is not None and any(
+    return first is not None and any(
         "runtime" in inspect.signature(fn).parameters
         and inspect.signature(fn).parameters["runtime"].default is inspect.Parameter.empty
         for fn in first.hooks("reward")
-    ):
-        return "its rewards read a runtime"
+    )
+
+
+def unplayable_reason(taskset: Any) -> str | None:
+    """Why groupflow cannot play multi-turn `taskset` through its endpoint (what it would
+    need that groupflow does not give), or None when its program can run."""
+    from verifiers.v1.envs.single_agent import SingleAgentEnv
+    from verifiers.v1.utils.loaders import default_harness_id, environment_class, harness_class
+
+    taskset_id = taskset.config.id
+    task_cls = type(taskset).task_type()
+    if environment_class(taskset_id) is not SingleAgentEnv:
+        return "it ships an Env of its own"
+    if task_cls.NEEDS_CONTAINER:
+        return "its tasks need a container"
+    if taskset.toolsets(taskset.config) or task_cls.toolsets(taskset.config.task):
+        return "it has tools, served by verifiers' tool servers"
+    if taskset.config.task.judges:
+        return "its judges call a model"
+    if _rewards_read_runtime(taskset):
+        return "its rewards read a runtime"  # gone when the reward workers score the trace
+    harness_id = default_harness_id(taskset_id)
+    harness = harness_class(harness_id)
+    if harness.NEEDS_CONTAINER:
+        return f"its harness ({harness_id}) needs a container"
+    if harness.EXECUTES_CODE:
+        return f"its harness ({harness_id}) runs the model's commands on the host"
     return None
+
+
+@functools.cache
+def _plays_own_program(taskset: str, options_json: str) -> bool:
+    fields = {k: v for k, v in json.loads(options_json).items() if k != "eval_taskset"}
+    return VerifiersTask(taskset, **fields).multi_turn
+
+
+def own_harness(taskset: str, options: dict[str, Any]) -> str | None:
+    """The harness that plays `taskset`'s trajectories where it is multi-turn (its own
+    program, rollout/verifiers_harness.py), else None; ValueError for one groupflow cannot
+    play."""
+    return HARNESS if _plays_own_program(taskset, json.dumps(options, sort_keys=True)) else None
 
 
 class VerifiersTask:
@@ -116,9 +169,11 @@ class VerifiersTask:
             if eval_taskset is None
             else self._load(taskset, {**fields, **eval_taskset}, "task.options.eval_taskset")
         )
-        if (why := multi_turn_reason(self.taskset)) is not None:
+        self.multi_turn = multi_turn_reason(self.taskset) is not None
+        if self.multi_turn and (why := unplayable_reason(self.taskset)) is not None:
             raise ValueError(
-                f"task.name: {self.name} is a multi-turn taskset ({why}); {ENDPOINT_NOTE}"
+                f"task.name: {self.name} is a multi-turn taskset ({why}), which groupflow "
+                f"cannot play: {ENDPOINT_NOTE}"
             )
         self.task_cls = type(self.taskset).task_type()
         first = next(iter(self.taskset.take(1)), None)
@@ -139,7 +194,9 @@ class VerifiersTask:
         return vf.load_taskset(config)
 
     # ----- rows ---------------------------------------------------------------------------------
-    def _prompt(self, task: Any) -> Prompt:
+    def _prompt(self, task: Any, taskset: Any) -> Prompt:
+        """A task's row; a multi-turn one's answer is what its program is played from (the
+        taskset's config and the task's data), its text and messages the task's prompt."""
         from verifiers.v1.types import content_text
 
         data = task.data
@@ -154,7 +211,14 @@ class VerifiersTask:
         return Prompt(
             uid=task.key,
             text=data.prompt_text,
-            answer=data.model_dump(mode="json"),
+            answer=(
+                {
+                    "taskset": taskset.config.model_dump(mode="json"),
+                    "data": data.model_dump(mode="json"),
+                }
+                if self.multi_turn
+                else data.model_dump(mode="json")
+            ),
             messages=None if only_text else turns,
         )
 
@@ -162,7 +226,7 @@ class VerifiersTask:
         """A finite taskset in a new order each pass (from `seed`); an endless one in its order."""
         keep = (lambda task: True) if self.held_out is not None else _not_held_out
         if not self.taskset.bounded:
-            yield from (self._prompt(t) for t in self.taskset if keep(t))
+            yield from (self._prompt(t, self.taskset) for t in self.taskset if keep(t))
             return
         if self._train is None:
             self._train = [t for t in self.taskset if keep(t)]
@@ -172,29 +236,41 @@ class VerifiersTask:
         while True:
             order = list(self._train)
             rng.shuffle(order)
-            yield from (self._prompt(t) for t in order)
+            yield from (self._prompt(t, self.taskset) for t in order)
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """The first n tasks of the held-out taskset, or the first n held-out tasks."""
         if self.held_out is not None:
-            return [self._prompt(t) for t in self.held_out.take(n)]
+            return [self._prompt(t, self.held_out) for t in self.held_out.take(n)]
         picked = []
         for i, task in enumerate(self.taskset):
             if len(picked) == n or (not self.taskset.bounded and i >= HELD_OUT_DRAWS * n):
                 break
             if not _not_held_out(task):
-                picked.append(self._prompt(task))
+                picked.append(self._prompt(task, self.taskset))
         return picked
 
     # ----- scoring ------------------------------------------------------------------------------
     def verify(self, prompt: Prompt, response: str) -> Verdict:
-        """The task's rewards on a trace of one turn: the prompt's messages and the response.
+        """The task's rewards on a trace: of one turn (the prompt's messages and the
+        response), or for a multi-turn taskset the one its program recorded (the response).
         Their weighted mean (verifiers' weighted sum over the sum of the weights) is the
         reward, clipped to [0, 1]; a reward that failed to run is a verifier error."""
+        data = prompt.answer["data"] if self.multi_turn else prompt.answer
         task = self.task_cls(
-            self.task_cls.data_type().model_validate(prompt.answer), self.taskset.config.task
+            self.task_cls.data_type().model_validate(data), self.taskset.config.task
         )
-        trace = self._trace(task, prompt, response)
+        if self.multi_turn:
+            try:
+                trace = _vf().Trace.model_validate_json(response)
+            except ValueError as err:
+                return Verdict(
+                    0.0,
+                    f"{self.name}: the response is no verifiers trace: {first_line(err, 200)}",
+                    error="error",
+                )
+        else:
+            trace = self._trace(task, prompt, response)
         try:
             asyncio.run(task.score(trace))
         except Exception as err:
