@@ -93,7 +93,9 @@ async def through_endpoint(endpoint: Endpoint, prompts, turns: int, per_turn: in
         *(run_harness(harness, p, endpoint, limits, 3600.0, 0) for p in prompts)
     )
     seconds = time.perf_counter() - start
-    failed = [r.error or r.infra_failure or "split" for r in responses if r.infra_failure or r.earlier]
+    failed = [
+        r.error or r.infra_failure or "split" for r in responses if r.infra_failure or r.earlier
+    ]
     assert not failed, failed[:3]
     return sum(sum(r.loss_mask) for r in responses) / seconds
 

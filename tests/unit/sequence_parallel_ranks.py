@@ -72,7 +72,10 @@ class RecordingRank:
             # which share two cores in the suite (one per parameter made most of the time)
             flat = torch.cat([g.flatten() for g in grads])
             dist.all_reduce(flat)
-            grads = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+            grads = [
+                part.view_as(g)
+                for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
+            ]
         self.grads.append(grads)
         for p in self.params:
             p.grad = None
