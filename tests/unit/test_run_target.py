@@ -74,8 +74,10 @@ def test_the_state_of_a_run_directory(tmp_path):
     assert read_run(live_run).state == "running"
     dead = make_run(tmp_path, "dead", 2)
     path = write_cluster_file(dead, "dead", "127.0.0.1:1")
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"pid": ended_pid()}))
+    pid = ended_pid()
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"pid": pid}))
     assert read_run(dead).state == "failed"
+    assert f"its driver (pid {pid}) ended without closing the run" in read_run(dead).lines()
     assert [r.name for r in runs_in(tmp_path)] == sorted(
         ["done", "cut", "marked", "crashed", "live", "dead"],
         key=lambda n: -(tmp_path / n).stat().st_mtime,
