@@ -11,6 +11,7 @@ Arguments are passed to both pytest runs.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def main(args: list[str]) -> int:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its dots as each test ends
             )
             integration_lines = []
             for line in integration.stdout:
