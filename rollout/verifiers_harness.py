@@ -21,6 +21,7 @@ the harness contract makes it an infrastructure failure, masked, never a 0 train
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -51,9 +52,11 @@ def task_of(row: Prompt) -> Any:
 
 async def play_verifiers_task(row: Prompt, endpoint: Any) -> str:
     """One rollout of the row's task by its taskset's program; verifiers' trace as JSON."""
+    # verifiers' import (~10 s of CPU) and the taskset's load, once per engine, in a thread:
+    # on the engine's event loop they would hold up every trajectory and the engine's steps
+    task = await asyncio.to_thread(task_of, row)
     import verifiers.v1 as vf
 
-    task = task_of(row)
     os.environ[KEY_VARIABLE] = endpoint.api_key
     agent = vf.Agent(
         vf.AgentConfig(
