@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import signal
+import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ from tests.integration.plugins.environments import MARKER
 from tests.integration.prometheus_server import PrometheusServer
 from tests.integration.ray_nodes import free_port
 from tests.unit.test_trajectory import FORGETFUL, TAGGED
+from tests.unit.test_verifiers_multi_turn import EXPORTS as TWO_TURNS_EXPORTS
+from tests.unit.test_verifiers_multi_turn import TWO_TURNS
 
 pytestmark = pytest.mark.integration
 
@@ -140,19 +144,72 @@ def test_a_harness_trains_on_exactly_what_the_engine_sampled_through_the_endpoin
         for response in group.responses:
             assert (response.end_reason, response.infra_failure) == ("answer", None)
             assert response.turns == 3 and len(response.earlier) == splits
-            runs = 0
-            for part in (*response.earlier, response):
-                assert part.prompt_ids and len(part.logprobs) == sum(part.loss_mask)
-                mask, ids = part.loss_mask, part.token_ids
-                for start in range(len(mask)):
-                    if mask[start] and (start == 0 or not mask[start - 1]):
-                        end = start
-                        while end < len(mask) and mask[end]:
-                            end += 1
-                        given = tuple(part.prompt_ids + ids[:start])
-                        assert (given, tuple(ids[start:end])) in recorded
-                        runs += 1
-            assert runs == 3  # every call, trained once, exactly
+            assert _sampled_runs(response, recorded) == 3  # every call, trained once, exactly
+
+
+def _sampled_runs(response, recorded: set) -> int:
+    """The runs of model tokens in a harness trajectory's trained sequences (the response and
+    the sequences it split off), each checked to be one engine request: sampled on exactly
+    the ids before it."""
+    runs = 0
+    for part in (*response.earlier, response):
+        assert part.prompt_ids and len(part.logprobs) == sum(part.loss_mask)
+        mask, ids = part.loss_mask, part.token_ids
+        for start in range(len(mask)):
+            if mask[start] and (start == 0 or not mask[start - 1]):
+                end = start
+                while end < len(mask) and mask[end]:
+                    end += 1
+                given = tuple(part.prompt_ids + ids[:start])
+                assert (given, tuple(ids[start:end])) in recorded
+                runs += 1
+    return runs
+
+
+def _import_from(generator, folder: str) -> None:
+    """Inside the actor: modules in `folder` importable, as a user's installed package is."""
+    import sys
+
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
+def test_a_verifiers_taskset_plays_its_own_program_through_the_endpoint(
+    engine, tmp_path, monkeypatch
+):
+    """A multi-turn verifiers taskset (docs/environments.md) as its job plays it: the job's
+    agent.harness is verifiers' own program, which calls the engine's endpoint through the
+    openai SDK (rides on the engine above). What trains is what the engine sampled, each call
+    once; the task's own rewards score the trace verifiers recorded of both turns."""
+    name = f"doubles_{uuid.uuid4().hex[:8]}"
+    source = textwrap.dedent(TWO_TURNS) + f"\n__all__ = {TWO_TURNS_EXPORTS}\n"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task_spec = {"name": f"verifiers:{name}", "options": {"count": 6}}
+    harness = build_config({"task": task_spec}).agent.harness
+    task = make_task(task_spec["name"], task_spec["options"])
+    rows = [row for row, _ in zip(task.train_prompts(0), range(2), strict=False)]
+    ray.get(engine.__ray_call__.remote(_import_from, str(tmp_path)))
+    ray.get(engine.__ray_call__.remote(_use_harness, harness))
+    try:
+        sampling = SamplingConfig(max_tokens=8, seed=5)
+        groups = ray.get(engine.sample.remote(rows, GROUP, sampling))
+        recorded = ray.get(engine.__ray_call__.remote(_recorded))
+        refused = ray.get(engine.__ray_call__.remote(_endpoint_refusals))
+    finally:
+        ray.get(engine.__ray_call__.remote(_use_harness, None))
+    assert refused == {}
+    rewards = []
+    for row, group in zip(rows, groups, strict=True):
+        for response in group.responses:
+            assert (response.end_reason, response.infra_failure) == ("answer", None)
+            assert response.turns == 2 and _sampled_runs(response, recorded) == 2
+            # the trace, not a reply: (3 x correct + 1 x two assistant turns) / 4
+            verdict = task.verify(row, response.final_turn)
+            assert verdict.error is None and verdict.reward in (0.25, 1.0), verdict.reason
+            rewards.append(verdict.reward)
+    assert len(rewards) == 2 * GROUP
+    print(f"verifiers taskset through the endpoint: rewards {rewards}")
 
 
 def test_a_tool_job_trains_and_contains_hostile_code(ray_cluster, tool_model, tmp_path):
