@@ -99,12 +99,14 @@ def _sft_batch(task, prompts, tokenizer, batch_size: int):
     """Prompt + demonstration + eos, loss on the demonstration tokens only. A task that
     teaches a worked answer (long_addition's scratchpad) says so with `demonstration`;
     otherwise the demonstration is the bare answer."""
+    from groupflow.reward_workers.tasks.base import demonstration_turns
+
     ids, labels = [], []
     for p in (next(prompts) for _ in range(batch_size)):
         prompt_ids = tokenizer.encode(p.text)
         ids.append(prompt_ids)
         labels.append([-100] * len(prompt_ids))
-        for text, trained in _demonstration_turns(task, p):
+        for text, trained in demonstration_turns(task, p):
             piece = tokenizer.encode(text) if text else [tokenizer.eos_token_id]
             ids[-1] += piece
             labels[-1] += piece if trained else [-100] * len(piece)
@@ -113,15 +115,6 @@ def _sft_batch(task, prompts, tokenizer, batch_size: int):
     input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
     label_ids = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
     return input_ids, label_ids, input_ids != pad
-
-
-def _demonstration_turns(task, prompt) -> list[tuple[str, bool]]:
-    """(text, trained) pieces after the prompt, "" for the end-of-text token: a multi-turn
-    task's (tool results untrained), else one worked answer or the bare one."""
-    if hasattr(task, "demonstration_turns"):
-        return task.demonstration_turns(prompt)
-    demonstrate = getattr(task, "demonstration", lambda p: str(p.answer))
-    return [(demonstrate(prompt), True), ("", True)]
 
 
 def warm_start(model, tokenizer, task, steps: int, progress: bool = True) -> None:
@@ -179,8 +172,11 @@ def quickstart_model_path(
     the quickstart's Qwen2, or a model of another `architecture` (random_model.py) and
     `shape` (its config keys), built, warm-started and cached the same way."""
     from groupflow.reward_workers.tasks import make_task
+    from groupflow.reward_workers.tasks.base import demonstration_turns
 
     task = make_task(task_name, task_options)
+    # before the build (minutes): a task the warm start cannot demonstrate, in one line
+    demonstration_turns(task, next(task.train_prompts(seed=WARM_START["seed"] + 10_000)))
     spec = dict(
         version=1,
         architecture=shape,

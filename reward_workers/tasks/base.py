@@ -33,6 +33,27 @@ class Task(Protocol):
         with a short reason when it is malformed."""
 
 
+def demonstration_turns(task: Any, prompt: Prompt) -> list[tuple[str, bool]]:
+    """What the built-in model's warm start (groupflow/run/quickstart.py) trains on after
+    `prompt`: (text, trained) pieces, "" for the end-of-text token. A multi-turn task's own
+    turns (tool results untrained), else the task's worked answer, else the bare answer;
+    ValueError (one line) for a task whose answers are not text to copy."""
+    if hasattr(task, "demonstration_turns"):
+        return task.demonstration_turns(prompt)
+    if hasattr(task, "demonstration"):
+        return [(task.demonstration(prompt), True), ("", True)]
+    answer = prompt.answer
+    # A task whose answer is a record (countdown's numbers and target, code's tests) has
+    # nothing to copy: warm-started on its repr, the model would learn to write a dict.
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise ValueError(
+            f"task.name: {task.name}: the built-in model (model.path unset) is warm-started "
+            f"by copying each prompt's answer, and this task's answers are not text "
+            f"({type(answer).__name__}); set model.path to a model of your own"
+        )
+    return [(str(answer), True), ("", True)]
+
+
 def hash_position(key: str) -> float:
     """A key's stable place in [0, 1), the same in every run and process."""
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from groupflow.core.records import Prompt, Verdict
-from groupflow.reward_workers.tasks.base import Task
+from groupflow.reward_workers.tasks.base import Task, demonstration_turns
 
 ENTRY_KEYS = {"name", "options", "weight", "label", "max_tokens"}
 
@@ -65,6 +65,8 @@ def mixture_entries(tasks: Any) -> list[MixtureEntry]:
 
 class MixtureTask:
     name = "mixture"
+    # the built-in model's warm start demonstrates each prompt as its own task does
+    DEMONSTRATION_FORMAT = "each task's own"
 
     def __init__(self, tasks: list[dict[str, Any]]):
         from groupflow.reward_workers.tasks import make_task
@@ -109,6 +111,11 @@ class MixtureTask:
         if task is None:
             return Verdict(0.0, f"no task {prompt.task!r} in this mixture", error="error")
         return task.verify(prompt, response)
+
+    def demonstration_turns(self, prompt: Prompt) -> list[tuple[str, bool]]:
+        # the member's own prompt: a task may read its uid (long_addition's holds the sum)
+        own = replace(prompt, uid=prompt.uid.removeprefix(f"{prompt.task}/"))
+        return demonstration_turns(self.tasks[prompt.task], own)
 
     def _tagged(self, prompt: Prompt, label: str) -> Prompt:
         # The uid stays unique across tasks: two tasks may number their prompts alike.

@@ -160,6 +160,9 @@ def own_harness(taskset: str, options: dict[str, Any]) -> str | None:
 class VerifiersTask:
     """The tasks of verifiers taskset `taskset`; the reward is their rewards' weighted mean."""
 
+    # the built-in model's warm start copies the data's answer (once it copied the whole row)
+    DEMONSTRATION_FORMAT = "the task data's answer"
+
     def __init__(self, taskset: str, eval_taskset: dict[str, Any] | None = None, **fields: Any):
         self.name = f"{PACKAGE}:{taskset}"
         self.config_type = _taskset_config_type(taskset)
@@ -249,6 +252,19 @@ class VerifiersTask:
             if not _not_held_out(task):
                 picked.append(self._prompt(task, self.taskset))
         return picked
+
+    def demonstration(self, prompt: Prompt) -> str:
+        """What the built-in model's warm start (groupflow/run/quickstart.py) answers a task
+        with: its data's `answer`, the field in which verifiers' tasksets keep the gold."""
+        data = prompt.answer["data"] if self.multi_turn else prompt.answer
+        answer = data.get("answer")
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+            raise ValueError(
+                f"task.name: {self.name}: the built-in model (model.path unset) is "
+                f"warm-started by copying each task's `answer`, which its tasks' data do not "
+                f"hold as text; set model.path to a model of your own"
+            )
+        return str(answer)
 
     # ----- scoring ------------------------------------------------------------------------------
     def verify(self, prompt: Prompt, response: str) -> Verdict:
