@@ -41,7 +41,8 @@ class ObservationRenderer:
         if renderer.template is None:
             raise PromptRenderError(
                 "agent: a multi-turn job needs a chat template to render tool messages "
-                "(task.chat_template is 'none' or the tokenizer has none)"
+                "(task.chat_template is 'none' or the tokenizer has none): set "
+                "task.chat_template to a Jinja template file"
             )
         self.renderer = renderer
         self._base = renderer.messages_with_system(

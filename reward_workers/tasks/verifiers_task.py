@@ -35,6 +35,7 @@ from typing import Any
 from groupflow.core.errors import first_line
 from groupflow.core.records import Prompt, Verdict
 from groupflow.reward_workers.tasks.base import is_held_out
+from groupflow.reward_workers.tasks.tool_arithmetic import CHAT_TEMPLATE as BUILT_IN_CHAT_TEMPLATE
 
 PACKAGE = "verifiers"
 # The held-out search of an endless taskset reads at most this many tasks per prompt asked for.
@@ -173,6 +174,11 @@ class VerifiersTask:
             else self._load(taskset, {**fields, **eval_taskset}, "task.options.eval_taskset")
         )
         self.multi_turn = multi_turn_reason(self.taskset) is not None
+        if self.multi_turn:
+            # the built-in model (groupflow/run/quickstart.py) is built with this task's chat
+            # template, as tool_arithmetic's is: a program's turns need one, and it has none
+            self.EXTRA_CHARACTERS = ""
+            self.CHAT_TEMPLATE = BUILT_IN_CHAT_TEMPLATE
         if self.multi_turn and (why := unplayable_reason(self.taskset)) is not None:
             raise ValueError(
                 f"task.name: {self.name} is a multi-turn taskset ({why}), which groupflow "

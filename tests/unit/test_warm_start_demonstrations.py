@@ -69,3 +69,18 @@ def test_a_verifiers_taskset_demonstrates_its_datas_answer_not_its_row(taskset):
         ValueError, match=r"^task.name: verifiers:\w+: the built-in model .*`answer`"
     ):
         demonstration_turns(without, _first(without))
+
+
+def test_a_multi_turn_taskset_builds_the_built_in_model_with_a_chat_template(
+    taskset,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Its program's turns are rendered by the model's template: the built-in model has one."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("GROUPFLOW_CACHE", str(tmp_path))
+    name = f"verifiers:{taskset()}"
+    built = quickstart_model_path(name, {"count": 10}, warm_start_steps=1, progress=False)
+    template = AutoTokenizer.from_pretrained(built).chat_template
+    assert template == make_task(name, {"count": 10}).CHAT_TEMPLATE
