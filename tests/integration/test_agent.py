@@ -124,21 +124,28 @@ def _endpoint_refusals(generator) -> dict:
     return dict(generator.engine._endpoint.refused)
 
 
-@pytest.mark.parametrize("harness", ["three_tool_calls", "rewrites_earlier_turns"])
-def test_a_harness_trains_on_exactly_what_the_engine_sampled_through_the_endpoint(engine, harness):
-    """A harness of the real openai SDK, through the engine's endpoint (rides on the engine
-    above): three calls, each trained sequence's model tokens sampled on exactly the ids
-    before them; a harness that rewrites its history splits into such sequences."""
-    ray.get(engine.__ray_call__.remote(_use_harness, f"{HARNESSES}:{harness}"))
+def _through_harness(engine, harness: str, prompts, max_tokens: int) -> tuple[list, set]:
+    """The engine's groups of `prompts` played by `harness` through its endpoint, which
+    refused no call, and the requests the engine ran for them."""
+    ray.get(engine.__ray_call__.remote(_use_harness, harness))
     try:
-        prompts = make_task("tool_arithmetic").eval_prompts(2)
-        sampling = SamplingConfig(max_tokens=16, seed=5)
+        sampling = SamplingConfig(max_tokens=max_tokens, seed=5)
         groups = ray.get(engine.sample.remote(prompts, GROUP, sampling))
         recorded = ray.get(engine.__ray_call__.remote(_recorded))
         refused = ray.get(engine.__ray_call__.remote(_endpoint_refusals))
     finally:
         ray.get(engine.__ray_call__.remote(_use_harness, None))
     assert refused == {}
+    return groups, recorded
+
+
+@pytest.mark.parametrize("harness", ["three_tool_calls", "rewrites_earlier_turns"])
+def test_a_harness_trains_on_exactly_what_the_engine_sampled_through_the_endpoint(engine, harness):
+    """A harness of the real openai SDK, through the engine's endpoint (rides on the engine
+    above): three calls, each trained sequence's model tokens sampled on exactly the ids
+    before them; a harness that rewrites its history splits into such sequences."""
+    prompts = make_task("tool_arithmetic").eval_prompts(2)
+    groups, recorded = _through_harness(engine, f"{HARNESSES}:{harness}", prompts, 16)
     splits = {"three_tool_calls": 0, "rewrites_earlier_turns": 2}[harness]
     for group in groups:
         for response in group.responses:
@@ -190,15 +197,7 @@ def test_a_verifiers_taskset_plays_its_own_program_through_the_endpoint(
     task = make_task(task_spec["name"], task_spec["options"])
     rows = [row for row, _ in zip(task.train_prompts(0), range(2), strict=False)]
     ray.get(engine.__ray_call__.remote(_import_from, str(tmp_path)))
-    ray.get(engine.__ray_call__.remote(_use_harness, harness))
-    try:
-        sampling = SamplingConfig(max_tokens=8, seed=5)
-        groups = ray.get(engine.sample.remote(rows, GROUP, sampling))
-        recorded = ray.get(engine.__ray_call__.remote(_recorded))
-        refused = ray.get(engine.__ray_call__.remote(_endpoint_refusals))
-    finally:
-        ray.get(engine.__ray_call__.remote(_use_harness, None))
-    assert refused == {}
+    groups, recorded = _through_harness(engine, harness, rows, 8)
     rewards = []
     for row, group in zip(rows, groups, strict=True):
         for response in group.responses:
