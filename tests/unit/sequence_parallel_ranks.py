@@ -1,8 +1,9 @@
 """Four ranks of torch.distributed on gloo, one process each, for
 tests/unit/test_sequence_parallel.py: every case's learner step (learner/step.py on the tiny
-float64 model of tests/unit/test_learner_step.py) at sequence-parallel size 1 (on each rank
-alone), 2 (two groups of two, data parallel over them) and 4 (one group), and how far the
-losses and the gradients of every update of sizes 2 and 4 are from size 1's.
+float64 model of tests/unit/test_learner_step.py) at sequence-parallel size 1 (on one rank
+alone, which hands its results to the others), 2 (two groups of two, data parallel over them)
+and 4 (one group), and how far each rank's losses and gradients of every update of sizes 2
+and 4 are from size 1's.
 
 The ranks' policies leave the weights where they are (a learning rate of 0): every update's
 gradient is then taken at the same weights at every size, so rounding is all that separates
@@ -111,17 +112,41 @@ def case_model(case: Case, gen: torch.Generator):
     return model.train()
 
 
-def run_case(case: Case, rank: int, groups: dict, seed: int) -> dict:
+def size_one(case: Case, owner: int, rank: int, model, reference, seqs, algo, gen):
+    """Size 1's gradients of every update and its loss, on every rank. The ranks draw the same
+    model and sequences, so one rank (the case's owner, in turn) takes the step and hands its
+    results to the others: the same step on each of the four would be three for nothing."""
+    cut = layout(seqs, gen, 1, case.many_micro_batches)  # on every rank: keeps `gen` in step
+    params = [p for p in model.parameters() if p.requires_grad]
+    count = torch.zeros((), dtype=torch.int64)
+    if rank == owner:
+        one = RecordingRank(copy.deepcopy(model), distributed=False, count_loss=True)
+        settings = StepSettings(algo, TEMPERATURE, LocalReducer(), case.packed)
+        train_step(one, reference, cut[0], settings)
+        count += len(one.grads)
+    dist.broadcast(count, owner)
+    sizes = [p.numel() for p in params] * int(count)
+    flat = torch.zeros(sum(sizes) + 1, dtype=torch.float64)
+    if rank == owner:
+        flat = torch.cat([g.flatten() for grads in one.grads for g in grads] + [one.loss[None]])
+    dist.broadcast(flat, owner)
+    parts, n = flat[:-1].split(sizes), len(params)
+    grads = [
+        [part.view_as(p) for part, p in zip(parts[u * n : (u + 1) * n], params, strict=True)]
+        for u in range(int(count))
+    ]
+    return grads, flat[-1]
+
+
+def run_case(case: Case, index: int, rank: int, groups: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     algo = algorithm(case.preset, **case.keys)
     model = case_model(case, gen)
     seqs = with_observations(sample_step(model, gen, algo, num_groups=4), gen)
     reference = copy.deepcopy(model).eval() if algo.kl.coef > 0 else None
     out = {"widths_not_dividing": sorted({len(s.input_ids) % 4 for s in seqs})}
-
-    one = RecordingRank(copy.deepcopy(model), distributed=False, count_loss=True)
-    cut = layout(seqs, gen, 1, case.many_micro_batches)
-    train_step(one, reference, cut[0], StepSettings(algo, TEMPERATURE, LocalReducer(), case.packed))
+    owner = index % WORLD
+    one_grads, one_loss = size_one(case, owner, rank, model, reference, seqs, algo, gen)
 
     for size, parallel in groups.items():
         sp = parallel.sequence
@@ -136,9 +161,9 @@ def run_case(case: Case, rank: int, groups: dict, seed: int) -> dict:
         cut = layout(seqs, gen, parallel.data_size, case.many_micro_batches)
         train_step(policy, ref, cut[rank // size], settings)
         dist.all_reduce(policy.loss)
-        assert len(policy.grads) == len(one.grads), "as many updates at every size"
+        assert len(policy.grads) == len(one_grads), "as many updates at every size"
         worst = 0.0
-        for got, want in zip(policy.grads, one.grads, strict=True):
+        for got, want in zip(policy.grads, one_grads, strict=True):
             for g, w in zip(got, want, strict=True):
                 scale = w.abs().max().item()
                 if scale > 0:
@@ -148,8 +173,8 @@ def run_case(case: Case, rank: int, groups: dict, seed: int) -> dict:
         out[size] = {
             "grad_error": worst,
             "loss": policy.loss.item(),
-            "loss_one": one.loss.item(),
-            "grad_scale": max(w.abs().max().item() for ws in one.grads for w in ws),
+            "loss_one": one_loss.item(),
+            "grad_scale": max(w.abs().max().item() for ws in one_grads for w in ws),
         }
     return out
 
@@ -161,6 +186,8 @@ def run_rank(rank: int, port: int, cases: list[Case], seed: int) -> dict:
     )
     try:
         groups = {size: parallel_groups(WORLD, rank, size) for size in (2, 4)}
-        return {case.name: run_case(case, rank, groups, seed + i) for i, case in enumerate(cases)}
+        return {
+            case.name: run_case(case, i, rank, groups, seed + i) for i, case in enumerate(cases)
+        }
     finally:
         dist.destroy_process_group()

@@ -105,24 +105,37 @@ print(held, kept, resident_bytes())
 """
 
 
+# One process imports torch (seconds of CPU), then forks a child per mode that runs the script
+# as a fresh process would after its imports: nothing between the import and the fork touches
+# the heap, so each child starts from the malloc state a fresh process has there.
+FORKING_RUNNER = """
+import os, sys
+import torch
+script, modes = sys.argv[1], sys.argv[2:]
+for mode in modes:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        sys.argv = ["-c", mode]
+        exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
+        sys.stdout.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, mode
+    print("--", flush=True)
+"""
+
+
 def both(script: str, *modes: str) -> dict[str, str]:
-    """`script`'s output in each mode, the processes side by side (each spends its seconds
-    importing torch)."""
-    running = {
-        mode: subprocess.Popen(
-            [sys.executable, "-c", script, mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for mode in modes
-    }
-    outs = {}
-    for mode, process in running.items():
-        out, err = process.communicate()
-        assert process.returncode == 0, err[-2000:]
-        outs[mode] = out
-    return outs
+    """`script`'s output in each mode, each in a process of its own."""
+    run = subprocess.run(
+        [sys.executable, "-c", FORKING_RUNNER, script, *modes],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    outs = run.stdout.split("--\n")[: len(modes)]
+    return dict(zip(modes, outs, strict=True))
 
 
 def test_a_micro_batchs_freed_pages_go_back_to_the_system():
