@@ -13,7 +13,9 @@ one real vLLM engine (rollout/engine.py) in this process, with the real openai S
    turns tokens with a tool message between them (answered at once), through the endpoint
    (a harness per trajectory, as `agent.harness` runs them) against the built-in trajectory
    loop (rollout/trajectory.py) doing the same turns; generated tokens per second, best of
-   `--repeats`.
+   `--repeats`, and each as a share of the built-in loop's. The endpoint's trajectories run
+   twice: calling through the openai SDK's client, and posting the same JSON with a plain
+   httpx client (what the SDK's own work costs, apart).
 
 The model is the tool_arithmetic task's built-in one (every call runs to its length).
 """
@@ -73,17 +75,30 @@ async def latency(engine, endpoint: Endpoint, prompt: Prompt, calls: int, tokens
     return direct, served
 
 
-async def through_endpoint(endpoint: Endpoint, prompts, turns: int, per_turn: int, context: int):
+async def through_endpoint(
+    endpoint: Endpoint, prompts, turns: int, per_turn: int, context: int, sdk: bool = True
+):
+    """The trajectories' harnesses call through the openai SDK's client (`sdk`), or post the
+    same JSON with one plain httpx client: the SDK's own work per call, apart."""
+    import httpx
+
+    plain = httpx.AsyncClient(headers={"authorization": f"Bearer {endpoint.key}"}, timeout=3600)
+
     async def harness(row, given):
         messages = [{"role": "user", "content": row.text}]
         for _ in range(turns):
-            reply = await given.client.chat.completions.create(
-                model=given.model,
-                messages=messages,
-                max_tokens=per_turn,
-                extra_body={"ignore_eos": True},
-            )
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            body = {"model": given.model, "messages": messages, "max_tokens": per_turn}
+            if sdk:
+                reply = await given.client.chat.completions.create(
+                    **body, extra_body={"ignore_eos": True}
+                )
+                message = reply.choices[0].message.model_dump(exclude_none=True)
+            else:
+                answer = await plain.post(
+                    f"{given.base_url}/chat/completions", json={**body, "ignore_eos": True}
+                )
+                message = answer.json()["choices"][0]["message"]
+            messages.append(message)
             messages.append({"role": "tool", "content": "ok"})
         return "done"
 
@@ -93,6 +108,7 @@ async def through_endpoint(endpoint: Endpoint, prompts, turns: int, per_turn: in
         *(run_harness(harness, p, endpoint, limits, 3600.0, 0) for p in prompts)
     )
     seconds = time.perf_counter() - start
+    await plain.aclose()
     failed = [
         r.error or r.infra_failure or "split" for r in responses if r.infra_failure or r.earlier
     ]
@@ -160,11 +176,14 @@ def main() -> None:
         await endpoint.start()
         await latency(engine, endpoint, prompts[0], 4, args.call_tokens)  # first calls
         direct, served = await latency(engine, endpoint, prompts[0], args.calls, args.call_tokens)
-        rates = {"endpoint": [], "built-in loop": []}
+        rates = {"endpoint": [], "endpoint, httpx": [], "built-in loop": []}
         for _ in range(args.repeats):
             rates["built-in loop"].append(await built_in(engine, prompts, args.turns, per_turn))
             rates["endpoint"].append(
                 await through_endpoint(endpoint, prompts, args.turns, per_turn, 256)
+            )
+            rates["endpoint, httpx"].append(
+                await through_endpoint(endpoint, prompts, args.turns, per_turn, 256, sdk=False)
             )
         await endpoint.stop()
         return direct, served, rates
@@ -182,8 +201,9 @@ def main() -> None:
         f"throughput, {args.trajectories} concurrent trajectories x {args.turns} calls of "
         f"{per_turn} tokens (generated tokens/s, best of {args.repeats}):"
     )
-    for name, values in rates.items():
-        print(f"{name:>16}  {max(values):>8.0f}")
+    best = {name: max(values) for name, values in rates.items()}
+    for name, rate in best.items():
+        print(f"{name:>16}  {rate:>8.0f}  {rate / best['built-in loop']:>5.2f}x")
 
 
 if __name__ == "__main__":

@@ -172,12 +172,15 @@ def _run_command(argv: list[str]) -> int:
         return 0
     if args.command == "eval":
         from groupflow.core.adapters import is_adapter_dir
-        from groupflow.run.evaluate import evaluate_model
+        from groupflow.run.eval_model import eval_model
         from groupflow.run.inputs import resolve_model_path
 
         path = cfg.model.path
         adapter = path is not None and is_adapter_dir(path)
-        print(json.dumps(evaluate_model(cfg, path if adapter else resolve_model_path(cfg))))
+        model = eval_model(cfg, path if adapter else resolve_model_path(cfg))
+        from groupflow.run.evaluate import evaluate_model  # vLLM's engine: once the model passed
+
+        print(json.dumps(evaluate_model(cfg, model)))
         return 0
     from groupflow.run.driver import run
     from groupflow.run.end import how_to_resume

@@ -8,31 +8,27 @@ import asyncio
 
 from groupflow.actors.tools import in_process_run_code
 from groupflow.config import Config
-from groupflow.core.adapters import engine_max_rank, is_adapter_dir, read_adapter_dir
-from groupflow.core.model_dir import check_tensor_parallel, read_model_config
+from groupflow.core.adapters import engine_max_rank
 from groupflow.loop.held_out import Scores, held_out_scores
 from groupflow.observe.environment_errors import environment_verdict
 from groupflow.observe.progress import PhaseProgress, heartbeat
 from groupflow.reward_workers.scorer import Scorer
 from groupflow.reward_workers.tasks import make_task
 from groupflow.rollout.engine import EngineLora, RolloutEngine, engine_settings
-from groupflow.run.job_config import check_resolved
+from groupflow.run.eval_model import EvalModel
 from groupflow.run.job_prompts import vet_prompts
 
 
-def evaluate_model(cfg: Config, model_path: str) -> dict:
+def evaluate_model(cfg: Config, model: EvalModel) -> dict:
     """One in-process vLLM engine on the task's held-out prompts; the answers are scored as
-    the reward workers score them, in scorer processes killed at their deadline. `model_path`
-    is a model directory or a LoRA adapter saved in PEFT's format (served on its base)."""
-    check_resolved(cfg)
-    adapter = read_adapter_dir(model_path) if is_adapter_dir(model_path) else None
-    base = model_path if adapter is None else adapter.base
-    check_tensor_parallel(cfg.rollout.tensor_parallel_size, read_model_config(base), base)
+    the reward workers score them, in scorer processes killed at their deadline. `model` is a
+    model directory or a LoRA adapter saved in PEFT's format (served on its base), checked by
+    groupflow/run/eval_model.py before this module is imported."""
+    adapter, base = model.adapter, model.base
     vet_prompts(cfg, base)  # the template vetted, prompts too long left out
     prompts = make_task(cfg.task.name, cfg.task.options).eval_prompts(cfg.task.eval_size)
     settings = engine_settings(cfg, base, seed=cfg.trainer.seed)
     if adapter is not None:
-        tensors = adapter.tensors()  # checked against the base before an engine starts
         settings.lora = EngineLora(engine_max_rank(max(adapter.ranks)), adapter.config)
     # no tool pool here: the python tool's sandboxes start from this process
     python = "python" in cfg.agent_tools()
@@ -42,7 +38,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         progress.update(note="starting the engine")
         engine = RolloutEngine(settings, run_code)
         if adapter is not None:
-            engine.load_weights(tensors, version=0)
+            engine.load_weights(model.tensors, version=0)
         reward = cfg.reward
         scorer = Scorer(
             cfg.task.name,
@@ -73,7 +69,7 @@ def evaluate_model(cfg: Config, model_path: str) -> dict:
         finally:
             scorer.pool.close()
             loop.close()
-    about = {"model": model_path, "task": cfg.task.name, "prompts": len(prompts)}
+    about = {"model": model.path, "task": cfg.task.name, "prompts": len(prompts)}
     verdict = environment_verdict(
         answered, cfg.agent.trajectory_setting
     )  # most answers failed by it: no scores

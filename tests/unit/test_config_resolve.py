@@ -88,14 +88,14 @@ def test_a_name_no_registry_knows_is_one_line_naming_its_key(tree, message):
 
 def test_a_run_refuses_a_config_that_was_not_resolved():
     from groupflow.run.driver import check_inputs
-    from groupflow.run.evaluate import evaluate_model
+    from groupflow.run.eval_model import eval_model
 
     unresolved = Config.model_validate({"trainer": {"max_staleness": 1}})
     expected = "not resolved.*rollout.partial_rollout, algorithm.off_policy.mode"
     with pytest.raises(RuntimeError, match=expected):  # train, dry run, config --check
         check_inputs(unresolved)
     with pytest.raises(RuntimeError, match=expected):
-        evaluate_model(unresolved, "/no/model")
+        eval_model(unresolved, "/no/model")
     with pytest.raises(ConfigError, match="^agent.tools: "):  # names are checked there too
         check_resolved(Config.model_validate({"agent": {"tools": ["nope"]}}))
     check_resolved(build_config({"trainer": {"max_staleness": 1}}))
