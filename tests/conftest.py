@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def ray_cluster():
     import ray
 
+    # The integration tests' plugins (tests/integration/plugins) importable by module name on
+    # the cluster, as a user's installed package is: the workers inherit this from the raylet.
+    plugins = str(Path(__file__).parent / "integration" / "plugins")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (plugins, os.environ.get("PYTHONPATH")) if p
+    )
     # Logical CPUs: actors declare fractions of them; the real 2 cores are shared by design.
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)
     yield ray

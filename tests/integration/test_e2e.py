@@ -41,6 +41,7 @@ STEP_KEYS = {
 def test_three_steps_with_overlap_write_the_run_directory(
     ray_cluster, quickstart_model, tmp_path, monkeypatch
 ):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))  # the driver's path
     # The model is named by a hub id, from a Hugging Face cache read offline: the driver
     # resolves it once, and the engines and ranks load the snapshot.
     hf_home = tmp_path / "hf"
@@ -100,6 +101,14 @@ def test_three_steps_with_overlap_write_the_run_directory(
             "rollout.prompts_per_step=16",
             "--set",
             "model.path=groupflow/quickstart",
+            # issue 41's rider: a verifiers taskset (tests/integration/plugins/sums_taskset.py,
+            # on the cluster's path by tests/conftest.py) trains beside arithmetic, scored by
+            # its own reward in the reward workers' scorer processes
+            "--set",
+            "task.name=mixture",
+            "--set",
+            "task.options={tasks: [{name: arithmetic, weight: 3}, "
+            "{name: 'verifiers:sums_taskset', weight: 1}]}",
         ]
     )
     assert code == 0
@@ -152,7 +161,18 @@ def test_three_steps_with_overlap_write_the_run_directory(
     assert cfg.learner.sequence_parallel_size == 2
     # the end line of a run that had nothing to learn from, exactly when no step had a spread
     assert (summary["nothing_learned"] is None) == any(r["groups_with_spread"] for r in records)
-    assert summary["prompts_left_out"] == {"task": 0, "task.eval_sets long": 0}
+    assert summary["prompts_left_out"] == {
+        "task arithmetic": 0,
+        "task verifiers:sums_taskset": 0,
+        "task.eval_sets long": 0,
+    }
+    # the verifiers taskset trained in every step, scored by its reward (0 or 1 a sample), and
+    # was evaluated on its own held-out tasks
+    tasks = ["arithmetic", "verifiers:sums_taskset"]
+    for r in records:
+        assert sorted(r["task_reward_mean"]) == tasks
+        assert 0.0 <= r["task_reward_mean"]["verifiers:sums_taskset"] <= 1.0
+    assert sorted(records[1]["eval_task_accuracy"]) == tasks
     # the driver's story in the run directory (issue 37), from the run's start (held until the
     # directory existed) to its end, with a line a step: its elapsed time and ETA
     driver_log = (run / "driver.log").read_text().splitlines()
