@@ -24,7 +24,11 @@ from typing import Any
 
 from groupflow.core.records import Prompt, Response
 from groupflow.rollout.endpoint import Endpoint, EndpointLimits
+from groupflow.rollout.shared_ssl import share_default_ssl_context
 from groupflow.rollout.user_calls import USER_CALLS, UserCodeFailed
+
+# in every engine, which imports this module (rollout/shared_ssl.py says why)
+share_default_ssl_context()
 
 
 @dataclass(frozen=True)

@@ -34,36 +34,6 @@ from groupflow.core.records import Prompt
 KEY_VARIABLE = "GROUPFLOW_ENDPOINT_KEY"
 
 
-def share_default_ssl_context() -> None:
-    """Make every httpx client of this process that verifies with the default CA bundle share
-    one SSL context. Why: each trajectory's program builds ~3 httpx clients (the harness's
-    openai client, verifiers' client, its interception's), and httpx loads certifi's whole
-    bundle for each, ~0.1-0.2 s of CPU on the engine's event loop: at 256 trajectories a step,
-    the loop was held so long that half the programs' calls hit the openai SDK's connect
-    timeout (64 trajectories on a scripted engine: 24 s, 4 s shared). One context serves many
-    connections (httpx's own advice for many clients); the CA environment variables httpx
-    honours pick the context, as they do unpatched."""
-    import httpx._transports.default as transports
-
-    build = transports.create_ssl_context
-    built: dict[tuple[str | None, str | None], Any] = {}
-
-    def shared(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
-        if verify is not True or cert is not None or not trust_env:
-            return build(verify=verify, cert=cert, trust_env=trust_env)
-        key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-        if key not in built:
-            built[key] = build()
-        return built[key]
-
-    transports.create_ssl_context = shared
-
-
-# at import, when the engine loads this harness: each trajectory's own endpoint client
-# (rollout/harness.py) is built before the program runs
-share_default_ssl_context()
-
-
 @functools.lru_cache(maxsize=8)
 def _taskset(config_json: str) -> Any:
     import verifiers.v1 as vf

@@ -145,12 +145,3 @@ def test_its_program_drives_the_job_alone(taskset):
     mixture = [{"name": "arithmetic"}, {"name": f"verifiers:{name}"}]
     with pytest.raises(ConfigError, match=r"^task\[1\]: verifiers:\w+ is played by its own"):
         build_config({"task": mixture})
-
-
-def test_the_programs_httpx_clients_share_one_ssl_context():
-    """Each trajectory builds ~4 httpx clients; loading the CA bundle for each held the
-    engine's event loop long enough that half of a 256-trajectory step timed out."""
-    import httpx
-
-    first, second = httpx.AsyncClient(), httpx.AsyncClient()
-    assert first._transport._pool._ssl_context is second._transport._pool._ssl_context
