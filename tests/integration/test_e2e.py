@@ -109,6 +109,9 @@ def test_three_steps_with_overlap_write_the_run_directory(
             "--set",
             "task.options={tasks: [{name: arithmetic, weight: 3}, "
             "{name: 'verifiers:sums_taskset', weight: 1}]}",
+            # a scorer process a reward worker: each one imports verifiers (~10 s of CPU)
+            "--set",
+            "reward.scorer_processes=1",
         ]
     )
     assert code == 0
