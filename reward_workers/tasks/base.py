@@ -33,6 +33,13 @@ class Task(Protocol):
         with a short reason when it is malformed."""
 
 
+def copyable(answer: Any) -> bool:
+    """An answer the built-in model's warm start can copy: text or a number. A record
+    (countdown's numbers and target, code's tests) has nothing to copy: warm-started on its
+    repr, the model would learn to write a dict."""
+    return not isinstance(answer, bool) and isinstance(answer, str | int | float)
+
+
 def demonstration_turns(task: Any, prompt: Prompt) -> list[tuple[str, bool]]:
     """What the built-in model's warm start (groupflow/run/quickstart.py) trains on after
     `prompt`: (text, trained) pieces, "" for the end-of-text token. A multi-turn task's own
@@ -43,9 +50,7 @@ def demonstration_turns(task: Any, prompt: Prompt) -> list[tuple[str, bool]]:
     if hasattr(task, "demonstration"):
         return [(task.demonstration(prompt), True), ("", True)]
     answer = prompt.answer
-    # A task whose answer is a record (countdown's numbers and target, code's tests) has
-    # nothing to copy: warm-started on its repr, the model would learn to write a dict.
-    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+    if not copyable(answer):
         raise ValueError(
             f"task.name: {task.name}: the built-in model (model.path unset) is warm-started "
             f"by copying each prompt's answer, and this task's answers are not text "

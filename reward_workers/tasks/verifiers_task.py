@@ -34,7 +34,7 @@ from typing import Any
 
 from groupflow.core.errors import first_line
 from groupflow.core.records import Prompt, Verdict
-from groupflow.reward_workers.tasks.base import is_held_out
+from groupflow.reward_workers.tasks.base import copyable, is_held_out
 from groupflow.reward_workers.tasks.tool_arithmetic import CHAT_TEMPLATE as BUILT_IN_CHAT_TEMPLATE
 
 PACKAGE = "verifiers"
@@ -264,7 +264,7 @@ class VerifiersTask:
         with: its data's `answer`, the field in which verifiers' tasksets keep the gold."""
         data = prompt.answer["data"] if self.multi_turn else prompt.answer
         answer = data.get("answer")
-        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        if not copyable(answer):
             raise ValueError(
                 f"task.name: {self.name}: the built-in model (model.path unset) is "
                 f"warm-started by copying each task's `answer`, which its tasks' data do not "
