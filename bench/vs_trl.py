@@ -2,6 +2,7 @@
 
     .venv/bin/pip install ".[bench]"        # TRL: a benchmark dependency only
     .venv/bin/python bench/vs_trl.py [--steps 6] [--workload quickstart|random27m ...]
+    .venv/bin/python bench/vs_trl.py --workload random27m --max-tokens 256 --forced --staleness 0 1
 
 Two workloads, each run by both systems one after the other in this process's lifetime:
 - quickstart: the built-in quickstart model (2.4M parameters), arithmetic prompts, responses of
@@ -9,10 +10,14 @@ Two workloads, each run by both systems one after the other in this process's li
 - random27m: a random-init 27M-parameter Qwen2 with the quickstart tokenizer, responses of up
   to 64 tokens (a random model rarely stops early).
 16 prompts x 8 responses a step, temperature 1, token-mean loss, clip [0.8, 1.28], no KL.
-Prints the median step time of each (steps after the first, which pays warm-up), the ratio,
-and groupflow's learn time against a plain single-process torch step on a batch of the same
-shape (a no-grad forward, a forward and backward, an AdamW step): the learner's overhead.
-groupflow runs through its CLI (`groupflow train`), as a user runs it.
+`--max-tokens` sets random27m's response cap and `--forced` makes both systems generate exactly
+that many tokens (groupflow's rollout.sampling.ignore_eos, TRL's min_new_tokens), so that the
+two learn on the same shapes. groupflow runs once per `--staleness` given (trainer.max_staleness;
+TRL has none). Prints the median step time of each (steps after the first, which pays warm-up),
+the ratio, groupflow's learn and rollout-wait parts and its largest learner rank's peak memory,
+and its learn time against a plain single-process torch step on a batch of the same shape (a
+no-grad forward, a forward and backward, an AdamW step): the learner's overhead.
+groupflow runs through its CLI (`groupflow train`) with its defaults otherwise, as a user runs it.
 """
 
 from __future__ import annotations
@@ -76,7 +81,9 @@ def parameters(path: Path) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
 
 
-def run_groupflow(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
+def run_groupflow(
+    model: Path, max_tokens: int, forced: bool, staleness: int, steps: int, out: Path
+) -> dict:
     overrides = [
         f"model.path={model}",
         f"trainer.steps={steps}",
@@ -88,6 +95,8 @@ def run_groupflow(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
         "task.eval_size=16",
         "metrics.progress=false",
         "algorithm.cancellation_diagnostic=false",
+        f"rollout.sampling.ignore_eos={str(forced).lower()}",
+        f"trainer.max_staleness={staleness}",
     ]
     command = [sys.executable, "-m", "groupflow.run.cli", "train"]
     for o in overrides:
@@ -101,11 +110,13 @@ def run_groupflow(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
         "step_s": statistics.median(r["time_step_s"] for r in steady),
         "learn_s": statistics.median(r["time_learn_s"] for r in steady),
         "gen_s": statistics.median(r["time_gen_s"] for r in steady),
+        "wait_s": statistics.median(r["time_wait_rollout_s"] for r in steady),
         "response_len": statistics.fmean(r["response_len_mean"] for r in steady),
+        "rank_peak_gb": max(r["actor_memory_bytes"]["learner"] for r in records) / 1e9,
     }
 
 
-def run_trl(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
+def run_trl(model: Path, max_tokens: int, forced: bool, steps: int, out: Path) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -156,6 +167,7 @@ def run_trl(model: Path, max_tokens: int, steps: int, out: Path) -> dict:
         report_to="none",
         save_strategy="no",
         gradient_checkpointing=False,
+        generation_kwargs={"min_new_tokens": max_tokens} if forced else None,
         shuffle_dataset=False,
         seed=0,
     )
@@ -204,35 +216,45 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workload", nargs="*", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--max-tokens", type=int, help="random27m's response cap (default 64)")
+    parser.add_argument("--forced", action="store_true", help="every response max-tokens long")
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0])
     args = parser.parse_args()
     try:
         import trl  # noqa: F401
     except ImportError:
         sys.exit("bench/vs_trl.py: TRL is not installed; run `.venv/bin/pip install '.[bench]'`")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rows = {}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for name in args.workload:
             model = quickstart_model() if name == "quickstart" else random_model(root)
-            max_tokens = WORKLOADS[name]
-            ours = run_groupflow(model, max_tokens, args.steps, root / f"gf-{name}")
-            theirs = run_trl(model, max_tokens, args.steps, root / f"trl-{name}")
+            max_tokens = (name == "random27m" and args.max_tokens) or WORKLOADS[name]
+            ours = {
+                k: run_groupflow(
+                    model, max_tokens, args.forced, k, args.steps, root / f"gf-{name}-{k}"
+                )
+                for k in args.staleness
+            }
+            theirs = run_trl(model, max_tokens, args.forced, args.steps, root / f"trl-{name}")
             torch.set_num_threads(os.cpu_count() or 1)
-            plain = plain_torch_step(model, ours["response_len"])
-            rows[name] = dict(params=parameters(model), gf=ours, trl=theirs, plain=plain)
+            plain = plain_torch_step(model, theirs["response_len"])
+            params = parameters(model)
+            rows += [(name, params, k, gf, theirs, plain) for k, gf in ours.items()]
     print(f"\nmedian step time of steps 2..{args.steps}, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE}")
     print(
-        f"{'workload':>10} {'params':>7} {'resp gf/trl':>11} {'TRL s':>7} {'groupflow s':>11} "
-        f"{'gf/TRL':>7} {'learn s':>7} {'gen s':>6} {'plain s':>7} {'learn/plain':>11}"
+        f"{'workload':>10} {'params':>7} {'stale':>5} {'resp gf/trl':>11} {'TRL s':>7} "
+        f"{'groupflow s':>11} {'gf/TRL':>7} {'learn s':>7} {'wait s':>6} {'gen s':>6} "
+        f"{'rank GB':>7} {'plain s':>7} {'learn/plain':>11} {'plain/TRL':>9}"
     )
-    for name, r in rows.items():
-        gf, theirs = r["gf"], r["trl"]
+    for name, params, k, gf, theirs, plain in rows:
         print(
-            f"{name:>10} {r['params'] / 1e6:6.1f}M {gf['response_len']:5.1f}/{theirs['response_len']:<5.1f} "
-            f"{theirs['step_s']:7.2f} {gf['step_s']:11.2f} {gf['step_s'] / theirs['step_s']:7.2f} "
-            f"{gf['learn_s']:7.2f} {gf['gen_s']:6.2f} {r['plain']:7.2f} "
-            f"{gf['learn_s'] / r['plain']:11.2f}"
+            f"{name:>10} {params / 1e6:6.1f}M {k:>5} "
+            f"{gf['response_len']:5.1f}/{theirs['response_len']:<5.1f} {theirs['step_s']:7.2f} "
+            f"{gf['step_s']:11.2f} {gf['step_s'] / theirs['step_s']:7.2f} {gf['learn_s']:7.2f} "
+            f"{gf['wait_s']:6.2f} {gf['gen_s']:6.2f} {gf['rank_peak_gb']:7.2f} {plain:7.2f} "
+            f"{gf['learn_s'] / plain:11.2f} {plain / theirs['step_s']:9.2f}"
         )
 
 
