@@ -92,6 +92,7 @@ def run_groupflow(
         f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
         f"rollout.group_size={GROUP_SIZE}",
         f"rollout.sampling.max_tokens={max_tokens}",
+        f"rollout.max_model_len={max_tokens + 64}",  # arithmetic prompts are a few tokens
         "task.eval_size=16",
         "metrics.progress=false",
         "algorithm.cancellation_diagnostic=false",
@@ -101,7 +102,9 @@ def run_groupflow(
     command = [sys.executable, "-m", "groupflow.run.cli", "train"]
     for o in overrides:
         command += ["--set", o]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"bench/vs_trl.py: groupflow train failed:\n{done.stderr[-3000:]}")
     records = [
         json.loads(line) for line in (out / "vs_trl" / "metrics.jsonl").read_text().splitlines()
     ]
