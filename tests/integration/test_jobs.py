@@ -75,27 +75,6 @@ def _groupflows(*commands: list[str], env: dict) -> list[subprocess.CompletedPro
         return list(pool.map(lambda args: _groupflow(args, env), commands))
 
 
-def test_a_config_that_fails_on_the_cluster_ends_failed_with_its_error(ray_head, tmp_path):
-    address, env, _ = ray_head
-    proc = _groupflow(
-        [
-            "submit",
-            "--address",
-            address,
-            "--set",
-            "model.path=/nonexistent/model",
-            "--set",
-            f"trainer.output_dir={tmp_path}",
-        ],
-        env,
-    )
-    assert proc.returncode == 1
-    assert "FAILED" in proc.stderr
-    job_id = proc.stdout.splitlines()[0].strip()
-    logs = _groupflow(["logs", job_id, "--address", address], env)
-    assert "model.path: /nonexistent/model is not a Hugging Face model directory" in logs.stdout
-
-
 def test_a_bad_key_is_refused_before_submission(tmp_path):
     proc = _groupflow(
         ["submit", "--address", "http://127.0.0.1:9", "--set", "learner.lr=1"], dict(os.environ)
@@ -129,8 +108,9 @@ def test_a_submitted_job_scales_loses_its_engines_node_and_stops(
     ray_head, quickstart_model, tmp_path
 ):
     """One submitted job (its start is most of the cost), found by run name and by job id
-    while it runs. Its reward workers are scaled from 2 to 3 (each step in metrics.jsonl once,
-    with the workers that served it). Then both its engines, on a node of their own, are lost
+    while it runs; beside its start, a config that fails on the cluster ends FAILED and
+    `groupflow logs` shows its error. Its reward workers are scaled from 2 to 3 (each step in
+    metrics.jsonl once, with the workers that served it). Then both its engines, on a node of their own, are lost
     mid-job: the job says which engines it lost and that it waits for them, its live series
     and `groupflow status` move while the step waits (engines pending, none live, seconds
     since the last step rising; a real Prometheus with deploy/alerts.yml sees the pool below
@@ -188,17 +168,41 @@ def test_a_submitted_job_scales_loses_its_engines_node_and_stops(
         return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
     elsewhere = ["--runs", str(tmp_path / "none")]
+    beside = ThreadPoolExecutor(max_workers=1)
     try:
         proc = _groupflow(
             ["submit", "--no-follow", *[arg for s in settings for arg in ("--set", s)]], env
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
         job_id = proc.stdout.splitlines()[0].strip()
+        # A config that fails on the cluster (the address given with --address), submitted
+        # while the job starts: it ends FAILED with its error
+        failing = beside.submit(
+            _groupflow,
+            [
+                "submit",
+                "--address",
+                address,
+                "--set",
+                "model.path=/nonexistent/model",
+                "--set",
+                f"trainer.output_dir={tmp_path / 'failed'}",
+                "--set",
+                "trainer.run_name=failed",
+            ],
+            env,
+        )
         # The engines' node joins while the driver starts (its engines wait to be placed)
         nodes.append(RayNode(engines_node, head_env, "engines"))
         wait_for(lambda: len(steps()) >= 1, 300)
+        failed = failing.result()
+        assert failed.stdout, failed.stderr[-2000:]  # its first line: the job id
         # by run name, through the Jobs API (no local run directory of that name is looked at)
-        scale = _groupflow(["scale", "quickstart", *elsewhere, "--reward-workers", "3"], env)
+        scale, failed_logs = _groupflows(
+            ["scale", "quickstart", *elsewhere, "--reward-workers", "3"],
+            ["logs", failed.stdout.splitlines()[0].strip(), "--address", address],
+            env=env,
+        )
         assert scale.returncode == 0, scale.stderr[-2000:]
         assert "reward workers: 2 -> 3" in scale.stdout
         scaled_at = len(steps())
@@ -206,7 +210,7 @@ def test_a_submitted_job_scales_loses_its_engines_node_and_stops(
         nodes[0].kill()
         wait_for(lambda: "no engine is left: generation waits for it" in driver_log(), 60)
         lost_at = len(steps())
-        before, since_before = _scrape(port), time.monotonic()
+        before = _scrape(port)
         # while the step waits for its engines
         live, listed, zero = _groupflows(
             ["status", "quickstart", *elsewhere],
@@ -214,12 +218,13 @@ def test_a_submitted_job_scales_loses_its_engines_node_and_stops(
             ["scale", job_id, "--engines", "0"],
             env=env,
         )
-        time.sleep(max(0.0, HEARTBEAT_S + 2 - (time.monotonic() - since_before)))
+        # the seconds since the last step rise by a heartbeat (polled: the commands above
+        # usually took longer than that already)
+        since = 'groupflow_seconds_since_step{job="quickstart"}'
+        wait_for(lambda: _scrape(port)[since] >= before[since] + HEARTBEAT_S, 60)
         during = _scrape(port)
         assert during['groupflow_pending_actors{job="quickstart",pool="engines"}'] == 2
         assert during['groupflow_engines{job="quickstart"}'] == 0
-        since = 'groupflow_seconds_since_step{job="quickstart"}'
-        assert during[since] >= before[since] + HEARTBEAT_S
         wait_for(lambda: "replacement has waited" in driver_log(), 60)
         wait_for(lambda: _alerting(prometheus, "GroupflowPoolBelowTarget", "engines"), 60)
         nodes.append(RayNode(engines_node, head_env, "engines2"))
@@ -232,9 +237,13 @@ def test_a_submitted_job_scales_loses_its_engines_node_and_stops(
             env=env,
         )
     finally:  # (a job left running ends with the module's head, this file's last test)
+        beside.shutdown()
         prometheus.stop()
         for node in nodes:
             node.stop()
+    assert failed.returncode == 1 and "FAILED" in failed.stderr, failed.stdout + failed.stderr
+    error = "model.path: /nonexistent/model is not a Hugging Face model directory"
+    assert error in failed_logs.stdout, failed_logs.stdout[-2000:] + failed_logs.stderr[-2000:]
     assert f"{job_id}  RUNNING  run=quickstart" in live.stdout, live.stdout + live.stderr
     assert "reward workers: 3 live, target 3" in live.stdout and "learner ranks: 2" in live.stdout
     assert "engines: 0 live, target 2 (2 pending: no room on the cluster)" in live.stdout
