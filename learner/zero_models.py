@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +86,7 @@ def build_zero_models(setup: RankSetup, cfg: Config) -> ZeroModels:
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
+    skip_muon_import()
     deepspeed.init_distributed(dist_backend=setup.device.backend, verbose=False)
     torch.manual_seed(cfg.trainer.seed)
     ds_config = deepspeed_config(
@@ -113,6 +116,20 @@ def build_zero_models(setup: RankSetup, cfg: Config) -> ZeroModels:
         reference.eval()
     policy = ZeroPolicy(zero_model, setup.world_size, setup.device.torch_device())
     return ZeroModels(policy, reference, hf_ds_config)
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def skip_muon_import() -> None:
+    """DeepSpeed's ZeRO-3 optimizer imports its Muon optimizer at every build only to ask
+    whether the optimizer is one, and that import compiles kernels through torch._inductor:
+    2-5 s of CPU at each rank's start. A rank's optimizer is AdamW (build_zero_models), so
+    the module is stood in for by one whose class no optimizer is an instance of."""
+    if MUON_MODULE not in sys.modules:
+        stand_in = types.ModuleType(MUON_MODULE)
+        stand_in.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})
+        sys.modules[MUON_MODULE] = stand_in
 
 
 def _load_model(path: str, cfg: Config, trainable: bool):
