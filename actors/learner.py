@@ -23,6 +23,7 @@ from groupflow.core.records import TrainSequence
 from groupflow.core.threads import thread_env
 from groupflow.learner.batching import layout_step
 from groupflow.learner.figures import RankFigures
+from groupflow.learner.host_memory import allocator_env
 from groupflow.learner.memory_budget import check_longest_fits
 from groupflow.learner.rank import LearnerRank
 from groupflow.learner.zero_models import RankSetup
@@ -52,6 +53,9 @@ class LearnerRankActor(SyncHost):
 
     def micro_batch_tokens(self) -> tuple[int, bool]:
         return self.rank.micro_batch_tokens()
+
+    def checkpointing_line(self) -> str:
+        return self.rank.checkpointing_line
 
     def weight_sync(self, step: Callable, *args):
         """Run a weight transport's rank-side `step` here, `step(self, *args)`
@@ -127,6 +131,12 @@ class LearnerGroup:
             self.shutdown()
             raise
 
+    def checkpointing_line(self) -> str:
+        """Whether the ranks checkpoint their layers, and with `auto` why (rank 0's choice:
+        the ranks share one memory setting and one model)."""
+        [line] = RayFutures().get([self.ranks[0].checkpointing_line.remote()])
+        return line
+
     def _micro_batch_tokens(self) -> int:
         """The micro-batch budget in positions: learner.micro_batch_tokens, or with auto the
         smallest of the ranks' (their estimate until a step measured it; asked again until
@@ -165,18 +175,21 @@ class LearnerGroup:
         res, n = cfg.learner.resources, cfg.learner.num_ranks
         placed(self.placement)
         actor = ray.remote(LearnerRankActor)
+        device = device_for(res.num_gpus)
+        env = thread_env(res.threads)
+        if device.kind == "cpu":
+            env.update(allocator_env())
         self.ranks = [
             actor.options(
                 num_cpus=res.num_cpus,
                 num_gpus=res.num_gpus,
                 resources=res.custom,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
-                runtime_env={"env_vars": thread_env(res.threads)},
+                runtime_env={"env_vars": env},
             ).remote()
             for i in range(n)
         ]
         [(addr, port)] = wait_started("learner rank", [self.ranks[0].address.remote()])
-        device = device_for(res.num_gpus)
         wait_started(
             "learner rank",
             [

@@ -22,16 +22,21 @@ tied head), in bf16, on the CPU:
    (learner.pack_sequences, the learner's default);
 3. forward+backward time of a small step on the CPU in float32 (few layers, full vocab).
 
-`--rank` instead measures a real learner rank (issue 43): DeepSpeed ZeRO-3 at world size 1
-(gloo, CPU), bench/vs_trl.py's random 27M Qwen2 (hidden 512, 8 layers, a 75-token
-vocabulary), float32, gradient checkpointing on, one rank's half of a step of 16 prompts x 8
-responses of 6 + 256 tokens (64 sequences, 16,768 positions). Per step it prints the peak
-resident memory (VmHWM, reset before the step), what is resident after it, and glibc's view
-of the heap (mallinfo2: allocated, mmapped, and freed-but-kept). Run it under the real-stack
-lock:
+`--rank` instead measures real learner ranks (issue 43): DeepSpeed ZeRO-3 over `--world`
+ranks (1 by default; gloo, CPU, a process each), bench/vs_trl.py's random 27M Qwen2 (hidden
+512, 8 layers, a 75-token vocabulary), float32, gradient checkpointing as the job decides it
+(`auto`: on at this shape), each rank with one rank's half of a step of 16 prompts x 8
+responses of 6 + 256 tokens (64 sequences, 16,768 positions). Per step and rank it prints
+the peak resident memory (VmHWM, reset before the step), what is resident after it, glibc's
+view of the heap (mallinfo2: allocated, mmapped, and freed-but-kept) and the step's CPU
+time, user and system. The ranks start as a job's CPU ranks do, with huge pages for their
+mapped blocks (`--no-huge-pages`: without). `--phases` adds, per part of the step (the
+no-grad and grad forwards, the credit plan, the loss, the backward, the optimizer step, the
+sync probe), the resident memory as it starts, its peak and what it leaves. Run it under the real-stack lock:
 
     flock /tmp/realstack.lock .venv/bin/python bench/learner_memory.py --rank [--steps 2]
-        [--set learner.micro_batch_tokens=16384 ...] [--heap-blocks]
+        [--world 2] [--phases] [--set learner.gradient_checkpointing=false ...]
+        [--no-huge-pages] [--heap-blocks]
 """
 
 from __future__ import annotations
@@ -234,11 +239,89 @@ def _heap() -> dict[str, float]:
     return {"heap": info.uordblks / 1e9, "mmap": info.hblkhd / 1e9, "kept": info.fordblks / 1e9}
 
 
-def rank_profile(steps: int, overrides: list[str], heap_blocks: bool) -> None:
-    """One learner rank's memory over `steps` steps of the 256-token workload (see --rank);
-    `heap_blocks`: large blocks in glibc's heap, as before the rank mapped them apart."""
+# The parts of a step (learner/step.py's and the rank's) whose memory --rank reports: each runs
+# alone, none inside another, so each one's peak is read from a peak reset as it starts.
+STEP_PHASES = ("no_grad_stats", "_forward", "mini_batch_tokens", "plan_credit", "micro_batch_loss")
+
+
+class PhasePeaks:
+    """Per phase of a step: resident memory as it starts, its peak and what stays after it, in
+    GB (the largest over the phase's calls in one step)."""
+
+    def __init__(self, rank) -> None:
+        from groupflow.learner import step
+
+        self.rows: dict[str, tuple[float, float, float]] = {}
+        for name in STEP_PHASES:
+            setattr(step, name, self._watch(name, getattr(step, name)))
+        policy = rank.models.policy
+        for name in ("backward", "step"):
+            setattr(policy, name, self._watch(f"policy.{name}", getattr(policy, name)))
+        rank.probe_logprobs = self._watch("sync probe", rank.probe_logprobs)
+
+    def _watch(self, name, fn):
+        from groupflow.learner.host_memory import peak_resident_bytes, reset_peak, resident_bytes
+
+        def watched(*args, **kwargs):
+            reset_peak()
+            before = resident_bytes()
+            out = fn(*args, **kwargs)
+            row = (before / 1e9, peak_resident_bytes() / 1e9, resident_bytes() / 1e9)
+            old = self.rows.get(name)
+            self.rows[name] = row if old is None or old[1] < row[1] else old
+            return out
+
+        return watched
+
+    def take(self) -> dict[str, tuple[float, float, float]]:
+        rows, self.rows = self.rows, {}
+        return rows
+
+
+def rank_profile(
+    steps: int,
+    overrides: list[str],
+    world: int,
+    heap_blocks: bool,
+    huge_pages: bool,
+    phases: bool,
+) -> None:
+    """Learner ranks' memory over `steps` steps of the 256-token workload (see --rank), each
+    rank in a process of its own with 64 sequences a step. `heap_blocks`: large blocks in
+    glibc's heap, as before the rank mapped them apart; `huge_pages`: the ranks start with
+    a job's CPU rank's allocator environment; `phases`: the peak of each part of the step."""
     from vs_trl import random_model
 
+    from groupflow.learner.host_memory import allocator_env
+
+    root = Path(tempfile.mkdtemp())
+    model = random_model(root)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if huge_pages:  # read by glibc as a process starts: the spawned ranks start with it
+        os.environ.update(allocator_env())
+    else:
+        os.environ.pop("GLIBC_TUNABLES", None)
+    torch.multiprocessing.start_processes(
+        _profile_rank,
+        args=(world, port, model, overrides, steps, heap_blocks, phases),
+        nprocs=world,
+        start_method="spawn",
+    )
+
+
+def _profile_rank(
+    rank_index: int,
+    world: int,
+    port: int,
+    model: Path,
+    overrides: list[str],
+    steps: int,
+    heap_blocks: bool,
+    phases: bool,
+) -> None:
     from groupflow.config.load import validate_config
     from groupflow.core.device import device_for
     from groupflow.core.records import TrainSequence
@@ -246,24 +329,34 @@ def rank_profile(steps: int, overrides: list[str], heap_blocks: bool) -> None:
     from groupflow.learner.rank import LearnerRank
     from groupflow.learner.zero_models import RankSetup
 
-    root = Path(tempfile.mkdtemp())
-    model = random_model(root)
-    cfg = validate_config(None, [f"model.path={model}", *overrides])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    print(f"process before the rank: {resident_bytes() / 1e9:.2f} GB resident")
-    rank = LearnerRank(RankSetup(str(model), 0, 1, "127.0.0.1", port, device_for(0)), cfg)
+    def say(line: str) -> None:
+        print(f"[rank {rank_index}/{world}] {line}", flush=True)
+
+    # the job's shape (bench/vs_trl.py's at 256 tokens), for what the rank decides from it
+    workload = ["rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_model_len=320"]
+    cfg = validate_config(None, [f"model.path={model}", *workload, *overrides])
+    torch.set_num_threads(cfg.learner.resources.threads)  # as a job's rank (actors/learner.py)
+    say(
+        f"process before the rank: {resident_bytes() / 1e9:.2f} GB resident, "
+        f"{cfg.learner.resources.threads} threads, checkpointing "
+        f"{cfg.learner.gradient_checkpointing}"
+    )
+    setup = RankSetup(str(model), rank_index, world, "127.0.0.1", port, device_for(0))
+    rank = LearnerRank(setup, cfg)
     if heap_blocks:  # where glibc's own threshold rises once a step's activations are freed
         ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    print(f"rank built: {resident_bytes() / 1e9:.2f} GB resident, {_heap()}")
-    print(
-        f"micro_batch_tokens {cfg.learner.micro_batch_tokens}: budget {rank.micro_batch_tokens()}"
-    )
+    say(f"rank built: {resident_bytes() / 1e9:.2f} GB resident, {_heap()}")
+    say(f"micro_batch_tokens {cfg.learner.micro_batch_tokens}: budget {rank.micro_batch_tokens()}")
+    say(rank.checkpointing_line)
+    watched = None
+    if phases:
+        # Each part's peak is read from a peak reset as it starts, which leaves the rank's own
+        # reading of the step's peak short: the rank keeps its estimated budget instead.
+        watched = PhasePeaks(rank)
+        rank.budget_measured = True
     gen = torch.Generator().manual_seed(0)
     seqs = []
-    for group in range(8):
+    for group in range(8 * world):  # 64 sequences a rank, one rank's half of the job's step
         advantages = torch.randn(8, generator=gen).tolist()
         for advantage in advantages:
             ids = torch.randint(3, 75, (6 + 256,), generator=gen).tolist()
@@ -273,19 +366,24 @@ def rank_profile(steps: int, overrides: list[str], heap_blocks: bool) -> None:
         budget = cfg.learner.micro_batch_tokens
         budget = budget if budget != "auto" else max(1, rank.micro_batch_tokens()[0])
         layout = layout_step(
-            [len(s.input_ids) for s in seqs], [s.group_id for s in seqs], 1, 1, budget, True
+            [len(s.input_ids) for s in seqs], [s.group_id for s in seqs], world, 1, budget, True
         )
-        share = [[[seqs[i] for i in mb] for mb in mini] for mini in layout[0]]
+        share = [[[seqs[i] for i in mb] for mb in mini] for mini in layout[rank_index]]
         reset_peak()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), os.times()
         rank.train_step(share)
-        heap = _heap()
-        print(
+        heap, cpu_after = _heap(), os.times()
+        rows = watched.take() if watched is not None else {}
+        peak = max([peak_resident_bytes(), *(row[1] * 1e9 for row in rows.values())])
+        say(
             f"step {step}: {[len(mb) for mb in share[0]]} sequences a micro-batch, "
-            f"{time.perf_counter() - started:.0f} s; peak {peak_resident_bytes() / 1e9:.2f} GB, "
+            f"{time.perf_counter() - started:.0f} s (CPU {cpu_after.user - cpu.user:.0f} s user, "
+            f"{cpu_after.system - cpu.system:.0f} s system); peak {peak / 1e9:.2f} GB, "
             f"after {resident_bytes() / 1e9:.2f} GB (heap {heap['heap']:.2f} allocated, "
             f"{heap['kept']:.2f} freed but kept, mmapped {heap['mmap']:.2f})"
         )
+        for name, (before, peak, after) in rows.items():
+            say(f"  {name:<18} from {before:.2f} GB, peak {peak:.2f} GB, leaves {after:.2f} GB")
 
 
 def main() -> None:
@@ -296,7 +394,16 @@ def main() -> None:
     parser.add_argument("--time-layers", type=int, default=2, help="layers for the timing")
     parser.add_argument("--rank", action="store_true", help="a real rank's memory (issue 43)")
     parser.add_argument("--steps", type=int, default=2, help="steps of --rank")
+    parser.add_argument("--world", type=int, default=1, help="ranks of --rank (1 process each)")
     parser.add_argument("--set", action="append", default=[], help="config key=value (--rank)")
+    parser.add_argument(
+        "--phases", action="store_true", help="--rank: the peak of each part of the step"
+    )
+    parser.add_argument(
+        "--no-huge-pages",
+        action="store_true",
+        help="--rank without a CPU rank's huge pages (learner/host_memory.py allocator_env)",
+    )
     parser.add_argument(
         "--heap-blocks",
         action="store_true",
@@ -305,7 +412,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.rank:
-        rank_profile(args.steps, args.set, args.heap_blocks)
+        rank_profile(
+            args.steps, args.set, args.world, args.heap_blocks, not args.no_huge_pages, args.phases
+        )
         return
 
     step = probe_step()

@@ -3,6 +3,7 @@
     .venv/bin/pip install ".[bench]"        # TRL: a benchmark dependency only
     .venv/bin/python bench/vs_trl.py [--steps 6] [--workload quickstart|random27m ...]
     .venv/bin/python bench/vs_trl.py --workload random27m --max-tokens 256 --forced --staleness 0 1
+        [--trl-step 187.8]    # TRL's step from an earlier run, instead of running TRL again
 
 Two workloads, each run by both systems one after the other in this process's lifetime:
 - quickstart: the built-in quickstart model (2.4M parameters), arithmetic prompts, responses of
@@ -222,7 +223,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, help="random27m's response cap (default 64)")
     parser.add_argument("--forced", action="store_true", help="every response max-tokens long")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0])
+    parser.add_argument(
+        "--trl-step",
+        type=float,
+        help="TRL's median step in seconds from an earlier run of the same workload (with "
+        "--forced): TRL is not run again, its figure is taken as given",
+    )
     args = parser.parse_args()
+    if args.trl_step is not None and not args.forced:
+        parser.error("--trl-step needs --forced: only forced lengths are the same in both runs")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -240,7 +249,10 @@ def main() -> None:
                 )
                 for k in args.staleness
             }
-            theirs = run_trl(model, max_tokens, args.forced, args.steps, root / f"trl-{name}")
+            if args.trl_step is not None:
+                theirs = {"step_s": args.trl_step, "response_len": float(max_tokens)}
+            else:
+                theirs = run_trl(model, max_tokens, args.forced, args.steps, root / f"trl-{name}")
             torch.set_num_threads(os.cpu_count() or 1)
             plain = plain_torch_step(model, theirs["response_len"])
             params = parameters(model)

@@ -90,6 +90,48 @@ def measured_budget(memory: int, resident_before: int, peak: int, positions: int
     return max(0, min(LARGEST_BUDGET, room // per_position))
 
 
+def mini_batch_share(
+    sequences: int, ranks: int, mini_batches: int, longest: int, sequence_parallel: int
+) -> int:
+    """The most positions one rank computes for a mini-batch: its data-parallel share of the
+    step's `sequences`, each `longest` tokens (a row at its share of a sequence-parallel
+    group)."""
+    data_parallel = max(1, ranks // sequence_parallel)
+    per_rank = -(-sequences // (data_parallel * mini_batches))
+    return per_rank * -(-longest // sequence_parallel)
+
+
+@dataclass(frozen=True)
+class CheckpointingChoice:
+    """`learner.gradient_checkpointing: auto` decided for a rank, with the figures behind it."""
+
+    on: bool
+    share: int  # positions of a rank's share of a mini-batch (mini_batch_share)
+    without: int  # positions a micro-batch may hold without checkpointing
+    memory: int  # bytes the rank may use
+
+    def line(self) -> str:
+        state = "on" if self.on else "off"
+        fits = "does not fit" if self.on else "fits"
+        return (
+            f"gradient checkpointing {state} (auto: a rank's share of a mini-batch, "
+            f"{self.share:,} positions, {fits} one micro-batch without it, of up to "
+            f"{self.without:,} positions in {self.memory / GIB:.1f} GiB)"
+        )
+
+
+def choose_checkpointing(
+    memory: int, fixed: int, shape: ModelShape, dtype_bytes: int, share: int
+) -> CheckpointingChoice:
+    """Checkpointing pays only where it saves a micro-batch: a rank's whole share that fits
+    one micro-batch without it would cost a recomputed forward for nothing (on a CPU about a
+    fifth of the learner's time), while a share that does not would be cut into several
+    micro-batches, each gathering ZeRO-3's parameters again, or need the memory that
+    checkpointing leaves free."""
+    without = estimated_budget(memory, fixed, bytes_per_position(shape, dtype_bytes, False))
+    return CheckpointingChoice(share > without, share, without, memory)
+
+
 def check_longest_fits(budget: int, longest: int, memory_gib: float | None) -> None:
     """ConfigError, in one line, when a sequence of `longest` tokens cannot fit a micro-batch
     of `budget` positions, the auto budget in `memory_gib`."""

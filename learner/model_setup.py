@@ -20,6 +20,8 @@ def prepare_model(model: torch.nn.Module, cfg: LearnerConfig, trainable: bool = 
     if cfg.moe.leaf_modules:
         make_leaf_modules(model)
     install_routing_replay(model, cfg.moe.routing_replay == "rollout", counting=trainable)
+    if trainable and cfg.gradient_checkpointing == "auto":
+        raise ValueError("learner.gradient_checkpointing: auto is decided by the rank first")
     if trainable and cfg.gradient_checkpointing:
         # Non-reentrant checkpointing recomputes inside autograd, so ZeRO-3's hooks gather
         # each layer's parameters again for the recomputation, and inputs need no grad.

@@ -29,9 +29,11 @@ from groupflow.learner.host_memory import (
 from groupflow.learner.memory_budget import (
     ModelShape,
     bytes_per_position,
+    choose_checkpointing,
     estimated_budget,
     fixed_bytes,
     measured_budget,
+    mini_batch_share,
     rank_memory_bytes,
 )
 from groupflow.learner.micro_batch import check_packing
@@ -47,6 +49,7 @@ from groupflow.learner.weight_export import (
     shard_buckets,
     weight_manifest,
 )
+from groupflow.learner.zero_config import model_parameter_count
 from groupflow.learner.zero_models import RankSetup, build_zero_models
 
 
@@ -56,6 +59,8 @@ class LearnerRank:
         if setup.device.kind == "cpu":
             map_large_blocks()  # before the models: every large block of the rank's mapped
         baseline = resident_bytes()  # the process before its models
+        self.memory = self._rank_memory(cfg)
+        cfg = self._decide_checkpointing(cfg, baseline)
         self.models = build_zero_models(setup, cfg)
         policy = self.models.policy
         groups = parallel_groups(setup.world_size, setup.rank, cfg.learner.sequence_parallel_size)
@@ -83,24 +88,54 @@ class LearnerRank:
         self.save_merged = cfg.trainer.save_merged
         self._plan_memory(cfg, baseline)
 
+    def _rank_memory(self, cfg: Config) -> int:
+        """The bytes this rank may use (learner.memory_gib, or its share of the device or node)."""
+        device_bytes = 0
+        if self.setup.device.kind == "cuda":
+            device = self.setup.device.torch_device()
+            device_bytes = torch.cuda.get_device_properties(device).total_memory
+        node_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return rank_memory_bytes(
+            cfg.learner.memory_gib, node_bytes, device_bytes, self.setup.world_size
+        )
+
+    def _decide_checkpointing(self, cfg: Config, baseline: int) -> Config:
+        """The job's config with `learner.gradient_checkpointing: auto` decided for this rank
+        (learner/memory_budget.py) from the model's config, before any model is built;
+        `checkpointing` keeps the choice and `checkpointing_line` says it."""
+        setting = cfg.learner.gradient_checkpointing
+        if setting != "auto":
+            self.checkpointing = setting
+            self.checkpointing_line = f"gradient checkpointing {'on' if setting else 'off'}"
+            return cfg
+        from transformers import AutoConfig
+
+        path = self.setup.model_path
+        shape = ModelShape.of(AutoConfig.from_pretrained(path), model_parameter_count(path))
+        dtype_bytes = _dtype_bytes(cfg)
+        share = mini_batch_share(
+            cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+            self.setup.world_size,
+            cfg.learner.mini_batches_per_step,
+            cfg.rollout.max_model_len,
+            cfg.learner.sequence_parallel_size,
+        )
+        fixed = fixed_bytes(shape, dtype_bytes, self.setup.world_size, baseline)
+        choice = choose_checkpointing(self.memory, fixed, shape, dtype_bytes, share)
+        self.checkpointing, self.checkpointing_line = choice.on, choice.line()
+        learner = cfg.learner.model_copy(update={"gradient_checkpointing": choice.on})
+        return cfg.model_copy(update={"learner": learner})
+
     def _plan_memory(self, cfg: Config, baseline: int) -> None:
         """The micro-batch budget of `learner.micro_batch_tokens: auto` (learner/memory_budget.py)
         from the model's config; `micro_batch_tokens` answers it, and the first step's
         measurement replaces it."""
-        device = self.models.policy.device
-        device_bytes = 0
-        if device.type == "cuda":
-            device_bytes = torch.cuda.get_device_properties(device).total_memory
-        node_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.memory = rank_memory_bytes(
-            cfg.learner.memory_gib, node_bytes, device_bytes, self.setup.world_size
-        )
-        dtype_bytes = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+        dtype_bytes = _dtype_bytes(cfg)
         # from the partitioned model itself: building one from the config here, with ZeRO-3's
         # HfDeepSpeedConfig alive, would partition its meta tensors
         parameters = sum(getattr(p, "ds_numel", p.numel()) for p in self._module.parameters())
         shape = ModelShape.of(self._module.config, parameters)
-        per_position = bytes_per_position(shape, dtype_bytes, cfg.learner.gradient_checkpointing)
+        per_position = bytes_per_position(shape, dtype_bytes, self.checkpointing)
         fixed = fixed_bytes(shape, dtype_bytes, self.setup.world_size, baseline)
         self.budget = estimated_budget(self.memory, fixed, per_position)
         self.budget_measured = False
@@ -225,6 +260,10 @@ class LearnerRank:
             self.settings.auto_tau_p,
             adapters_only=self.lora,
         )
+
+
+def _dtype_bytes(cfg: Config) -> int:
+    return torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
 
 
 def _positions(seqs: list[TrainSequence], packed: bool) -> int:

@@ -9,6 +9,7 @@ saves no memory at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 from groupflow.config.learner import LearnerConfig, Zero3Config
 
@@ -79,6 +80,7 @@ def deepspeed_config(cfg: LearnerConfig, dtype: str, num_parameters: int, world_
     }
 
 
+@cache  # a rank asks twice as it starts: its checkpointing choice, then ZeRO-3's knobs
 def model_parameter_count(path: str) -> int:
     """Parameters of the Hugging Face causal LM at `path` (a tied head counted once), from
     its config alone: the model is built on the meta device, no weights are read."""

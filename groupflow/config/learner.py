@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from groupflow.config.base import FloatSetting, LearnerRankResources, Section
 
@@ -202,10 +202,14 @@ class LearnerConfig(Section):
         "block-causal mask otherwise), so a micro-batch computes about its real tokens instead "
         "of rows x longest row. Checked at start: a model whose attention ignores it is refused",
     )
-    gradient_checkpointing: bool = Field(
-        True,
+    gradient_checkpointing: StrictBool | Literal["auto"] = Field(
+        "auto",
         description="recompute each transformer layer's activations in backward instead of "
-        "keeping them: saves most activation memory, costs about one more forward per update",
+        "keeping them: saves most activation memory, costs about one more forward per update. "
+        "auto: on unless a rank's share of a mini-batch (prompts_per_step x group_size "
+        "sequences of rollout.max_model_len, over the data-parallel ranks) fits one "
+        "micro-batch without it in the memory the rank may use (memory_gib), as the model's "
+        "config estimates; the driver's log says which, and why",
     )
     offload_optimizer: bool = Field(
         False,

@@ -225,6 +225,7 @@ def start_job(run: OpenRun, stop: StopRequest | None = None) -> TrainingJob:
         )
         undo.pop_all()
     log.info("actors up in %.1fs", time.monotonic() - run.started)
+    log.info("learner: %s", actors.learner.checkpointing_line())
     return job
 
 

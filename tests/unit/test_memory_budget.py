@@ -4,6 +4,7 @@ a rank's host memory figures (learner/host_memory.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from transformers import Qwen2Config
 from groupflow.config.base import ConfigError
 from groupflow.config.job import Config
 from groupflow.learner.host_memory import (
+    allocator_env,
     peak_resident_bytes,
     release_freed_memory,
     reset_peak,
@@ -24,9 +26,11 @@ from groupflow.learner.memory_budget import (
     ModelShape,
     bytes_per_position,
     check_longest_fits,
+    choose_checkpointing,
     estimated_budget,
     fixed_bytes,
     measured_budget,
+    mini_batch_share,
     rank_memory_bytes,
 )
 
@@ -85,6 +89,45 @@ def test_auto_is_the_default_and_a_number_still_works():
     assert cfg.learner.micro_batch_tokens == 4096
     with pytest.raises(ValueError, match="auto or at least 1"):
         cfg.learner.micro_batch_tokens = 0
+
+
+def test_a_ranks_share_of_a_mini_batch_counts_its_sequences_at_the_longest_length():
+    # 16 prompts x 8 over 2 ranks, 1 mini-batch: 64 sequences of up to 320 tokens each
+    assert mini_batch_share(128, 2, 1, 320, 1) == 64 * 320
+    assert mini_batch_share(128, 2, 2, 320, 1) == 32 * 320  # two mini-batches
+    assert mini_batch_share(129, 2, 1, 320, 1) == 65 * 320  # an odd sequence out: a rank's more
+    # sequence parallel 2 over 4 ranks: 2 groups of 64 sequences, a row at half its width
+    assert mini_batch_share(128, 4, 1, 321, 2) == 64 * 161
+
+
+@pytest.mark.parametrize(
+    ("share", "memory_gib", "on"),
+    [(20_480, 6, True), (8_192, 6, False), (20_480, 24, False), (8_192, 1.5, True)],
+)
+def test_auto_checkpointing_is_on_where_a_share_needs_more_than_one_micro_batch_without_it(
+    share, memory_gib, on
+):
+    memory = int(memory_gib * GIB)
+    fixed = fixed_bytes(SHAPE, 4, 2, baseline=GIB // 2)
+    without = estimated_budget(memory, fixed, bytes_per_position(SHAPE, 4, False))
+    choice = choose_checkpointing(memory, fixed, SHAPE, 4, share)
+    assert choice.on is on and choice.on == (share > without)
+    assert (choice.share, choice.without, choice.memory) == (share, without, memory)
+    line = choice.line()
+    assert "\n" not in line
+    assert line.startswith(f"gradient checkpointing {'on' if on else 'off'} (auto: ")
+    assert f"{share:,} positions" in line and f"{memory_gib:.1f} GiB" in line
+
+
+def test_gradient_checkpointing_is_auto_by_default_and_strictly_a_switch_or_auto():
+    cfg = Config()
+    assert cfg.learner.gradient_checkpointing == "auto"
+    for setting in (True, False, "auto"):
+        cfg.learner.gradient_checkpointing = setting
+        assert cfg.learner.gradient_checkpointing == setting
+    for bad in ("yes", 1, "on"):
+        with pytest.raises(ValueError):
+            cfg.learner.gradient_checkpointing = bad
 
 
 FRAGMENTED_HEAP = """
@@ -188,3 +231,37 @@ def test_peak_resident_memory_starts_afresh():
     release_freed_memory()
     reset_peak()
     assert peak_resident_bytes() < now + (200 << 20)
+
+
+HUGE_PAGES = """
+import torch
+from groupflow.learner.host_memory import map_large_blocks
+map_large_blocks()
+block = torch.ones(16 << 20)  # 64 MiB of activations, touched
+with open("/proc/self/smaps_rollup") as rollup:
+    print(next(int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:")))
+"""
+
+
+def test_a_cpu_ranks_allocator_env_maps_large_blocks_on_huge_pages():
+    """A CPU rank starts with allocator_env (actors/learner.py): glibc then asks for
+    transparent huge pages on its mapped blocks, where the kernel grants them on request."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+        mode = setting.read().split("[")[1].split("]")[0]
+    huge = {}
+    for name, extra in (("plain", {}), ("rank", allocator_env())):
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        run = subprocess.run(
+            [sys.executable, "-c", HUGE_PAGES],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        huge[name] = int(run.stdout) << 10
+    if mode == "never":
+        assert huge == {"plain": 0, "rank": 0}
+    else:
+        assert huge["rank"] >= 32 << 20, (mode, huge)
+    if mode == "madvise":
+        assert huge["plain"] < 8 << 20, huge  # only what is asked for

@@ -21,9 +21,9 @@ def ds_config(learner, dtype="bfloat16", num_parameters=500_000_000, world_size=
     return deepspeed_config(learner, dtype, num_parameters, world_size)
 
 
-def test_defaults_checkpoint_layers_and_offload_nothing():
+def test_defaults_decide_checkpointing_by_memory_and_offload_nothing():
     learner = build_config({}).learner
-    assert learner.gradient_checkpointing
+    assert learner.gradient_checkpointing == "auto"  # learner/memory_budget.py decides
     ds = ds_config(learner)
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3
