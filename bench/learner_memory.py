@@ -333,7 +333,12 @@ def _profile_rank(
         print(f"[rank {rank_index}/{world}] {line}", flush=True)
 
     # the job's shape (bench/vs_trl.py's at 256 tokens), for what the rank decides from it
-    workload = ["rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_model_len=320"]
+    workload = [
+        "rollout.prompts_per_step=16",
+        "rollout.group_size=8",
+        "rollout.sampling.max_tokens=256",
+        "rollout.max_model_len=320",
+    ]
     cfg = validate_config(None, [f"model.path={model}", *workload, *overrides])
     torch.set_num_threads(cfg.learner.resources.threads)  # as a job's rank (actors/learner.py)
     say(
