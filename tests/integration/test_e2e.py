@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,15 @@ def test_three_steps_with_overlap_write_the_run_directory(
     assert step_lines[-1].endswith(" eta=0:00")
     for said in ("driver started", "actors up in", "held-out greedy accuracy after training"):
         assert any(said in line for line in driver_log), said
+    # the tiny model's share fits one micro-batch: learner.gradient_checkpointing: auto is off
+    assert any(
+        re.search(
+            r"learner: gradient checkpointing off \(auto: a rank's share of a mini-batch, "
+            r"[\d,]+ positions, fits one micro-batch without it",
+            line,
+        )
+        for line in driver_log
+    ), driver_log
 
     from transformers import AutoModelForCausalLM
 
