@@ -52,7 +52,7 @@ def allocator_env() -> dict[str, str]:
     malloc asks for transparent huge pages on the blocks it maps (madvise), so a fresh 2 MiB
     of activations costs one page fault instead of 512. Each large block being a fresh
     mapping (`map_large_blocks`), those faults were a fifth of a 27M model's step on a CPU
-    rank; with huge pages the step took 83 s instead of 97 s, at the same peak
+    rank; with huge pages the first step took 86 s instead of 96 s, at the same peak
     (bench/learner_memory.py --rank --world 2, docs/learner_memory.md). Where the kernel's
     transparent huge pages are off (`never`), the setting does nothing."""
     return {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
