@@ -1,6 +1,6 @@
 """groupflow against TRL's GRPOTrainer on the same model, prompts, group size and lengths.
 
-    .venv/bin/pip install ".[bench]"        # TRL: a benchmark dependency only
+    .venv/bin/pip install -e ".[bench]"     # TRL: a benchmark dependency only
     .venv/bin/python bench/vs_trl.py [--steps 6] [--workload quickstart|random27m ...]
     .venv/bin/python bench/vs_trl.py --workload random27m --max-tokens 256 --forced --staleness 0 1
         [--trl-step 187.8]    # TRL's step from an earlier run, instead of running TRL again
@@ -235,7 +235,7 @@ def main() -> None:
     try:
         import trl  # noqa: F401
     except ImportError:
-        sys.exit("bench/vs_trl.py: TRL is not installed; run `.venv/bin/pip install '.[bench]'`")
+        sys.exit("bench/vs_trl.py: TRL is not installed; run `.venv/bin/pip install -e '.[bench]'`")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

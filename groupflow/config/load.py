@@ -14,7 +14,8 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_origin
 
 import yaml
 from pydantic import ValidationError
@@ -80,14 +81,44 @@ def merge_trees(base: dict, top: dict) -> dict:
 
 
 def _format_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "config"
+    errors = err.errors()
+    first = errors[0]
+    branches = _union_branches(errors)
+    loc = first["loc"][:-1] if branches else first["loc"]
+    key = ".".join(str(p) for p in loc) or "config"
     msg = first["msg"].removeprefix("Value error, ")
+    if branches:  # one line for the whole union: what each of its types would have taken
+        msg = "; or ".join([msg, *(b["msg"].removeprefix("Input should be ") for b in branches)])
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and not isinstance(first["input"], dict):
         msg += f" (got {describe_input(first['input'])})"
     return f"{key}: {msg}"
+
+
+def _union_branches(errors: list) -> list:
+    """The other branches' errors when the first error is one branch of a setting typed as a
+    union (`StrictBool | Literal["auto"]`): pydantic then reports one error per type, each at
+    the setting's path plus the type's tag (`learner.gradient_checkpointing.bool`). A tag is
+    told from a field by the path: its parent resolves to a leaf setting of the schema."""
+    first = errors[0]
+    parent = first["loc"][:-1]
+    if not parent or get_origin(_leaf_annotation(parent)) not in (Union, UnionType):
+        return []
+    return [e for e in errors[1:] if e["loc"][:-1] == parent]
+
+
+def _leaf_annotation(loc: tuple) -> Any:
+    """The annotation of the setting at `loc` when it is a leaf (not a section), else None."""
+    model: Any = Config
+    for i, part in enumerate(loc):
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(part, str) or fields is None or part not in fields:
+            return None
+        model = fields[part].annotation
+        if i == len(loc) - 1:
+            return None if hasattr(model, "model_fields") else model
+    return None
 
 
 def describe_input(value: Any) -> str:

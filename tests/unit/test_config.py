@@ -243,7 +243,15 @@ def test_no_number_setting_takes_a_boolean(key, path, value):
         # the settings of the last round (issue 39's hostile pass over them)
         ("learner.memory_gib=1e-300", "learner.memory_gib: Input should be greater than or"),
         ("learner.memory_gib=.inf", "learner.memory_gib: Input should be less than or equal"),
-        ("learner.micro_batch_tokens=Auto", "learner.micro_batch_tokens.int: Input should be"),
+        # a union setting: one line at the setting's own path, naming what each type takes
+        (
+            "learner.micro_batch_tokens=Auto",
+            "learner.micro_batch_tokens: Input should be a valid integer; or 'auto' (got 'Auto')",
+        ),
+        (
+            "learner.gradient_checkpointing=yes",
+            "learner.gradient_checkpointing: Input should be a valid boolean; or 'auto' (got",
+        ),
         ("learner.micro_batch_tokens=0", "learner.micro_batch_tokens: must be auto or at least"),
         ("learner.sequence_parallel_size=3", "learner: sequence_parallel_size=3 does not divide"),
         ("learner.sequence_parallel_size=0", "learner.sequence_parallel_size: Input should be"),
