@@ -26,17 +26,18 @@ tied head), in bf16, on the CPU:
 ranks (1 by default; gloo, CPU, a process each), bench/vs_trl.py's random 27M Qwen2 (hidden
 512, 8 layers, a 75-token vocabulary), float32, gradient checkpointing as the job decides it
 (`auto`: on at this shape), each rank with one rank's half of a step of 16 prompts x 8
-responses of 6 + 256 tokens (64 sequences, 16,768 positions). Per step and rank it prints
-the peak resident memory (VmHWM, reset before the step), what is resident after it, glibc's
-view of the heap (mallinfo2: allocated, mmapped, and freed-but-kept) and the step's CPU
-time, user and system. The ranks start as a job's CPU ranks do, with huge pages for their
-mapped blocks (`--no-huge-pages`: without). `--phases` adds, per part of the step (the
-no-grad and grad forwards, the credit plan, the loss, the backward, the optimizer step, the
-sync probe), the resident memory as it starts, its peak and what it leaves. Run it under the real-stack lock:
+responses of 6 + 256 tokens (64 sequences, 16,768 positions; `--tokens N`: N tokens a
+response). Per step and rank it prints the peak resident memory (VmHWM, reset before the
+step), what is resident after it, glibc's view of the heap (mallinfo2: allocated, mmapped,
+and freed-but-kept) and the step's CPU time, user and system. The ranks start as a job's CPU
+ranks do, with huge pages for their mapped blocks (`--no-huge-pages`: without). `--phases`
+adds, per part of the step (the no-grad and grad forwards, the credit plan, the loss, the
+backward, the optimizer step, the sync probe), the resident memory as it starts, its peak
+and what it leaves. Run it under the real-stack lock:
 
     flock /tmp/realstack.lock .venv/bin/python bench/learner_memory.py --rank [--steps 2]
         [--world 2] [--phases] [--set learner.gradient_checkpointing=false ...]
-        [--no-huge-pages] [--heap-blocks]
+        [--no-huge-pages] [--heap-blocks] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -285,6 +286,7 @@ def rank_profile(
     heap_blocks: bool,
     huge_pages: bool,
     phases: bool,
+    tokens: int = 256,
 ) -> None:
     """Learner ranks' memory over `steps` steps of the 256-token workload (see --rank), each
     rank in a process of its own with 64 sequences a step. `heap_blocks`: large blocks in
@@ -306,7 +308,7 @@ def rank_profile(
         os.environ.pop("GLIBC_TUNABLES", None)
     torch.multiprocessing.start_processes(
         _profile_rank,
-        args=(world, port, model, overrides, steps, heap_blocks, phases),
+        args=(world, port, model, overrides, steps, heap_blocks, phases, tokens),
         nprocs=world,
         start_method="spawn",
     )
@@ -321,6 +323,7 @@ def _profile_rank(
     steps: int,
     heap_blocks: bool,
     phases: bool,
+    tokens: int,
 ) -> None:
     from groupflow.config.load import validate_config
     from groupflow.core.device import device_for
@@ -336,8 +339,8 @@ def _profile_rank(
     workload = [
         "rollout.prompts_per_step=16",
         "rollout.group_size=8",
-        "rollout.sampling.max_tokens=256",
-        "rollout.max_model_len=320",
+        f"rollout.sampling.max_tokens={tokens}",
+        f"rollout.max_model_len={tokens + 64}",
     ]
     cfg = validate_config(None, [f"model.path={model}", *workload, *overrides])
     torch.set_num_threads(cfg.learner.resources.threads)  # as a job's rank (actors/learner.py)
@@ -364,8 +367,8 @@ def _profile_rank(
     for group in range(8 * world):  # 64 sequences a rank, one rank's half of the job's step
         advantages = torch.randn(8, generator=gen).tolist()
         for advantage in advantages:
-            ids = torch.randint(3, 75, (6 + 256,), generator=gen).tolist()
-            behaviour = (-torch.rand(256, generator=gen)).tolist()
+            ids = torch.randint(3, 75, (6 + tokens,), generator=gen).tolist()
+            behaviour = (-torch.rand(tokens, generator=gen)).tolist()
             seqs.append(TrainSequence(ids, 6, advantage, group, 0, behaviour))
     for step in range(steps):
         budget = cfg.learner.micro_batch_tokens
@@ -400,6 +403,9 @@ def main() -> None:
     parser.add_argument("--rank", action="store_true", help="a real rank's memory (issue 43)")
     parser.add_argument("--steps", type=int, default=2, help="steps of --rank")
     parser.add_argument("--world", type=int, default=1, help="ranks of --rank (1 process each)")
+    parser.add_argument(
+        "--tokens", type=int, default=256, help="--rank: the response length (forced) of the job"
+    )
     parser.add_argument("--set", action="append", default=[], help="config key=value (--rank)")
     parser.add_argument(
         "--phases", action="store_true", help="--rank: the peak of each part of the step"
@@ -418,7 +424,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank:
         rank_profile(
-            args.steps, args.set, args.world, args.heap_blocks, not args.no_huge_pages, args.phases
+            args.steps,
+            args.set,
+            args.world,
+            args.heap_blocks,
+            not args.no_huge_pages,
+            args.phases,
+            args.tokens,
         )
         return
 
