@@ -3,7 +3,7 @@
     .venv/bin/pip install -e ".[bench]"     # TRL: a benchmark dependency only
     .venv/bin/python bench/vs_trl.py [--steps 6] [--workload quickstart|random27m ...]
     .venv/bin/python bench/vs_trl.py --workload random27m --max-tokens 256 --forced --staleness 0 1
-        [--trl-step 187.8]    # TRL's step from an earlier run, instead of running TRL again
+        [--trl-step 71.1]     # TRL's step from an earlier run on this machine, not rerun
 
 Two workloads, each run by both systems one after the other in this process's lifetime:
 - quickstart: the built-in quickstart model (2.4M parameters), arithmetic prompts, responses of
@@ -226,7 +226,8 @@ def main() -> None:
     parser.add_argument(
         "--trl-step",
         type=float,
-        help="TRL's median step in seconds from an earlier run of the same workload (with "
+        help="TRL's median step in seconds from an earlier run of the same workload on the "
+        "same machine (TRL's step differs from machine to machine by more than 2x; with "
         "--forced): TRL is not run again, its figure is taken as given",
     )
     args = parser.parse_args()
