@@ -21,9 +21,9 @@ The pipeline owns the policy version, the job's one count of it: the learner's u
 it on (`learning`), a rebuild from a checkpoint sets it back (`restored`), and every chunk and
 held-out answer it has the engines sample carries it.
 
-Every HEARTBEAT_S of waiting, the loop calls `heartbeat` (the job publishes its live status
-and Prometheus series there, and says what a long wait is waiting for), so that a stalled
-step is seen while it stalls.
+Every HEARTBEAT_S of waiting, and as soon as the engines serving change, the loop calls
+`heartbeat` (the job publishes its live status and Prometheus series there, and says what a
+long wait is waiting for), so that a stalled step is seen while it stalls.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Pipeline:
         self.heartbeat = heartbeat
         self._clock = clock
         self._beat_at = clock()
+        self._serving_at_beat = generators.figures().serving  # engines serving when last said
         self._loads_verified = 0  # engine loads checked against the learner's checksums
         self._scored: dict[int, list[ScoredGroup]] = defaultdict(list)  # by rollout id
 
@@ -172,6 +173,12 @@ class Pipeline:
             waiting.difference_update(self._pump(waiting))
         return handles
 
+    def _beat_in(self) -> float:
+        """Seconds to the next heartbeat; 0 once it is due, or within a microsecond of it: a
+        wait of that remainder may leave a clock short of it in floating point."""
+        left = HEARTBEAT_S - (self._clock() - self._beat_at)
+        return left if left > 1e-6 else 0.0
+
     def _pump(self, waiting: set[Handle] | tuple) -> list[Handle]:
         """The loop's one wait: for any of `waiting`, a chunk, a batch of scores, an engine's
         weight load or a replacement's start. Hands finished chunks to the reward pool, keeps
@@ -180,7 +187,7 @@ class Pipeline:
         chunks = set(self.generators.in_flight())
         batches = set(self.rewards.in_flight())
         loads = set(self._engine_loads)
-        timeout = HEARTBEAT_S - (self._clock() - self._beat_at)
+        timeout = self._beat_in()
         if (deadline := self.rewards.seconds_to_deadline()) is not None:
             timeout = min(timeout, deadline)
         # Nothing in flight (a replacement to be asked for again): the heartbeat's sleep.
@@ -202,8 +209,12 @@ class Pipeline:
         # A peer that died fails its handle at once; the others may never finish (ranks
         # blocked in a collective with the dead one).
         self.futures.get([h for h in ready if h in waiting and h not in chunks | batches | loads])
-        if self._clock() - self._beat_at >= HEARTBEAT_S:
-            self._beat_at = self._clock()
+        # An engine lost or admitted is published at once (`groupflow status`, the live
+        # series), not at the next heartbeat: the status read after the driver's line about it
+        # shows it too.
+        serving = self.generators.figures().serving
+        if serving != self._serving_at_beat or self._beat_in() == 0.0:
+            self._beat_at, self._serving_at_beat = self._clock(), serving
             self.heartbeat()
         self.feed()
         return [h for h in ready if h in waiting]

@@ -395,6 +395,37 @@ def test_a_job_that_lost_every_engine_waits_for_a_replacement_and_says_what_it_w
     assert "engines: 0 live, target 1 (1 pending: no room on the cluster)" in stalled
 
 
+def test_an_engine_lost_is_published_when_it_is_lost_not_at_the_next_heartbeat():
+    """`groupflow status` and the live series show the loss at the moment the loop sees it
+    (the moment the driver says so), so that a status read after that line shows it too;
+    then every HEARTBEAT_S while the step waits."""
+    gauges, said_at = [], []
+
+    class AtLoss(logging.Handler):
+        def emit(self, record):
+            if "no engine is left" in record.getMessage():
+                said_at.append(gauges[0].clock())
+
+    def scaler(pool, rewards):
+        gauges.append(PendingGauges(pool._clock))
+        return Scaler("unit", pool, rewards, 1, gauges=gauges[0], log=lambda line: None)
+
+    handler, pool_log = AtLoss(), logging.getLogger("groupflow.actors.generator")
+    pool_log.addHandler(handler)
+    try:
+        run_job(
+            steps=2,
+            engines=1,
+            faults=Faults(engine_dies_at_chunk=(2,), replacement_waits_s=30.0),
+            scaler=scaler,
+        )
+    finally:
+        pool_log.removeHandler(handler)
+    waiting = [t for t, pool, count in gauges[0].pending if pool == "engines" and count == 1]
+    assert said_at and waiting[0] == said_at[0]  # on the grid of heartbeats it would be later
+    assert all(b - a <= HEARTBEAT_S for a, b in zip(waiting, waiting[1:], strict=False))
+
+
 def test_a_replacement_that_dies_starting_with_its_node_is_asked_again_not_charged(caplog):
     """The cluster may place a replacement on the node being lost before it counts that node
     dead: such a start fails from outside, is asked for again ASK_AGAIN_S later, and is no
