@@ -286,9 +286,9 @@ def rank_profile(
     heap_blocks: bool,
     huge_pages: bool,
     phases: bool,
-    tokens: int = 256,
+    tokens: int,
 ) -> None:
-    """Learner ranks' memory over `steps` steps of the 256-token workload (see --rank), each
+    """Learner ranks' memory over `steps` steps of the `tokens`-token workload (see --rank), each
     rank in a process of its own with 64 sequences a step. `heap_blocks`: large blocks in
     glibc's heap, as before the rank mapped them apart; `huge_pages`: the ranks start with
     a job's CPU rank's allocator environment; `phases`: the peak of each part of the step."""
@@ -335,7 +335,7 @@ def _profile_rank(
     def say(line: str) -> None:
         print(f"[rank {rank_index}/{world}] {line}", flush=True)
 
-    # the job's shape (bench/vs_trl.py's at 256 tokens), for what the rank decides from it
+    # the job's shape (bench/vs_trl.py's at `tokens` tokens), for what the rank decides from it
     workload = [
         "rollout.prompts_per_step=16",
         "rollout.group_size=8",

@@ -111,14 +111,12 @@ def _union_branches(errors: list) -> list:
 def _leaf_annotation(loc: tuple) -> Any:
     """The annotation of the setting at `loc` when it is a leaf (not a section), else None."""
     model: Any = Config
-    for i, part in enumerate(loc):
+    for part in loc:
         fields = getattr(model, "model_fields", None)
         if not isinstance(part, str) or fields is None or part not in fields:
             return None
         model = fields[part].annotation
-        if i == len(loc) - 1:
-            return None if hasattr(model, "model_fields") else model
-    return None
+    return None if hasattr(model, "model_fields") else model
 
 
 def describe_input(value: Any) -> str:
